@@ -1,0 +1,264 @@
+"""Supervised fine-tuning (SFT): maximum likelihood on demonstration responses.
+
+Objective (Ouyang et al. 2022, "Training language models to follow instructions", step 1): for prompt x and
+response y = (y_1 .. y_n),
+
+    L(θ) = − Σ_{samples} Σ_t m_t · log π_θ(y_t | x, y_<t)  /  Σ_{samples} Σ_t m_t
+
+where m_t = 1 on the tokens we learn from: the response (+ eos) by default, every assistant turn with
+`--train.mode multiturn`, every token with `--train.mode pretrain`. The mean is over all target tokens of the
+global batch (all micro-batches, all ranks), so packing and data parallelism do not change the loss.
+
+Deviations from the paper:
+1. Samples are packed padding-free into micro-batches of at most `--train.max-tokens-per-micro-batch` tokens
+   (transformers' position-id packing); the loss is identical to the padded one (tests/test_packing.py).
+2. Optional early stop when greedy exact-match accuracy on the eval set reaches `--eval.stop-at-accuracy`:
+   used to build the RL warm start `cleanrlhf/tiny-sft` at partial accuracy.
+
+Debug (tiny model, embedded task, one CPU):
+    python algos/sft.py --train.max-steps 50
+Several processes (ZeRO-3 over 2 ranks; one host or many with torchrun's rendezvous flags, see slurm/):
+    torchrun --nproc_per_node 2 algos/sft.py --ds.zero-stage 3
+A real model and dataset:
+    python algos/sft.py --model.name-or-path Qwen/Qwen2.5-0.5B --data.path my.jsonl --data.input-key question \\
+        --data.output-key response --data.apply-chat-template --train.lr 1e-5 --eval.no-generate
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import torch
+import tyro
+
+from core import checkpoint, data, models, packing
+from core import engine as ds_engine
+from core.config import CkptConfig, DataConfig, DSConfig, LoggerConfig, ModelConfig
+from core.logger import RunLogger, run_name, timer
+
+
+@dataclass
+class TrainArgs:
+    lr: float = 3e-3
+    """peak learning rate (3e-3 suits the ~1 M embedded model; use ~1e-5 for real models)."""
+    batch_size: int = 64
+    """global batch: samples per optimizer step, summed over ranks."""
+    max_tokens_per_micro_batch: int = 4096
+    """packing budget: tokens per forward/backward on one rank (gradient accumulation covers the rest)."""
+    packing: bool = True
+    """pack samples padding-free; `--train.no-packing` uses right-padded micro-batches of `micro-batch-size`."""
+    micro_batch_size: int = 16
+    """samples per micro-batch when packing is off."""
+    max_steps: int = 300
+    """optimizer steps."""
+    warmup_steps: int = 10
+    """linear learning-rate warmup steps, then cosine decay."""
+    min_lr_ratio: float = 0.1
+    """the cosine schedule ends at lr · min_lr_ratio."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    mode: Literal["single", "multiturn", "pretrain"] = "single"
+    """`single`: loss on the response; `multiturn`: on every assistant turn of a chat; `pretrain`: on all tokens."""
+    seed: int = 1
+    """seed of the data order and of every rank's RNG."""
+
+
+@dataclass
+class EvalArgs:
+    every: int = 50
+    """evaluate every N steps (and at the start and the end); 0 disables."""
+    max_samples: int = 500
+    """eval examples used."""
+    generate: bool = True
+    """also measure greedy exact-match accuracy of the generated response against `--data.output-key`."""
+    max_new_tokens: int = 16
+    """generation length for the accuracy eval."""
+    stop_at_accuracy: float | None = None
+    """stop training once eval accuracy reaches this value (how the partial-accuracy warm start is made)."""
+
+
+@dataclass
+class Args:
+    exp_name: str = Path(__file__).stem
+    """run name prefix; defaults to this file's name, so a copied script names its own runs."""
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainArgs = field(default_factory=TrainArgs)
+    eval: EvalArgs = field(default_factory=EvalArgs)
+    ds: DSConfig = field(default_factory=DSConfig)
+    ckpt: CkptConfig = field(default_factory=CkptConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    run_dir: str | None = None
+    """run folder (metrics, TensorBoard, checkpoints); default `<logger.run-root>/<exp_name>__<seed>__<time>`.
+    Pass an existing one to resume from its latest checkpoint."""
+    export_dir: str | None = None
+    """where the final HF model is written; default `<run_dir>/hf`."""
+
+
+# ALGO LOGIC: the objective. `logp` and `mask` are (1, N) packed or (B, T) padded.
+def sft_loss(logp: torch.Tensor, mask: torch.Tensor, num_tokens: float) -> torch.Tensor:
+    """Negative log-likelihood summed over target tokens and divided by the *global* target count `num_tokens`
+    (all micro-batches, all ranks), so the micro-batch losses add up to one exact token mean."""
+    return -(logp * mask).sum() / num_tokens
+
+
+def sft_example_with_label(row: dict, tokenizer, cfg: DataConfig, mode: str) -> dict:
+    """`data.sft_example` plus the reference response text, for the exact-match eval."""
+    label = row.get(cfg.output_key) if mode == "single" else None
+    return {**data.sft_example(row, tokenizer, cfg, mode), "label": str(label or "")}
+
+
+def micro_batches(examples: list[dict], args: Args, pad_id: int, device) -> list[dict]:
+    """Packed (default) or padded micro-batches of one rank's share of the batch."""
+    if args.train.packing:
+        return [
+            packing.collate_packed(g, device) for g in packing.pack(examples, args.train.max_tokens_per_micro_batch)
+        ]
+    step = args.train.micro_batch_size
+    return [packing.collate_padded(examples[i : i + step], pad_id, device) for i in range(0, len(examples), step)]
+
+
+@torch.no_grad()
+def evaluate(engine, tokenizer, examples: list[dict], args: Args, rank: int, world: int, device):
+    """Token-mean eval loss and (optionally) greedy exact-match accuracy; every rank takes an equal slice (padded
+    with repeats that carry zero weight) so ZeRO-3's collective forwards stay in step."""
+    model = engine.module
+    model.eval()
+    n = len(examples)
+    per_rank = -(-n // world)
+    idx = [(rank * per_rank + i) for i in range(per_rank)]
+    weight = [1.0 if i < n else 0.0 for i in idx]
+    idx = [i % n for i in idx]
+    nll = tokens = correct = 0.0
+    for start in range(0, per_rank, args.train.micro_batch_size):
+        chunk = idx[start : start + args.train.micro_batch_size]
+        w = torch.tensor(weight[start : start + args.train.micro_batch_size], device=device)[:, None]
+        batch = packing.collate_padded([examples[i] for i in chunk], tokenizer.pad_token_id, device)
+        logp = packing.token_logprobs(model, batch)
+        nll -= (logp * batch["loss_mask"] * w).sum().item()
+        tokens += (batch["loss_mask"] * w).sum().item()
+    metrics = {"eval/loss": ds_engine.all_reduce(nll) / max(ds_engine.all_reduce(tokens), 1.0)}
+    if args.eval.generate:
+        prompts = [examples[i]["input_ids"][: examples[i]["loss_mask"].index(1)] for i in idx]
+        outs = models.greedy_generate(model, tokenizer, prompts, args.eval.max_new_tokens,
+                                      synced_gpus=engine.zero_optimization_stage() == 3 and world > 1)  # fmt: skip
+        for i, out, w in zip(idx, outs, weight):
+            correct += w * float(
+                tokenizer.decode(out, skip_special_tokens=True).strip() == examples[i]["label"].strip()
+            )
+        metrics["eval/accuracy"] = ds_engine.all_reduce(correct) / n
+    model.train()
+    return metrics
+
+
+def main(args: Args) -> dict:
+    # 1. setup ------------------------------------------------------------------------------------------------
+    # PLUMBING: process group (world of one for `python algos/sft.py`), tokenizer, data, model, DeepSpeed engine.
+    rank, world, device = ds_engine.init_distributed(args.ds.backend, args.ds.timeout_s)
+    # Same seed on every rank for the data order (each rank slices the same global batch); per-rank offset for
+    # everything stochastic inside the model (dropout), so ranks do not draw identical noise.
+    random.seed(args.train.seed + rank)
+    np.random.seed(args.train.seed + rank)
+    torch.manual_seed(args.train.seed + rank)
+    if args.data.output_key is None and args.train.mode == "single":
+        raise ValueError("--data.output-key is required in --train.mode single")
+    tokenizer = models.load_tokenizer(args.model.tokenizer or args.model.name_or_path)
+    log = print if rank == 0 else (lambda *_: None)
+    make = partial(sft_example_with_label, tokenizer=tokenizer, cfg=args.data, mode=args.train.mode)
+    train_groups = data.build_examples(data.load_sources(args.data.path, args.data.split, args.data.max_samples), make,
+                                       args.data, log)  # fmt: skip
+    train_set = data.mix(train_groups, args.data.probs, args.train.seed)
+    eval_sources = data.load_sources(args.data.eval_path or args.data.path, args.data.eval_split, args.eval.max_samples)
+    eval_set = [ex for g in data.build_examples(eval_sources, make, args.data, log) for ex in g]
+    model = models.load_causal_lm(args.model).to(device)
+    engine = ds_engine.make_engine(model, args.ds, args.train.lr, args.train.max_steps, args.train.warmup_steps,
+                                   args.train.min_lr_ratio, args.train.weight_decay)  # fmt: skip
+
+    run_dir = Path(args.run_dir or Path(args.logger.run_root) / run_name(args.exp_name, args.train.seed))
+    ckpt_dir = Path(args.ckpt.dir or run_dir / "checkpoints")
+    start_step, client = 0, {}
+    if args.ckpt.resume and checkpoint.latest(ckpt_dir):
+        client = checkpoint.load({"model": engine}, checkpoint.latest(ckpt_dir))
+        start_step = client["step"] + 1
+        log(f"[sft] resumed from {checkpoint.latest(ckpt_dir)} at step {start_step}")
+    logger = RunLogger(args.logger, run_dir, args, args.train.max_steps, enabled=rank == 0)
+    logger.print(f"[sft] {len(train_set)} train / {len(eval_set)} eval examples, world size {world}, "
+                 f"ZeRO-{args.ds.zero_stage}, run dir {run_dir}")  # fmt: skip
+    first_eval = client.get("first_eval") or evaluate(engine, tokenizer, eval_set, args, rank, world, device)
+    logger.log(first_eval, start_step)
+    perf: dict = {}
+    tokens_seen, t_train, step = 0, 0.0, start_step - 1
+
+    for step in range(start_step, args.train.max_steps):
+        # 2. batch: the global batch is a pure function of (seed, step); each rank takes every world-th sample
+        idx = data.batch_indices(len(train_set), args.train.batch_size, step, args.train.seed)[rank::world]
+        mbs = micro_batches([train_set[i] for i in idx], args, tokenizer.pad_token_id, device)
+        num_tokens = ds_engine.all_reduce(sum(mb["loss_mask"].sum().item() for mb in mbs))
+        n_micro = int(ds_engine.all_reduce(len(mbs), op="max"))  # ranks must run the same number of passes
+
+        # 3. forward / backward over micro-batches, one optimizer step
+        t0 = time.perf_counter()
+        total_loss = 0.0
+        for i in range(n_micro):
+            mb = mbs[i] if i < len(mbs) else {**mbs[0], "loss_mask": torch.zeros_like(mbs[0]["loss_mask"])}
+            logp = packing.token_logprobs(engine, mb)
+            # DeepSpeed averages gradients over ranks; scale by world so the sum over ranks is the global mean.
+            loss = sft_loss(logp, mb["loss_mask"], num_tokens) * world
+            engine.set_gradient_accumulation_boundary(i == n_micro - 1)
+            engine.backward(loss)
+            total_loss += loss.item() / world
+            tokens_seen += int(mb["input_ids"].numel()) if i < len(mbs) else 0
+        engine.step()
+        t_train += time.perf_counter() - t0
+
+        # 4. logging, eval, checkpoint
+        metrics = {
+            "loss/sft": ds_engine.all_reduce(total_loss),
+            "train/lr": engine.lr_scheduler.get_last_lr()[0],
+            "train/grad_norm": float(engine.get_global_grad_norm() or 0.0),
+            "train/tokens": num_tokens,
+            "perf/tokens_per_s": ds_engine.all_reduce(tokens_seen) / max(t_train, 1e-9),
+        }
+        last = step == args.train.max_steps - 1
+        if args.eval.every and ((step + 1) % args.eval.every == 0 or last):
+            with timer(perf, "perf/eval_s"):
+                metrics.update(evaluate(engine, tokenizer, eval_set, args, rank, world, device))
+        logger.log(metrics, step + 1, shown=("loss/sft", "eval/loss", "eval/accuracy"))  # step = updates done
+        stop = args.eval.stop_at_accuracy is not None and metrics.get("eval/accuracy", -1) >= args.eval.stop_at_accuracy
+        if args.ckpt.every and ((step + 1) % args.ckpt.every == 0 or last or stop):
+            checkpoint.save({"model": engine}, ckpt_dir, step, {"step": step, "first_eval": first_eval},
+                            args.ckpt.keep_last)  # fmt: skip
+        if stop:
+            logger.print(f"[sft] eval accuracy {metrics['eval/accuracy']:.3f} >= {args.eval.stop_at_accuracy}: stop")
+            break
+
+    # 5. export and summary
+    export_dir = Path(args.export_dir or run_dir / "hf")
+    ds_engine.export_hf(engine, tokenizer, export_dir)
+    summary = {
+        "steps": step + 1,
+        "train_loss_last": logger.latest("loss/sft"),
+        "eval_loss_first": first_eval["eval/loss"],
+        "eval_loss_last": logger.latest("eval/loss"),
+        **(
+            {"eval_accuracy_first": first_eval["eval/accuracy"], "eval_accuracy_last": logger.latest("eval/accuracy")}
+            if args.eval.generate
+            else {}
+        ),  # fmt: skip
+        "tokens_per_s": logger.latest("perf/tokens_per_s"),
+        "export_dir": str(export_dir),
+    }
+    logger.close(summary)
+    return summary
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main(tyro.cli(Args))

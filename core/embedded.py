@@ -1,0 +1,213 @@
+"""The embedded default: a tiny causal LM, its character tokenizer and a synthetic verifiable task.
+
+Nothing is downloaded. Three artifacts are built on first use under `CLEANRLHF_HOME` (default
+`~/.cache/cleanrlhf`) and then loaded through the ordinary `from_pretrained` / `load_dataset` paths, so every
+script accepts a real model or dataset name in their place unchanged:
+
+| name                  | what it is                                                                    |
+|-----------------------|-------------------------------------------------------------------------------|
+| `cleanrlhf/tiny`      | randomly initialised Qwen2 (~1 M parameters) + character tokenizer            |
+| `cleanrlhf/tiny-sft`  | `cleanrlhf/tiny` after `algos/sft.py` on `cleanrlhf/add2` (the RL warm start) |
+| `cleanrlhf/add2`      | 2-digit addition, `train.jsonl` / `test.jsonl` (`addN` for N digits)          |
+
+The task: prompt `"37+45="`, answer `"82"`; the rule reward is `rewards/arithmetic.py`. 2-digit addition is
+learnable by a 1 M model in CPU minutes, and SFT stopped at ~25-50 % exact match leaves room for RL.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import random
+import shutil
+import subprocess
+import sys
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+
+PREFIX = "cleanrlhf/"
+SPECIALS = ["<pad>", "<s>", "</s>", "<unk>"]
+# Printable ASCII plus newline: enough for arithmetic and for small user-made tasks (letters, words, lists).
+CHARS = [chr(c) for c in range(32, 127)] + ["\n"]
+# A minimal chat template so `apply_chat_template` works on the embedded tokenizer (multi-turn SFT, chat data).
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] + ': ' + m['content'] + '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}"
+)
+TEST_SIZE = 500
+WARM_START_ARGS = [
+    "--model.name-or-path", "cleanrlhf/tiny",
+    "--data.path", "cleanrlhf/add2",
+    "--train.lr", "3e-3",
+    "--train.batch-size", "64",
+    "--train.max-steps", "3000",
+    "--train.warmup-steps", "0",
+    "--eval.every", "20",
+    "--eval.generate",
+    "--eval.stop-at-accuracy", "0.25",
+    "--eval.max-samples", "500",
+    "--ckpt.every", "0",
+    "--logger.quiet",
+]  # fmt: skip
+
+
+def home() -> Path:
+    """Root of the build cache (`CLEANRLHF_HOME`, default ~/.cache/cleanrlhf)."""
+    return Path(os.environ.get("CLEANRLHF_HOME", Path.home() / ".cache" / "cleanrlhf"))
+
+
+@contextmanager
+def _locked(name: str):
+    """Inter-process lock so concurrent ranks/tests build an artifact once."""
+    home().mkdir(parents=True, exist_ok=True)
+    with open(home() / f".{name}.lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _atomic_build(target: Path, build) -> Path:
+    """Run `build(tmp_dir)` and rename the result into place, so a killed build never leaves a half artifact."""
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with _locked(target.name):
+        if (target / ".complete").exists():
+            return target
+        tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
+        try:
+            build(tmp)
+            (tmp / ".complete").touch()
+            if target.exists():
+                shutil.rmtree(target)
+            os.replace(tmp, target)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def build_tokenizer():
+    """One token per character (printable ASCII + newline) and 4 specials; prepends `<s>` like Llama tokenizers."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + CHARS)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    tok.decoder = decoders.Fuse()
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", pair="<s> $A $B", special_tokens=[("<s>", vocab["<s>"])]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        pad_token="<pad>",
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token="<unk>",
+        padding_side="left",  # generation-friendly; training code builds its own batches
+        chat_template=CHAT_TEMPLATE,
+    )
+
+
+def build_tiny_model(tokenizer, seed: int = 0):
+    """Qwen2 with hidden 128, 4 layers, 4 heads, MLP 512, tied embeddings: ~1.0 M parameters."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        intermediate_size=512,
+        num_hidden_layers=4,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(config)
+
+
+def task_rows(digits: int, seed: int = 0) -> tuple[list[dict], list[dict]]:
+    """All a+b with a, b < 10**digits (capped at 20k pairs), shuffled by seed; the first 500 are the test split."""
+    n = 10**digits
+    rng = random.Random(seed)
+    if n * n <= 20_000:
+        pairs = [(a, b) for a in range(n) for b in range(n)]
+        rng.shuffle(pairs)
+    else:
+        seen: set[tuple[int, int]] = set()
+        while len(seen) < 20_000:
+            seen.add((rng.randrange(n), rng.randrange(n)))
+        pairs = sorted(seen)
+        rng.shuffle(pairs)
+    rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b), "datasource": f"add{digits}"} for a, b in pairs]
+    return rows[TEST_SIZE:], rows[:TEST_SIZE]
+
+
+def _write_jsonl(path: Path, rows: list[dict]) -> None:
+    with open(path, "w") as f:
+        for row in rows:
+            f.write(json.dumps(row) + "\n")
+
+
+def ensure_task_data(name: str = "add2") -> Path:
+    """Build (once) and return the folder holding `train.jsonl` and `test.jsonl` for task `addN`."""
+    if not (name.startswith("add") and name[3:].isdigit() and 1 <= int(name[3:]) <= 9):
+        raise ValueError(f"unknown embedded dataset {PREFIX}{name!r}: expected {PREFIX}addN with N in 1..9")
+
+    def build(tmp: Path) -> None:
+        train, test = task_rows(int(name[3:]))
+        _write_jsonl(tmp / "train.jsonl", train)
+        _write_jsonl(tmp / "test.jsonl", test)
+
+    return _atomic_build(home() / "data" / name, build)
+
+
+def ensure_tiny_base() -> Path:
+    """Build (once) and return the randomly initialised tiny model + tokenizer directory."""
+
+    def build(tmp: Path) -> None:
+        tokenizer = build_tokenizer()
+        build_tiny_model(tokenizer).save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+
+    return _atomic_build(home() / "models" / "tiny", build)
+
+
+def ensure_sft_warm_start() -> Path:
+    """Build (once) the RL warm start by running `algos/sft.py` on the embedded task; returns its HF directory."""
+    target = home() / "models" / "tiny-sft"
+    if (target / ".complete").exists():
+        return target
+    script = Path(__file__).resolve().parent.parent / "algos" / "sft.py"
+
+    def build(tmp: Path) -> None:
+        print(f"[cleanrlhf] building the SFT warm start {PREFIX}tiny-sft with {script} (one time, ~1 min)")
+        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+        cmd = [sys.executable, str(script), *WARM_START_ARGS, "--export-dir", str(tmp), "--run-dir", str(tmp / "run")]
+        subprocess.run(cmd, check=True, env=env)
+        shutil.rmtree(tmp / "run", ignore_errors=True)
+
+    return _atomic_build(target, build)
+
+
+def resolve_model(name_or_path: str) -> str:
+    """Map `cleanrlhf/tiny` and `cleanrlhf/tiny-sft` to their built directories; pass anything else through."""
+    if name_or_path == PREFIX + "tiny":
+        return str(ensure_tiny_base())
+    if name_or_path == PREFIX + "tiny-sft":
+        return str(ensure_sft_warm_start())
+    return name_or_path
+
+
+def resolve_data(path: str) -> str:
+    """Map `cleanrlhf/addN` to its built folder; pass anything else through."""
+    if path.startswith(PREFIX) and not Path(path).exists():
+        return str(ensure_task_data(path[len(PREFIX) :]))
+    return path

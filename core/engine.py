@@ -1,0 +1,154 @@
+"""DeepSpeed plumbing: process group, ZeRO config, engine with AdamW + warmup/cosine schedule, HF export.
+
+Tested with deepspeed 0.19.8 and torch 2.13 (gloo on CPU; nccl on CUDA). One process (`python algos/x.py`), several
+with `torchrun --nproc_per_node N algos/x.py` or the `deepspeed` launcher, or inside Ray actors that set
+MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE/LOCAL_RANK themselves.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import socket
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from core.config import DSConfig
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_distributed(backend: str = "auto", timeout_s: int = 600) -> tuple[int, int, torch.device]:
+    """Join (or create, for a plain `python` run) the torch.distributed world; returns (rank, world_size, device).
+
+    Collectives time out after `timeout_s`, so a dead rank is an error, not a hang. With several ranks on one CPU
+    box each process gets its share of the cores (oversubscribed threads make steps 10x slower)."""
+    import deepspeed
+
+    if "RANK" not in os.environ:  # single process: a world of one
+        os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
+    local_rank, world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ["WORLD_SIZE"])
+    if backend == "auto":
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if torch.cuda.is_available():
+        torch.cuda.set_device(local_rank)
+    elif world > 1 and "OMP_NUM_THREADS" not in os.environ:
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
+    if not dist.is_initialized():
+        deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(seconds=timeout_s), auto_mpi_discovery=False)
+    device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
+    return dist.get_rank(), dist.get_world_size(), device
+
+
+def ds_config(ds: DSConfig, dtype: torch.dtype) -> dict:
+    """The DeepSpeed config dict. Micro-batching and gradient accumulation are done by the scripts (packed micro-
+    batches vary in number), so DeepSpeed sees micro-batch 1, accumulation 1, and `set_gradient_accumulation_boundary`
+    marks the last micro-batch of a step."""
+    zero: dict = {"stage": ds.zero_stage}
+    if ds.offload_optimizer:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    if ds.offload_params:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    if ds.zero_stage == 3:
+        zero["stage3_gather_16bit_weights_on_model_save"] = True
+    return {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": ds.grad_clip,
+        "zero_optimization": zero,
+        "bf16": {"enabled": dtype == torch.bfloat16},
+        "zero_allow_untested_optimizer": True,  # torch AdamW: no 2-4 min FusedAdam/CPUAdam compile
+        "zero_force_ds_cpu_optimizer": False,
+        "steps_per_print": 10**12,
+        "wall_clock_breakdown": False,
+    }
+
+
+def lr_lambda(warmup_steps: int, total_steps: int, min_lr_ratio: float):
+    """Linear warmup to 1, then cosine decay to `min_lr_ratio` at `total_steps` (multiplier of the peak lr)."""
+
+    def f(step: int) -> float:
+        if step < warmup_steps:
+            return (step + 1) / warmup_steps
+        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+        return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return f
+
+
+def make_engine(model, ds: DSConfig, lr: float, total_steps: int, warmup_steps: int = 0, min_lr_ratio: float = 0.1,
+                weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.95)):  # fmt: skip
+    """Wrap `model` in a DeepSpeed engine with torch AdamW over its trainable parameters and a warmup/cosine
+    schedule. Returns the engine; `engine.module` is the model, `engine.lr_scheduler` the schedule."""
+    import deepspeed
+
+    dtype = next(model.parameters()).dtype
+    params = [p for p in model.parameters() if p.requires_grad]
+    optimizer = torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(warmup_steps, total_steps, min_lr_ratio))
+    engine, *_ = deepspeed.initialize(
+        model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config(ds, dtype)
+    )
+    return engine
+
+
+def all_reduce(x: float | int | torch.Tensor, op: str = "sum") -> float:
+    """Reduce a Python number over all ranks (sum or max) and return it as a float."""
+    t = torch.tensor(float(x), dtype=torch.float64)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        if dist.get_backend() == "nccl":
+            t = t.cuda()
+        dist.all_reduce(t, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+    return t.item()
+
+
+def gathered_state_dict(engine) -> dict[str, torch.Tensor] | None:
+    """Full parameters as a CPU state dict on rank 0 (ZeRO-3 shards gathered); None on other ranks.
+    Every rank must call it (the gather is collective)."""
+    import deepspeed
+
+    model = engine.module
+    zero3 = engine.zero_optimization_stage() == 3
+    with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None, enabled=zero3):
+        if dist.get_rank() != 0:
+            return None
+        return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+
+
+def export_hf(engine, tokenizer, out_dir: str | Path) -> None:
+    """Save an HF model folder (config, safetensors, tokenizer) that `from_pretrained` and vLLM load. LoRA adapters
+    are merged into the base weights. Written to a temporary folder and renamed: a kill never leaves a half export.
+    Collective: call on every rank."""
+    out_dir = Path(out_dir)
+    state = gathered_state_dict(engine)
+    if dist.get_rank() == 0:
+        from transformers import AutoModelForCausalLM
+
+        model = engine.module
+        tmp = out_dir.with_name(out_dir.name + ".tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        if hasattr(model, "peft_config"):  # rebuild base + adapters from the gathered weights, then merge
+            from peft import get_peft_model
+
+            base = AutoModelForCausalLM.from_config(model.get_base_model().config)
+            fresh = get_peft_model(base, model.peft_config["default"])
+            fresh.load_state_dict(state)
+            fresh.merge_and_unload().save_pretrained(tmp)
+        else:
+            model.save_pretrained(tmp, state_dict=state)
+        tokenizer.save_pretrained(tmp)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.replace(tmp, out_dir)
+    if dist.is_initialized():
+        dist.barrier()

@@ -1,0 +1,122 @@
+"""Models: load an HF causal LM and tokenizer (optionally with LoRA), a scalar-head model for rewards and critics,
+per-token log-probs, and batched greedy generation for evaluation.
+
+Tested with transformers 5.16-5.19 (Qwen2 and Llama architectures).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from core import embedded
+from core.config import ModelConfig
+
+
+def torch_dtype(dtype: str) -> torch.dtype:
+    """`auto` is bf16 when CUDA is present and fp32 on CPU (fp32 is as fast there and exact for tests)."""
+    if dtype == "auto":
+        return torch.bfloat16 if torch.cuda.is_available() else torch.float32
+    return {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+
+
+def load_tokenizer(name_or_path: str):
+    """AutoTokenizer with a pad token (eos when the model has none)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(embedded.resolve_model(name_or_path))
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def _check_model_path(name_or_path: str) -> str:
+    path = embedded.resolve_model(name_or_path)
+    if path.startswith((".", "/", "~")):
+        from pathlib import Path
+
+        if not (Path(path).expanduser() / "config.json").exists():
+            raise ValueError(f"--model.name-or-path {name_or_path!r}: no such model folder (no config.json in {path})")
+    return path
+
+
+def load_causal_lm(cfg: ModelConfig):
+    """Load the policy as an HF causal LM in `cfg.dtype`, with gradient checkpointing and LoRA as configured.
+    A missing path or hub id gives one clear ValueError instead of a hub traceback."""
+    from transformers import AutoModelForCausalLM
+
+    path = _check_model_path(cfg.name_or_path)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch_dtype(cfg.dtype), attn_implementation=cfg.attn_implementation
+        )
+    except OSError as e:
+        raise ValueError(f"--model.name-or-path {cfg.name_or_path!r}: cannot load a causal LM: {e}") from None
+    if cfg.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.config.use_cache = False
+    if cfg.lora_rank > 0:
+        from peft import LoraConfig, get_peft_model
+
+        targets = cfg.lora_target_modules
+        lora = LoraConfig(
+            r=cfg.lora_rank,
+            lora_alpha=cfg.lora_alpha,
+            lora_dropout=cfg.lora_dropout,
+            target_modules=targets if targets == "all-linear" else targets.split(","),
+            task_type="CAUSAL_LM",
+        )
+        model = get_peft_model(model, lora)
+    return model
+
+
+def load_scalar_model(name_or_path: str, dtype: str = "auto"):
+    """A causal LM body with a scalar head (`AutoModelForSequenceClassification`, num_labels=1): the reward model
+    and the critic. Loading a plain causal LM initialises a fresh head; `save_pretrained` output loads back with
+    `AutoModelForSequenceClassification.from_pretrained`."""
+    from transformers import AutoModelForSequenceClassification
+
+    path = _check_model_path(name_or_path)
+    model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=torch_dtype(dtype))
+    model.config.pad_token_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+    return model
+
+
+def token_values(model, input_ids: torch.Tensor, attention_mask=None, position_ids=None) -> torch.Tensor:
+    """Per-token scalar outputs (B, T) of a sequence-classification model: the head applied to every hidden state
+    (a critic's values; a reward model reads the last valid position)."""
+    body = getattr(model, model.base_model_prefix)
+    hidden = body(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).last_hidden_state
+    return model.score(hidden).squeeze(-1).float()
+
+
+def sequence_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Reward of each right-padded sequence (B,): the scalar head at its last non-pad token."""
+    values = token_values(model, input_ids, attention_mask=attention_mask)
+    last = attention_mask.long().sum(-1) - 1
+    return values.gather(1, last.unsqueeze(1)).squeeze(1)
+
+
+@torch.no_grad()
+def greedy_generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, batch_size: int = 256,
+                    synced_gpus: bool = False):  # fmt: skip
+    """Greedy continuations (lists of token ids, eos and after removed) for prompt token lists; left padding.
+    `synced_gpus=True` keeps ZeRO-3 ranks stepping together until all of them are done."""
+    model.eval()
+    device = next(model.parameters()).device
+    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+    out = []
+    for i in range(0, len(prompts), batch_size):
+        chunk = prompts[i : i + batch_size]
+        width = max(len(p) for p in chunk)
+        ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk], device=device)
+        attn = (
+            torch.arange(width, device=device)[None]
+            >= (width - torch.tensor([len(p) for p in chunk], device=device))[:, None]
+        ).long()
+        gen = model.generate(
+            input_ids=ids, attention_mask=attn, max_new_tokens=max_new_tokens, do_sample=False,
+            pad_token_id=pad, eos_token_id=eos, synced_gpus=synced_gpus,
+        )  # fmt: skip
+        for row in gen[:, width:].tolist():
+            out.append(row[: row.index(eos)] if eos in row else row)
+    return out

@@ -1,0 +1,82 @@
+"""Padding-free sequence packing.
+
+Variable-length samples are concatenated into one row (1, N) with `position_ids` restarting at 0 for every sample
+and no attention mask. transformers (>= 4.56, tested on 5.16-5.19) turns restarting position ids into a
+block-diagonal causal mask for sdpa/eager and into varlen kernels for flash-attention, so no token attends across
+samples and packed log-probs equal the padded ones (tests/test_packing.py).
+
+Conventions: an example is `{"input_ids": [...], "loss_mask": [...]}` with `loss_mask[t] = 1` when token t is a
+target (predicted from tokens < t). `loss_mask[0]` of every sample must be 0: the first token of a packed sample
+is "predicted" from the previous sample's last token, which is meaningless.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from core.rl_math import logprobs_from_logits
+
+
+def pack(examples: list[dict], max_tokens: int) -> list[list[dict]]:
+    """Split examples, in order, into groups of at most `max_tokens` tokens (a longer sample gets its own group)."""
+    groups, current, size = [], [], 0
+    for ex in examples:
+        n = len(ex["input_ids"])
+        if current and size + n > max_tokens:
+            groups.append(current)
+            current, size = [], 0
+        current.append(ex)
+        size += n
+    if current:
+        groups.append(current)
+    return groups
+
+
+def collate_packed(examples: list[dict], device="cpu") -> dict:
+    """One packed row: input_ids, position_ids, loss_mask of shape (1, N) and the per-sample lengths."""
+    assert all(ex["loss_mask"][0] == 0 for ex in examples), "the first token of a sample cannot be a target"
+    ids = [t for ex in examples for t in ex["input_ids"]]
+    pos = [p for ex in examples for p in range(len(ex["input_ids"]))]
+    mask = [m for ex in examples for m in ex["loss_mask"]]
+    return {
+        "input_ids": torch.tensor([ids], device=device),
+        "position_ids": torch.tensor([pos], device=device),
+        "loss_mask": torch.tensor([mask], device=device, dtype=torch.bool),
+        "seq_lens": [len(ex["input_ids"]) for ex in examples],
+    }
+
+
+def collate_padded(examples: list[dict], pad_id: int, device="cpu") -> dict:
+    """Right-padded batch (B, T): input_ids, attention_mask, loss_mask (the reference for packing)."""
+    width = max(len(ex["input_ids"]) for ex in examples)
+    ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
+    attn = torch.zeros((len(examples), width), dtype=torch.long)
+    mask = torch.zeros((len(examples), width), dtype=torch.bool)
+    for i, ex in enumerate(examples):
+        n = len(ex["input_ids"])
+        ids[i, :n] = torch.tensor(ex["input_ids"])
+        attn[i, :n] = 1
+        mask[i, :n] = torch.tensor(ex["loss_mask"], dtype=torch.bool)
+    return {"input_ids": ids.to(device), "attention_mask": attn.to(device), "loss_mask": mask.to(device)}
+
+
+def token_logprobs(model, batch: dict, temperature: float = 1.0) -> torch.Tensor:
+    """log p(x_t | x_<t) at every position, shape like `batch["input_ids"]` (B, T) or (1, N); the first position of
+    every row and of every packed sample holds 0. Works for packed (position_ids) and padded (attention_mask) batches."""
+    ids = batch["input_ids"]
+    logits = model(
+        input_ids=ids,
+        attention_mask=batch.get("attention_mask"),
+        position_ids=batch.get("position_ids"),
+        use_cache=False,
+    ).logits
+    logp = logprobs_from_logits(logits[:, :-1], ids[:, 1:], temperature=temperature)
+    logp = torch.cat([torch.zeros_like(logp[:, :1]), logp], dim=1)
+    if batch.get("position_ids") is not None:  # a packed sample's first token was "predicted" from its neighbour
+        logp = torch.where(batch["position_ids"] == 0, 0.0, logp)
+    return logp
+
+
+def unpack(x: torch.Tensor, seq_lens: list[int]) -> list[torch.Tensor]:
+    """Split a packed (1, N) tensor back into per-sample 1-D tensors."""
+    return list(torch.split(x[0], seq_lens))

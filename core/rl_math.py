@@ -1,0 +1,367 @@
+"""RL math shared by every CleanRLHF script: masked reductions, KL estimators, GAE, the clipped surrogate, aggregation.
+
+Pure functions, tensors in and tensors out, explicit scalar arguments. Shapes: B sequences, T response tokens,
+V vocabulary. `mask` is a bool or 0/1 (B, T) tensor, right-padded. Masked positions of inputs may hold garbage (even
+NaN/inf): every function selects with `torch.where` before any arithmetic, so garbage reaches neither an output nor a
+gradient. Defaults follow OpenRLHF; TRL and Dr.GRPO conventions are reachable through arguments (see each docstring).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+Tensor = torch.Tensor
+Count = int | float | Tensor
+
+KL_ESTIMATORS = ("k1", "k2", "k3")
+AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+IS_CORRECTIONS = ("tis", "icepop", "seq-mask-tis")
+
+
+def _keep(x: Tensor, mask: Tensor) -> Tensor:
+    """x where mask is true, else 0. A select, not a product: 0 * NaN would be NaN, and so would its gradient."""
+    return torch.where(mask.bool(), x, 0.0)
+
+
+def _at_least_one(n: Count) -> Count:
+    return n.clamp(min=1) if isinstance(n, Tensor) else max(n, 1)
+
+
+def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
+    """Mean of x over the positions where mask is true: Σ x·m / max(Σ m, 1).
+
+    x, mask: same shape, e.g. (B, T). dim=None gives a scalar; dim=-1 gives one mean per sequence, (B,).
+    An all-masked row (or tensor) gives 0, not NaN.
+    """
+    mask = mask.bool()
+    x = _keep(x, mask)
+    if dim is None:
+        return x.sum() / _at_least_one(mask.sum())
+    return x.sum(dim) / _at_least_one(mask.sum(dim))
+
+
+def approx_kl(logp: Tensor, ref_logp: Tensor, estimator: str = "k1", mask: Tensor | None = None) -> Tensor:
+    """Per-token estimate of KL(π‖π_ref) from tokens sampled from π (Schulman, "Approximating KL divergence", 2020).
+
+    Δ = logp − ref_logp;  k1 = Δ;  k2 = Δ²/2;  k3 = exp(−Δ) − 1 + Δ;  result clamped to [−10, 10] (as OpenRLHF).
+    k1 is unbiased but noisy and can be negative (OpenRLHF's default for the reward penalty); k2 is biased with low
+    variance; k3 is unbiased, ≥ 0 and low-variance (GRPO's KL loss). Swap the arguments for KL(π_ref‖π)-style uses.
+    logp, ref_logp: (B, T) log-probs of the sampled tokens -> (B, T); positions where `mask` (optional) is false are 0.
+    """
+    if estimator not in KL_ESTIMATORS:
+        raise ValueError(f"unknown KL estimator {estimator!r}; valid estimators: {', '.join(KL_ESTIMATORS)}")
+    if mask is not None:
+        logp, ref_logp = _keep(logp, mask), _keep(ref_logp, mask)
+    delta = logp - ref_logp
+    if estimator == "k1":
+        kl = delta
+    elif estimator == "k2":
+        kl = 0.5 * delta.square()
+    else:
+        # k3 is convex with k3(±20) > 19, so clamping Δ to ±20 first changes no clamped value; it only keeps exp()
+        # finite, because inf in the forward pass would make the backward pass 0 · inf = NaN.
+        delta = delta.clamp(-20.0, 20.0)
+        kl = torch.exp(-delta) - 1.0 + delta
+    return kl.clamp(-10.0, 10.0)
+
+
+def token_rewards(
+    reward: Tensor,
+    kl: Tensor,
+    kl_coef: float,
+    mask: Tensor,
+    clip_range: tuple[float, float] | None = (-10.0, 10.0),
+) -> Tensor:
+    """Per-token reward with the KL penalty folded in (Ziegler et al. 2019, arXiv:1909.08593; OpenRLHF compute_reward).
+
+    r_t = −kl_coef · kl_t on every response token, plus clip(reward, *clip_range) at the last valid token.
+    reward: (B,) sequence-level reward; kl: (B, T) per-token KL (e.g. approx_kl k1); mask: (B, T) -> (B, T), 0 at
+    masked positions. A row without a valid token gets no reward. clip_range=None disables the clip.
+    """
+    mask = mask.bool()
+    penalty = -kl_coef * _keep(kl, mask)
+    if clip_range is not None:
+        reward = reward.clamp(*clip_range)
+    positions = torch.arange(mask.shape[1], device=mask.device)
+    last = torch.where(mask, positions, -1).amax(dim=1)  # (B,) index of the last valid token, -1 for an empty row
+    at_last = positions[None, :] == last[:, None]  # (B, T), all false for an empty row
+    return penalty + torch.where(at_last, reward[:, None].to(penalty.dtype), 0.0)
+
+
+@torch.no_grad()
+def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float) -> tuple[Tensor, Tensor]:
+    """Generalized advantage estimation (Schulman et al. 2016, arXiv:1506.02438), as in OpenRLHF's PPO.
+
+    δ_t = r_t + γ·V_{t+1} − V_t,   A_t = δ_t + γλ·A_{t+1},   R_t = A_t + V_t (the critic's target),
+    with rewards and values zeroed at masked positions first and V = 0 after the last token, so with right padding
+    every sequence ends at its own last valid token. rewards, values, mask: (B, T) -> (advantages, returns), both
+    (B, T), 0 at masked positions, without gradient (they are targets). A loop over T, vectorised over B.
+    """
+    mask = mask.bool()
+    dtype = torch.promote_types(rewards.dtype, values.dtype)
+    r, v = _keep(rewards, mask).to(dtype), _keep(values, mask).to(dtype)
+    advantages = torch.zeros_like(r)
+    next_adv = torch.zeros_like(r[:, 0])
+    next_value = torch.zeros_like(r[:, 0])
+    for t in reversed(range(r.shape[1])):
+        delta = r[:, t] + gamma * next_value - v[:, t]
+        next_adv = delta + gamma * lam * next_adv
+        advantages[:, t] = next_adv
+        next_value = v[:, t]
+    return _keep(advantages, mask), _keep(advantages + v, mask)
+
+
+@torch.no_grad()
+def discounted_returns(rewards: Tensor, mask: Tensor, gamma: float) -> Tensor:
+    """Reward-to-go G_t = Σ_{k≥t} γ^{k−t} r_k over masked rewards (REINFORCE; REINFORCE++'s return before whitening).
+
+    rewards, mask: (B, T) -> (B, T), 0 at masked positions, without gradient. A loop over T, vectorised over B.
+    """
+    mask = mask.bool()
+    r = _keep(rewards, mask)
+    returns = torch.zeros_like(r)
+    running = torch.zeros_like(r[:, 0])
+    for t in reversed(range(r.shape[1])):
+        running = r[:, t] + gamma * running
+        returns[:, t] = running
+    return _keep(returns, mask)
+
+
+def masked_whiten(x: Tensor, mask: Tensor, scale_by_std: bool = True, eps: float = 1e-8) -> Tensor:
+    """Normalise x over the masked positions of the whole batch (OpenRLHF's advantage normalisation).
+
+    μ = Σ x·m / Σ m,   σ² = Σ (x − μ)²·m / Σ m (population variance),   out = (x − μ) / sqrt(σ² + eps).
+    scale_by_std=False returns x − μ only (OpenRLHF's `no_std_norm`, Dr.GRPO's advice). TRL's masked_whiten uses the
+    unbiased (Bessel) variance instead. x, mask: same shape, e.g. (B, T) or (B,) -> same shape, 0 at masked positions.
+    """
+    mask = mask.bool()
+    x = _keep(x, mask)
+    mean = masked_mean(x, mask)
+    centered = _keep(x - mean, mask)
+    if not scale_by_std:
+        return centered
+    var = masked_mean(centered.square(), mask)
+    return centered * torch.rsqrt(var + eps)
+
+
+def aggregate_loss(
+    loss: Tensor,
+    mask: Tensor,
+    mode: str,
+    num_tokens: Count | None = None,
+    num_seqs: Count | None = None,
+    max_len: int | None = None,
+) -> Tensor:
+    """Reduce a per-token loss (B, T) to a scalar; the mode decides how tokens and sequences are weighted.
+
+    token-mean               Σ ℓ·m / N,  N = num_tokens or Σ m        (OpenRLHF default; DAPO; TRL "dapo"/"bnpo")
+    seq-mean-token-mean      Σ_i (Σ_t ℓ·m / Σ_t m)_i / S over rows with ≥ 1 valid token, S = num_seqs or their
+                             count                                   (GRPO paper; TRL "grpo")
+    seq-mean-token-sum-norm  Σ ℓ·m / (S · L),  S = num_seqs or B, L = max_len or T   (Dr.GRPO; TRL "dr_grpo")
+    Micro-batches and data-parallel ranks: pass the counts of the whole optimizer step (num_tokens = valid tokens;
+    num_seqs = non-empty sequences for seq-mean-token-mean, all sequences for seq-mean-token-sum-norm) and sum the
+    returned losses: the sum is exactly the whole-batch loss, gradients included (multiply by the world size when DDP
+    averages gradients over ranks). Dr.GRPO's L is the generation budget (max new tokens): pass it as max_len so the
+    normaliser does not depend on how a batch happens to be padded; the default is the padded width T.
+    """
+    if mode not in AGG_MODES:
+        raise ValueError(f"unknown loss aggregation mode {mode!r}; valid modes: {', '.join(AGG_MODES)}")
+    mask = mask.bool()
+    loss = _keep(loss, mask)
+    if mode == "token-mean":
+        return loss.sum() / _at_least_one(mask.sum() if num_tokens is None else num_tokens)
+    if mode == "seq-mean-token-mean":
+        tokens = mask.sum(dim=-1)  # (B,)
+        seq_means = loss.sum(dim=-1) / _at_least_one(tokens)  # an empty row gives 0 and is not counted below
+        return seq_means.sum() / _at_least_one((tokens > 0).sum() if num_seqs is None else num_seqs)
+    seqs = mask.shape[0] if num_seqs is None else num_seqs
+    return loss.sum() / _at_least_one(seqs * (mask.shape[1] if max_len is None else max_len))
+
+
+def policy_loss(
+    logp: Tensor,
+    old_logp: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    clip_low: float = 0.2,
+    clip_high: float = 0.2,
+    dual_clip: float | None = None,
+    level: str = "token",
+    agg: str = "token-mean",
+    rollout_logp: Tensor | None = None,
+    is_correction: str | None = None,
+    is_threshold: tuple[float, float] = (0.5, 5.0),
+    **agg_kwargs: Count | None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """PPO clipped surrogate (Schulman et al. 2017, arXiv:1707.06347) with the usual LLM-RL options; OpenRLHF semantics.
+
+    ρ_t = exp(clamp(logp_t − old_logp_t, −20, 20)),   ℓ_t = −min(ρ_t·A_t, clip(ρ_t, 1 − clip_low, 1 + clip_high)·A_t),
+    loss = aggregate_loss(ℓ, mask, agg, **agg_kwargs).
+    - clip_high > clip_low is DAPO's clip-higher (arXiv:2503.14476).
+    - dual_clip = c > 1 (Ye et al. 2020, arXiv:1912.09729): where A_t < 0, ℓ_t = min(ℓ_t, −c·A_t), which bounds the
+      loss of a token whose ratio exploded; tokens with A_t ≥ 0 are untouched.
+    - level="sequence" is GSPO (Zheng et al. 2025, arXiv:2507.18071), as OpenRLHF: ρ_i = exp(mean_t(logp − old_logp))
+      per sequence, used for every token of it and differentiated through the mean, so each token's gradient is
+      ρ_i·∇log π_t/|y_i| times the derivative of the min/clip. GSPO proper is agg="seq-mean-token-mean" with one
+      advantage per sequence; GSPO's clip ranges are tiny (3e-4, 4e-4 in the paper).
+    - is_correction corrects for the rollout engine's log-probs, w_t = exp(old_logp_t − rollout_logp_t) (detached),
+      (lo, hi) = is_threshold: "tis" multiplies ℓ_t by clamp(w_t, lo, hi) (truncated IS, Yao et al. 2025); "icepop"
+      by w_t where lo ≤ w_t ≤ hi and by 0 elsewhere (IcePop, Ring-1T report); "seq-mask-tis" by w_t, and by 0 for
+      every token of a sequence whose geometric mean exp(mean_t log w_t) is outside [lo, hi] (as OpenRLHF).
+    logp: (B, T) current log-probs, with gradient; old_logp, advantages, rollout_logp, mask: (B, T), used detached.
+    Returns (loss, stats); stats are detached scalars: clipfrac (fraction of valid tokens on the clipped branch),
+    approx_kl (mean k3 estimate of KL(π_old‖π) from the per-token ratios), ratio_mean, and dual_clipfrac /
+    is_weight_mean when those options are on.
+    """
+    if dual_clip is not None and dual_clip <= 1.0:
+        raise ValueError(f"dual_clip must be > 1 (or None), got {dual_clip}")
+    if level not in ("token", "sequence"):
+        raise ValueError(f"unknown policy-loss level {level!r}; valid levels: token, sequence")
+    if is_correction is not None and is_correction not in IS_CORRECTIONS:
+        raise ValueError(f"unknown is_correction {is_correction!r}; valid: None, {', '.join(IS_CORRECTIONS)}")
+    if is_correction is not None and rollout_logp is None:
+        raise ValueError(f"is_correction={is_correction!r} needs rollout_logp (the inference engine's log-probs)")
+    mask = mask.bool()
+    logp = _keep(logp, mask)
+    old_logp, adv = _keep(old_logp, mask).detach(), _keep(advantages, mask).detach()
+    token_log_ratio = logp - old_logp  # (B, T)
+    log_ratio = token_log_ratio
+    if level == "sequence":  # the mean stays differentiable: every token's log-prob gets 1/|y_i| of ∂ℓ/∂ log ρ_i
+        log_ratio = masked_mean(token_log_ratio, mask, dim=-1)[:, None].expand_as(token_log_ratio)
+    ratio = torch.exp(log_ratio.clamp(-20.0, 20.0))
+    surr = ratio * adv
+    surr_clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * adv
+    loss = -torch.min(surr, surr_clipped)
+    stats: dict[str, Tensor] = {}
+    if dual_clip is not None:
+        dual_bound = -dual_clip * adv  # > 0 where A < 0
+        dual_active = (adv < 0) & (dual_bound < loss)
+        loss = torch.where(adv < 0, torch.min(loss, dual_bound), loss)
+        stats["dual_clipfrac"] = masked_mean(dual_active.float(), mask).detach()
+    if is_correction is not None:
+        lo, hi = is_threshold
+        log_w = _keep(old_logp - _keep(rollout_logp, mask).detach(), mask)
+        w = torch.exp(log_w)
+        if is_correction == "tis":
+            weight = w.clamp(lo, hi)
+        elif is_correction == "icepop":
+            weight = torch.where((w >= lo) & (w <= hi), w, 0.0)
+        else:
+            seq_w = torch.exp(masked_mean(log_w, mask, dim=-1))  # (B,) geometric mean of w over valid tokens
+            weight = torch.where(((seq_w >= lo) & (seq_w <= hi))[:, None], w, 0.0)
+        loss = loss * weight
+        stats["is_weight_mean"] = masked_mean(weight, mask).detach()
+    stats["clipfrac"] = masked_mean((surr_clipped < surr).float(), mask).detach()
+    stats["approx_kl"] = masked_mean(approx_kl(old_logp, logp.detach(), "k3"), mask)
+    stats["ratio_mean"] = masked_mean(ratio.detach(), mask)
+    return aggregate_loss(loss, mask, agg, **agg_kwargs), stats
+
+
+def value_loss(
+    values: Tensor,
+    old_values: Tensor,
+    returns: Tensor,
+    mask: Tensor,
+    clip_eps: float | None = None,
+    agg: str = "token-mean",
+    **agg_kwargs: Count | None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Critic loss with PPO-style value clipping (OpenRLHF's ValueLoss; TRL's cliprange_value).
+
+    ℓ_t = ½ · max((V_clip − R)², (V − R)²),  V_clip = V_old + clamp(V − V_old, −clip_eps, clip_eps);
+    ℓ_t = ½ · (V − R)² when clip_eps is None.  loss = aggregate_loss(ℓ, mask, agg, **agg_kwargs).
+    values: (B, T) with gradient; old_values, returns, mask: (B, T), used detached. Returns (loss, stats), stats
+    detached: clipfrac (fraction of valid tokens where the clipped term is the larger one), values_mean.
+    """
+    mask = mask.bool()
+    values = _keep(values, mask)
+    old_values, returns = _keep(old_values, mask).detach(), _keep(returns, mask).detach()
+    err = (values - returns).square()
+    if clip_eps is None:
+        loss, clipped = 0.5 * err, torch.zeros_like(mask)
+    else:
+        values_clipped = old_values + (values - old_values).clamp(-clip_eps, clip_eps)
+        err_clipped = (values_clipped - returns).square()
+        loss, clipped = 0.5 * torch.max(err_clipped, err), err_clipped > err
+    stats = {
+        "clipfrac": masked_mean(clipped.float(), mask).detach(),
+        "values_mean": masked_mean(values.detach(), mask),
+    }
+    return aggregate_loss(loss, mask, agg, **agg_kwargs), stats
+
+
+def entropy_from_logits(logits: Tensor) -> Tensor:
+    """Per-token entropy of softmax(logits): H = logsumexp(z) − Σ_v softmax(z)_v · z_v.
+
+    logits: (B, T, V) (any leading shape) -> (B, T), in logits' dtype (call .float() first for accurate bf16).
+    Stable for large logits (no un-shifted exp); −inf logits (top-k/top-p filtering) contribute 0, not NaN.
+    """
+    probs = torch.softmax(logits, dim=-1)
+    z = logits.masked_fill(probs == 0, 0.0)  # p = 0 terms are 0; 0 · (−inf) would be NaN
+    return torch.logsumexp(logits, dim=-1) - (probs * z).sum(dim=-1)
+
+
+def logprobs_from_logits(logits: Tensor, labels: Tensor, temperature: float = 1.0) -> Tensor:
+    """log softmax(logits / temperature) gathered at labels, without a full (B, T, V) float32 copy when avoidable.
+
+    logp_{b,t} = z_{b,t,y} − logsumexp_v z_{b,t,v},  z = logits / temperature (the sampler's temperature, so the
+    log-probs match what vLLM sampled from). logits: (B, T, V); labels: (B, T) valid token ids -> (B, T) float32
+    (float64 stays float64). fp32/fp64: gather minus logsumexp, no log_softmax tensor. bf16/fp16: one row (T, V) at
+    a time in float32. Under autograd each row's float32 activations are kept for backward; the saving is complete
+    for the no-grad passes (old and reference log-probs), which see the largest batches.
+    """
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if logits.dtype in (torch.float32, torch.float64):
+        if temperature != 1.0:
+            logits = logits / temperature
+        picked = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+        return picked - torch.logsumexp(logits, dim=-1)
+    rows = []
+    for row_logits, row_labels in zip(logits, labels, strict=True):  # (T, V), (T)
+        row_logp = F.log_softmax(row_logits.float() / temperature, dim=-1)
+        rows.append(row_logp.gather(-1, row_labels.unsqueeze(-1)).squeeze(-1))
+    return torch.stack(rows)
+
+
+class AdaptiveKLController:
+    """Adaptive KL coefficient of Ziegler et al. 2019 (arXiv:1909.08593), as in OpenRLHF and TRL.
+
+    β ← β · (1 + clip(KL / target − 1, −0.2, 0.2) · n_steps / horizon): β grows while the measured KL is above the
+    target and shrinks below it, by at most 20 % per `horizon` steps. n_steps is what OpenRLHF passes: the number of
+    samples since the last update. Only β is state; target and horizon come from the script's Args.
+    """
+
+    def __init__(self, init_kl_coef: float, target: float, horizon: float):
+        if target <= 0 or horizon <= 0:
+            raise ValueError(f"target and horizon must be > 0, got target={target}, horizon={horizon}")
+        self.value = float(init_kl_coef)
+        self.target = float(target)
+        self.horizon = float(horizon)
+
+    def update(self, current_kl: float | Tensor, n_steps: int) -> None:
+        error = min(max(float(current_kl) / self.target - 1.0, -0.2), 0.2)
+        self.value *= 1.0 + error * n_steps / self.horizon
+
+    def state_dict(self) -> dict[str, float]:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.value = float(state["value"])
+
+
+class FixedKLController:
+    """Constant KL coefficient β = kl_coef; same interface as AdaptiveKLController, update() does nothing."""
+
+    def __init__(self, kl_coef: float):
+        self.value = float(kl_coef)
+
+    def update(self, current_kl: float | Tensor, n_steps: int) -> None:
+        pass
+
+    def state_dict(self) -> dict[str, float]:
+        return {"value": self.value}
+
+    def load_state_dict(self, state: dict[str, float]) -> None:
+        self.value = float(state["value"])

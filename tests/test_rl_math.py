@@ -1,0 +1,678 @@
+"""Tests for core/rl_math.py: hand-computed cases (arithmetic in the comments), properties, loop equivalence, gradients.
+
+CPU only, tiny tensors, float64 wherever gradients are compared.
+"""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from core.rl_math import (
+    AdaptiveKLController,
+    FixedKLController,
+    aggregate_loss,
+    approx_kl,
+    discounted_returns,
+    entropy_from_logits,
+    gae,
+    logprobs_from_logits,
+    masked_mean,
+    masked_whiten,
+    policy_loss,
+    token_rewards,
+    value_loss,
+)
+
+F64 = torch.float64
+NAN, INF = float("nan"), float("inf")
+
+
+def lengths_mask(lengths: list[int], T: int) -> torch.Tensor:
+    """Right-padded bool mask (B, T) with the given number of valid tokens per row."""
+    return torch.arange(T)[None, :] < torch.tensor(lengths)[:, None]
+
+
+def t(*rows) -> torch.Tensor:
+    return torch.tensor(rows, dtype=F64)
+
+
+def assert_close(a, b, **kw):
+    torch.testing.assert_close(torch.as_tensor(a, dtype=F64), torch.as_tensor(b, dtype=F64), **kw)
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# hand-computed cases
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def test_masked_mean_hand():
+    x = t([1.0, 2.0, NAN], [INF, -INF, NAN])
+    mask = torch.tensor([[True, True, False], [False, False, False]])
+    assert_close(masked_mean(x, mask), 1.5)  # (1 + 2) / 2 valid tokens
+    assert_close(masked_mean(x, mask, dim=-1), [1.5, 0.0])  # all-masked row: 0, not NaN
+    assert_close(masked_mean(x, torch.zeros_like(mask)), 0.0)
+    assert_close(masked_mean(t([2.0, 4.0]), t([1.0, 1.0])), 3.0)  # 0/1 float mask works too
+
+
+def test_approx_kl_hand():
+    ref = t(-1.0, -1.0, -1.0, -1.0, -1.0)
+    delta = t(0.5, -1.0, 0.0, 30.0, -30.0)
+    logp = ref + delta
+    # k1 = Δ, clamped to ±10
+    assert_close(approx_kl(logp, ref, "k1"), [0.5, -1.0, 0.0, 10.0, -10.0])
+    # k2 = Δ²/2: 0.125, 0.5, 0, 450 -> 10, 450 -> 10
+    assert_close(approx_kl(logp, ref, "k2"), [0.125, 0.5, 0.0, 10.0, 10.0])
+    # k3 = exp(-Δ) - 1 + Δ: e^-0.5 - 0.5 = 0.10653, e^1 - 2 = 0.71828, 0, ~29 -> 10, ~e^30 -> 10
+    k3 = [math.exp(-0.5) - 0.5, math.e - 2.0, 0.0, 10.0, 10.0]
+    assert_close(approx_kl(logp, ref, "k3"), k3)
+    mask = torch.tensor([True, False, True, True, False])
+    assert_close(approx_kl(logp, ref, "k3", mask=mask), [k3[0], 0.0, 0.0, 10.0, 0.0])
+    with pytest.raises(ValueError, match="'k4'.*k1, k2, k3"):
+        approx_kl(logp, ref, "k4")
+
+
+def test_approx_kl_k3_gradient_finite_at_extremes():
+    logp = t(-1000.0, 0.3, 1000.0).requires_grad_()
+    approx_kl(logp, torch.zeros(3, dtype=F64), "k3").sum().backward()
+    # d/dΔ (e^-Δ - 1 + Δ) = 1 - e^-Δ; the clamp to ±10 kills it at ±1000 (not NaN from e^1000 = inf)
+    assert_close(logp.grad, [0.0, 1.0 - math.exp(-0.3), 0.0])
+
+
+def test_token_rewards_hand():
+    reward = t(2.0, 15.0, NAN)  # the empty row's reward is never used
+    kl = t([0.1, 0.2, 0.3], [0.5, 0.5, NAN], [NAN, INF, 1.0])
+    mask = lengths_mask([3, 2, 0], 3)
+    out = token_rewards(reward, kl, 0.1, mask)
+    # row 0: -0.1*kl, plus reward 2 at t=2; row 1: reward 15 clipped to 10 at t=1; row 2: nothing
+    assert_close(out, [[-0.01, -0.02, -0.03 + 2.0], [-0.05, -0.05 + 10.0, 0.0], [0.0, 0.0, 0.0]])
+    out = token_rewards(reward, kl, 0.1, mask, clip_range=None)
+    assert_close(out[1], [-0.05, -0.05 + 15.0, 0.0])
+    # the reward goes to the last valid token even if the mask is not right-padded
+    out = token_rewards(t(1.0), t([NAN, 0.0, 0.0, NAN]), 0.1, torch.tensor([[False, True, True, False]]))
+    assert_close(out, [[0.0, 0.0, 1.0, 0.0]])
+
+
+def test_gae_hand():
+    # γ = λ = 0.5, r = [0, 0, 1], V = [1, 2, 3], V after the last token = 0
+    # t=2: δ = 1 + 0.5*0 - 3 = -2,     A = -2
+    # t=1: δ = 0 + 0.5*3 - 2 = -0.5,   A = -0.5 + 0.25*(-2) = -1
+    # t=0: δ = 0 + 0.5*2 - 1 = 0,      A = 0 + 0.25*(-1) = -0.25
+    # returns = A + V = [0.75, 1, 1]; the padded 4th step (garbage) must not change anything
+    rewards = t([0.0, 0.0, 1.0, NAN])
+    values = t([1.0, 2.0, 3.0, 1e30])
+    adv, ret = gae(rewards, values, lengths_mask([3], 4), gamma=0.5, lam=0.5)
+    assert_close(adv, [[-0.25, -1.0, -2.0, 0.0]])
+    assert_close(ret, [[0.75, 1.0, 1.0, 0.0]])
+    # γ = λ = 1: A_t = Σ_k r_k - V_t = [1 - 1, 1 - 2, 1 - 3]; returns = 1 everywhere
+    adv, ret = gae(rewards, values, lengths_mask([3], 4), gamma=1.0, lam=1.0)
+    assert_close(adv, [[0.0, -1.0, -2.0, 0.0]])
+    assert_close(ret, [[1.0, 1.0, 1.0, 0.0]])
+
+
+def test_discounted_returns_hand():
+    # γ = 0.5, r = [1, 0, 2]: G2 = 2, G1 = 0 + 0.5*2 = 1, G0 = 1 + 0.5*1 = 1.5
+    rewards = t([1.0, 0.0, 2.0, NAN], [NAN, NAN, NAN, NAN])
+    out = discounted_returns(rewards, lengths_mask([3, 0], 4), gamma=0.5)
+    assert_close(out, [[1.5, 1.0, 2.0, 0.0], [0.0, 0.0, 0.0, 0.0]])
+
+
+def test_masked_whiten_hand():
+    x = t([1.0, 2.0, NAN], [3.0, 1e30, -INF])
+    mask = lengths_mask([2, 1], 3)
+    # valid values 1, 2, 3: mean 2, population variance (1 + 0 + 1)/3 = 2/3
+    std = math.sqrt(2.0 / 3.0 + 1e-8)
+    assert_close(masked_whiten(x, mask), [[-1 / std, 0.0, 0.0], [1 / std, 0.0, 0.0]])
+    assert_close(masked_whiten(x, mask, scale_by_std=False), [[-1.0, 0.0, 0.0], [1.0, 0.0, 0.0]])
+    assert_close(masked_whiten(x, torch.zeros_like(mask)), torch.zeros(2, 3))
+    # eps sits inside the square root: x = [0, 1e-4] -> ±5e-5 / sqrt(2.5e-9 + 1e-8) = ±0.4472
+    assert_close(masked_whiten(t(0.0, 1e-4), torch.ones(2, dtype=torch.bool)), [-0.4472136, 0.4472136])
+
+
+def test_aggregate_loss_hand():
+    loss = t([1.0, 2.0, 3.0], [4.0, NAN, INF], [NAN, NAN, NAN])
+    mask = lengths_mask([3, 1, 0], 3)
+    assert_close(aggregate_loss(loss, mask, "token-mean"), 2.5)  # (1+2+3+4) / 4 tokens
+    assert_close(aggregate_loss(loss, mask, "token-mean", num_tokens=8), 1.25)  # 10 / 8 (global count)
+    assert_close(aggregate_loss(loss, mask, "seq-mean-token-mean"), 3.0)  # (2 + 4) / 2; empty row skipped
+    assert_close(aggregate_loss(loss, mask, "seq-mean-token-mean", num_seqs=4), 1.5)  # (2 + 4) / 4
+    assert_close(aggregate_loss(loss, mask, "seq-mean-token-sum-norm"), 10.0 / 9.0)  # 10 / (B=3 * T=3)
+    assert_close(aggregate_loss(loss, mask, "seq-mean-token-sum-norm", num_seqs=2, max_len=5), 1.0)  # 10 / (2*5)
+    with pytest.raises(ValueError, match="'token-sum'.*token-mean, seq-mean-token-mean, seq-mean-token-sum-norm"):
+        aggregate_loss(loss, mask, "token-sum")
+
+
+def test_aggregate_loss_gradients_hand():
+    mask = lengths_mask([3, 1, 0], 3)
+    loss = torch.ones(3, 3, dtype=F64, requires_grad=True)
+    # token-mean: ∂/∂ℓ = m / N = 1/4 on valid tokens
+    (grad,) = torch.autograd.grad(aggregate_loss(loss, mask, "token-mean"), loss)
+    assert_close(grad, mask / 4.0)
+    # seq-mean-token-mean: ∂/∂ℓ_{i,t} = 1 / (S * n_i), S = 2 non-empty rows: row 0 -> 1/6, row 1 -> 1/2
+    (grad,) = torch.autograd.grad(aggregate_loss(loss, mask, "seq-mean-token-mean"), loss)
+    assert_close(grad, [[1 / 6, 1 / 6, 1 / 6], [0.5, 0.0, 0.0], [0.0, 0.0, 0.0]])
+    # seq-mean-token-sum-norm: ∂/∂ℓ = m / (B * T) = 1/9
+    (grad,) = torch.autograd.grad(aggregate_loss(loss, mask, "seq-mean-token-sum-norm"), loss)
+    assert_close(grad, mask / 9.0)
+
+
+def _policy_hand_inputs():
+    # ratios 1.5, 0.5, 1.0 with A = +1, -1, +2
+    old = torch.log(t([0.2, 0.4, 0.5]))
+    logp = torch.log(t([0.3, 0.2, 0.5])).requires_grad_()
+    return logp, old, t([1.0, -1.0, 2.0]), torch.ones(1, 3, dtype=torch.bool)
+
+
+def test_policy_loss_token_hand():
+    logp, old, adv, mask = _policy_hand_inputs()
+    loss, stats = policy_loss(logp, old, adv, mask)
+    # t0: ρ=1.5, A=+1: min(1.5, 1.2) = 1.2 (clipped)    -> ℓ = -1.2, no gradient
+    # t1: ρ=0.5, A=-1: min(-0.5, -0.8) = -0.8 (clipped) -> ℓ = +0.8, no gradient
+    # t2: ρ=1,   A=+2: ℓ = -2, ∂ℓ/∂logp = -ρA = -2
+    # token mean: (-1.2 + 0.8 - 2) / 3 = -0.8; gradient [0, 0, -2/3]; clipfrac 2/3
+    assert_close(loss, -0.8)
+    (grad,) = torch.autograd.grad(loss, logp)
+    assert_close(grad, [[0.0, 0.0, -2.0 / 3.0]])
+    assert_close(stats["clipfrac"], 2.0 / 3.0)
+    # approx_kl to the old policy, k3 = ρ - 1 - log ρ per token: 0.5 - ln 1.5, -0.5 + ln 2, 0
+    assert_close(stats["approx_kl"], (0.5 - math.log(1.5) - 0.5 + math.log(2.0)) / 3.0)
+    assert all(not v.requires_grad for v in stats.values())
+    # clip-higher (clip_high = 0.6): t0 now unclipped, ℓ = -1.5 -> (-1.5 + 0.8 - 2) / 3 = -0.9, ∂/∂logp_0 = -1.5/3
+    loss, stats = policy_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.6)
+    assert_close(loss, -0.9)
+    (grad,) = torch.autograd.grad(loss, logp)
+    assert_close(grad, [[-0.5, 0.0, -2.0 / 3.0]])
+    assert_close(stats["clipfrac"], 1.0 / 3.0)
+
+
+def test_policy_loss_ratio_is_clamped_at_e20():
+    # log-ratio 100 with A = -1: ρ = e^min(100, 20) = e^20, ℓ = -min(-e^20, -1.2) = e^20 (fp32: no inf), no gradient
+    old = torch.zeros(1, 1)
+    logp = torch.full((1, 1), 100.0, requires_grad=True)
+    loss, _ = policy_loss(logp, old, -torch.ones(1, 1), torch.ones(1, 1, dtype=torch.bool))
+    assert_close(loss, math.exp(20.0), rtol=1e-6, atol=0)
+    (grad,) = torch.autograd.grad(loss, logp)
+    assert grad.item() == 0.0
+
+
+def test_policy_loss_dual_clip_hand():
+    old = torch.zeros(1, 2, dtype=F64)
+    logp = torch.log(t([5.0, 5.0])).requires_grad_()  # ρ = 5 on both tokens
+    adv, mask = t([-1.0, 1.0]), torch.ones(1, 2, dtype=torch.bool)
+    loss_plain, _ = policy_loss(logp, old, adv, mask)
+    loss_dual, stats = policy_loss(logp, old, adv, mask, dual_clip=3.0)
+    # A=-1: plain ℓ = -min(-5, -1.2) = 5; dual ℓ = min(5, -3*(-1)) = 3.   A=+1: ℓ = -min(5, 1.2) = -1.2 in both
+    assert_close(loss_plain, (5.0 - 1.2) / 2)
+    assert_close(loss_dual, (3.0 - 1.2) / 2)
+    assert_close(stats["dual_clipfrac"], 0.5)
+    for bad in (1.0, 0.5):
+        with pytest.raises(ValueError, match="dual_clip must be > 1"):
+            policy_loss(logp, old, adv, mask, dual_clip=bad)
+
+
+def test_policy_loss_sequence_level_hand():
+    # row 0: log-ratios [0.1, 0.3] -> mean 0.2, ρ = e^0.2 = 1.221 > 1.2, A = +1 -> clipped: ℓ = -1.2 on both tokens
+    # row 1: log-ratios [0.3, -0.3] -> mean 0, ρ = 1, A = -2 -> ℓ = 2 on both tokens
+    # seq-mean-token-mean: (-1.2 + 2) / 2 = 0.4
+    # gradient: row 0 is clipped -> 0; row 1: each ℓ_t sees logp_s through the mean, ∂ℓ_t/∂logp_s = -ρA/2 = 1;
+    # both ℓ_t of the row, weight 1/(2 rows * 2 tokens) each: 2 * 1 / 4 = 0.5 per token
+    old = torch.full((2, 2), -1.0, dtype=F64)
+    logp = (old + t([0.1, 0.3], [0.3, -0.3])).requires_grad_()
+    adv = t([1.0, 1.0], [-2.0, -2.0])
+    mask = torch.ones(2, 2, dtype=torch.bool)
+    loss, stats = policy_loss(logp, old, adv, mask, level="sequence", agg="seq-mean-token-mean")
+    assert_close(loss, 0.4)
+    (grad,) = torch.autograd.grad(loss, logp)
+    assert_close(grad, [[0.0, 0.0], [0.5, 0.5]])
+    assert_close(stats["clipfrac"], 0.5)
+    # token level on the same data differs: row 0 token 0 (ρ = e^0.1 = 1.105) is no longer clipped
+    loss_tok, _ = policy_loss(logp, old, adv, mask, level="token", agg="seq-mean-token-mean")
+    assert not torch.isclose(loss_tok, loss)
+    with pytest.raises(ValueError, match="'seq'"):
+        policy_loss(logp, old, adv, mask, level="seq")
+
+
+def test_value_loss_hand():
+    values = t([1.0, 2.0]).requires_grad_()
+    old_values, returns, mask = t([0.5, 2.0]), t([2.0, 1.0]), torch.ones(1, 2, dtype=torch.bool)
+    # clip 0.2, t0: V_clip = 0.5 + clamp(0.5, ±0.2) = 0.7; max((0.7-2)², (1-2)²) = 1.69 -> ℓ = 0.845 (clipped branch)
+    #          t1: V = V_old -> V_clip = 2; both terms (2-1)² = 1 -> ℓ = 0.5
+    # token mean (0.845 + 0.5) / 2 = 0.6725; gradient: t0 clipped -> 0, t1: (V - R) / 2 = 0.5
+    loss, stats = value_loss(values, old_values, returns, mask, clip_eps=0.2)
+    assert_close(loss, 0.6725)
+    assert_close(stats["clipfrac"], 0.5)
+    (grad,) = torch.autograd.grad(loss, values)
+    assert_close(grad, [[0.0, 0.5]])
+    # unclipped: ½ (V - R)² = 0.5, 0.5 -> mean 0.5; gradient (V - R) / 2 = [-0.5, 0.5]
+    loss, stats = value_loss(values, old_values, returns, mask)
+    assert_close(loss, 0.5)
+    assert_close(stats["clipfrac"], 0.0)
+    (grad,) = torch.autograd.grad(loss, values)
+    assert_close(grad, [[-0.5, 0.5]])
+
+
+def test_entropy_from_logits_hand():
+    # uniform over 4 -> ln 4, also for huge logits (no overflow); two finite logits and two -inf -> ln 2
+    logits = t([0.0, 0.0, 0.0, 0.0], [1000.0, 1000.0, 1000.0, 1000.0], [3.0, 3.0, -INF, -INF]).requires_grad_()
+    ent = entropy_from_logits(logits)
+    assert_close(ent, [math.log(4), math.log(4), math.log(2)])
+    ent.sum().backward()
+    assert torch.isfinite(logits.grad).all()
+    # against -Σ p log p on random logits, (B, T, V)
+    z = torch.randn(2, 3, 7, dtype=F64, generator=torch.Generator().manual_seed(0)) * 3
+    p = z.softmax(-1)
+    assert_close(entropy_from_logits(z), -(p * p.log()).sum(-1))
+
+
+def test_adaptive_kl_controller_hand():
+    ctl = AdaptiveKLController(init_kl_coef=0.1, target=6.0, horizon=10000)
+    ctl.update(current_kl=12.0, n_steps=64)  # error = 12/6 - 1 = 1 -> clipped to 0.2
+    assert_close(ctl.value, 0.1 * (1 + 0.2 * 64 / 10000))
+    ctl = AdaptiveKLController(0.1, 6.0, 10000)
+    ctl.update(torch.tensor(6.6), 64)  # error = 0.1, inside the clip
+    assert_close(ctl.value, 0.1 * (1 + 0.1 * 64 / 10000))
+    ctl = AdaptiveKLController(0.1, 6.0, 10000)
+    ctl.update(0.0, 64)  # error = -1 -> clipped to -0.2
+    assert_close(ctl.value, 0.1 * (1 - 0.2 * 64 / 10000))
+    with pytest.raises(ValueError):
+        AdaptiveKLController(0.1, target=0.0, horizon=10)
+
+
+@pytest.mark.parametrize("cls,args", [(AdaptiveKLController, (0.05, 3.0, 500)), (FixedKLController, (0.05,))])
+def test_kl_controller_resumes_exactly(cls, args):
+    kls = [1.0, 7.0, 2.5, 3.3, 0.1, 9.0]
+    straight = cls(*args)
+    for kl in kls:
+        straight.update(kl, 32)
+    first = cls(*args)
+    for kl in kls[:3]:
+        first.update(kl, 32)
+    resumed = cls(*args)
+    resumed.load_state_dict(first.state_dict())
+    for kl in kls[3:]:
+        resumed.update(kl, 32)
+    assert resumed.value == straight.value
+    if cls is FixedKLController:
+        assert straight.value == 0.05
+    else:
+        assert straight.value != 0.05
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# importance-sampling corrections against the rollout engine's log-probs
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def _is_inputs(w_rows):
+    """ratio 1 (logp = old), A = 1, so the per-token loss is -weight; w = exp(old - rollout) as given."""
+    w = t(*w_rows)
+    old = torch.full_like(w, math.log(0.5))
+    return old.clone().requires_grad_(), old, torch.ones_like(w), torch.ones_like(w, dtype=torch.bool), old - w.log()
+
+
+def test_is_correction_tis_clamps():
+    logp, old, adv, mask, rollout = _is_inputs([[0.25, 1.0, 8.0]])
+    loss, stats = policy_loss(logp, old, adv, mask, rollout_logp=rollout, is_correction="tis", is_threshold=(0.5, 5))
+    # weights clamp([0.25, 1, 8], 0.5, 5) = [0.5, 1, 5] -> loss -(0.5 + 1 + 5)/3; ∂/∂logp_t = -A ρ w_t / 3
+    assert_close(loss, -6.5 / 3)
+    assert_close(stats["is_weight_mean"], 6.5 / 3)
+    (grad,) = torch.autograd.grad(loss, logp)
+    assert_close(grad, [[-0.5 / 3, -1.0 / 3, -5.0 / 3]])
+
+
+def test_is_correction_icepop_zeroes_out_of_band():
+    logp, old, adv, mask, rollout = _is_inputs([[0.25, 1.0, 8.0]])
+    loss, _ = policy_loss(logp, old, adv, mask, rollout_logp=rollout, is_correction="icepop")
+    # weights [0, 1, 0]: out-of-band tokens contribute neither loss nor gradient
+    assert_close(loss, -1.0 / 3)
+    (grad,) = torch.autograd.grad(loss, logp)
+    assert_close(grad, [[0.0, -1.0 / 3, 0.0]])
+
+
+def test_is_correction_seq_mask_tis_masks_whole_sequences():
+    # row 0: w = [2, 8], geometric mean 4 in [0.5, 5] -> kept, weights [2, 8] (8 alone would be out of band)
+    # row 1: w = [8, 8], geometric mean 8 -> the whole sequence is dropped
+    # row 2: w = [0.1, 10], geometric mean 1 -> kept, weights [0.1, 10]
+    # token mean over 6 tokens: -(2 + 8 + 0.1 + 10) / 6
+    logp, old, adv, mask, rollout = _is_inputs([[2.0, 8.0], [8.0, 8.0], [0.1, 10.0]])
+    loss, _ = policy_loss(logp, old, adv, mask, rollout_logp=rollout, is_correction="seq-mask-tis")
+    assert_close(loss, -20.1 / 6)
+    (grad,) = torch.autograd.grad(loss, logp)
+    assert_close(grad, [[-2 / 6, -8 / 6], [0.0, 0.0], [-0.1 / 6, -10 / 6]])
+
+
+def test_is_correction_argument_errors():
+    logp, old, adv, mask, rollout = _is_inputs([[1.0]])
+    with pytest.raises(ValueError, match="needs rollout_logp"):
+        policy_loss(logp, old, adv, mask, is_correction="tis")
+    with pytest.raises(ValueError, match="'tis2'"):
+        policy_loss(logp, old, adv, mask, rollout_logp=rollout, is_correction="tis2")
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# properties
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def test_zero_variance_group_gives_zero_advantage_and_no_gradient():
+    # two GRPO-style groups of 4 responses: group 0 all rewarded 0.7 (no signal), group 1 mixed
+    rewards = t([0.7, 0.7, 0.7, 0.7], [0.0, 1.0, 0.0, 1.0])
+    ones = torch.ones(4, dtype=torch.bool)
+    seq_adv = torch.stack([masked_whiten(group, ones) for group in rewards]).reshape(8)  # per-group (r - mean)/std
+    assert_close(seq_adv[:4], torch.zeros(4), atol=1e-6, rtol=0)
+    assert_close(seq_adv[4:], [-1.0, 1.0, -1.0, 1.0], atol=1e-6, rtol=0)
+    assert_close(torch.stack([masked_whiten(g, ones, scale_by_std=False) for g in rewards])[0], torch.zeros(4))
+    # downstream: broadcast to tokens; the zero-variance group gets no loss and no gradient
+    gen = torch.Generator().manual_seed(1)
+    mask = lengths_mask([3, 5, 1, 4, 5, 2, 3, 4], 5)
+    old = torch.randn(8, 5, dtype=F64, generator=gen)
+    logp = (old + 0.3 * torch.randn(8, 5, dtype=F64, generator=gen)).requires_grad_()
+    loss, _ = policy_loss(logp, old, seq_adv[:, None].expand(8, 5), mask)
+    (grad,) = torch.autograd.grad(loss, logp)
+    assert_close(grad[:4], torch.zeros(4, 5), atol=1e-9, rtol=0)
+    assert (grad[4:][mask[4:]] != 0).all()
+
+
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_ratio_one_gives_no_clipping(level):
+    gen = torch.Generator().manual_seed(2)
+    mask = lengths_mask([4, 2, 0], 4)
+    old = torch.randn(3, 4, dtype=F64, generator=gen)
+    adv = torch.randn(3, 4, dtype=F64, generator=gen)
+    loss, stats = policy_loss(old.clone(), old, adv, mask, clip_low=0.0, clip_high=0.0, level=level)
+    assert stats["clipfrac"] == 0.0
+    assert stats["approx_kl"] == 0.0
+    assert_close(loss, -masked_mean(adv, mask))  # ρ = 1: ℓ = -A
+
+
+def test_dual_clip_never_increases_loss_and_leaves_positive_advantages_alone():
+    for seed in range(5):
+        gen = torch.Generator().manual_seed(seed)
+        mask = lengths_mask([6, 3, 5, 1], 6)
+        old = torch.randn(4, 6, dtype=F64, generator=gen)
+        logp = old + 2.0 * torch.randn(4, 6, dtype=F64, generator=gen)  # ratios up to e^±6: the dual clip bites
+        adv = torch.randn(4, 6, dtype=F64, generator=gen)
+        # per-token losses: a one-token mask per position, so each call returns that token's ℓ
+        for b, tt in mask.nonzero().tolist():
+            one = torch.zeros_like(mask)
+            one[b, tt] = True
+            plain, _ = policy_loss(logp, old, adv, one)
+            dual, _ = policy_loss(logp, old, adv, one, dual_clip=3.0)
+            assert dual <= plain
+            if adv[b, tt] >= 0:
+                assert dual == plain
+        _, stats = policy_loss(logp, old, adv, mask, dual_clip=3.0)
+        assert stats["dual_clipfrac"] > 0
+
+
+# one entry per function that takes a mask: (number of (B, T) inputs, fn(inputs, mask) -> list of output tensors)
+REWARD = t(1.0, -2.0, 30.0, 0.5)
+MASKED_FNS = {
+    "masked_mean": (1, lambda x, m: [masked_mean(x[0], m), masked_mean(x[0], m, dim=-1)]),
+    **{f"approx_kl_{k}": (2, lambda x, m, k=k: [approx_kl(x[0], x[1], k, mask=m)]) for k in ("k1", "k2", "k3")},
+    "token_rewards": (1, lambda x, m: [token_rewards(REWARD[: len(m)], x[0], 0.1, m)]),
+    "gae": (2, lambda x, m: list(gae(x[0], x[1], m, gamma=0.99, lam=0.95))),
+    "discounted_returns": (1, lambda x, m: [discounted_returns(x[0], m, gamma=0.9)]),
+    "masked_whiten": (1, lambda x, m: [masked_whiten(x[0], m), masked_whiten(x[0], m, scale_by_std=False)]),
+    **{
+        f"aggregate_loss_{mode}": (1, lambda x, m, mode=mode: [aggregate_loss(x[0], m, mode)])
+        for mode in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+    },
+    "policy_loss_token_dual": (3, lambda x, m: _flat(policy_loss(x[0], x[1], x[2], m, dual_clip=3.0))),
+    "policy_loss_sequence": (
+        3,
+        lambda x, m: _flat(policy_loss(x[0], x[1], x[2], m, level="sequence", agg="seq-mean-token-mean")),
+    ),
+    **{
+        f"policy_loss_{c}": (4, lambda x, m, c=c: _flat(policy_loss(*x[:3], m, rollout_logp=x[3], is_correction=c)))
+        for c in ("tis", "icepop", "seq-mask-tis")
+    },
+    "value_loss_clipped": (3, lambda x, m: _flat(value_loss(x[0], x[1], x[2], m, clip_eps=0.2))),
+}
+
+
+def _flat(loss_and_stats):
+    loss, stats = loss_and_stats
+    return [loss, *stats.values()]
+
+
+@pytest.mark.parametrize("garbage", [NAN, INF, -INF, 1e30])
+@pytest.mark.parametrize("name", list(MASKED_FNS))
+def test_masked_garbage_never_changes_outputs_or_gradients(name, garbage):
+    n_inputs, fn = MASKED_FNS[name]
+    mask = lengths_mask([5, 3, 0, 1], 5)  # includes an all-masked row
+    gen = torch.Generator().manual_seed(3)
+    clean = [torch.where(mask, torch.randn(4, 5, dtype=F64, generator=gen), 0.0) for _ in range(n_inputs)]
+    dirty = [torch.where(mask, x, garbage).requires_grad_() for x in clean]
+    clean = [x.requires_grad_() for x in clean]
+    out_clean, out_dirty = fn(clean, mask), fn(dirty, mask)
+    for a, b in zip(out_clean, out_dirty, strict=True):
+        assert torch.isfinite(b).all(), name
+        assert torch.equal(a, b), name
+    differentiable = [o for o in out_dirty if o.requires_grad]
+    if not differentiable:
+        return
+    grads_clean = torch.autograd.grad(sum(o.sum() for o in out_clean if o.requires_grad), clean, allow_unused=True)
+    grads_dirty = torch.autograd.grad(sum(o.sum() for o in differentiable), dirty, allow_unused=True)
+    for a, b in zip(grads_clean, grads_dirty, strict=True):
+        if a is None:
+            assert b is None
+            continue
+        assert torch.isfinite(b).all() and torch.equal(a, b), name
+        assert (b[~mask] == 0).all(), name
+
+
+@pytest.mark.parametrize("name", list(MASKED_FNS))
+def test_all_masked_batch_gives_zeros_not_nan(name):
+    n_inputs, fn = MASKED_FNS[name]
+    mask = torch.zeros(2, 3, dtype=torch.bool)
+    inputs = [torch.full((2, 3), NAN, dtype=F64) for _ in range(n_inputs)]
+    for out in fn(inputs, mask):
+        assert (out == 0).all(), name
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# equivalence: vectorized == loop, micro-batches == whole batch
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def gae_loop(rewards, values, lengths, gamma, lam):
+    """Plain Python GAE, one sequence at a time, only over its valid tokens."""
+    B, T = len(rewards), len(rewards[0])
+    adv, ret = [[0.0] * T for _ in range(B)], [[0.0] * T for _ in range(B)]
+    for b in range(B):
+        running = 0.0
+        for i in reversed(range(lengths[b])):
+            next_value = values[b][i + 1] if i + 1 < lengths[b] else 0.0
+            delta = rewards[b][i] + gamma * next_value - values[b][i]
+            running = delta + gamma * lam * running
+            adv[b][i], ret[b][i] = running, running + values[b][i]
+    return adv, ret
+
+
+def returns_loop(rewards, lengths, gamma):
+    B, T = len(rewards), len(rewards[0])
+    out = [[0.0] * T for _ in range(B)]
+    for b in range(B):
+        running = 0.0
+        for i in reversed(range(lengths[b])):
+            running = rewards[b][i] + gamma * running
+            out[b][i] = running
+    return out
+
+
+@pytest.mark.parametrize("seed", range(5))
+@pytest.mark.parametrize("gamma,lam", [(1.0, 1.0), (0.99, 0.95), (0.5, 0.0)])
+def test_gae_and_discounted_returns_match_python_loop(seed, gamma, lam):
+    gen = torch.Generator().manual_seed(seed)
+    B, T = 6, 7
+    lengths = torch.randint(0, T + 1, (B,), generator=gen).tolist()
+    mask = lengths_mask(lengths, T)
+    rewards = torch.randn(B, T, dtype=F64, generator=gen)
+    values = torch.randn(B, T, dtype=F64, generator=gen)
+    adv_ref, ret_ref = gae_loop(rewards.tolist(), values.tolist(), lengths, gamma, lam)
+    adv, ret = gae(torch.where(mask, rewards, NAN), torch.where(mask, values, INF), mask, gamma, lam)
+    assert_close(adv, adv_ref)
+    assert_close(ret, ret_ref)
+    assert_close(
+        discounted_returns(torch.where(mask, rewards, NAN), mask, gamma), returns_loop(rewards.tolist(), lengths, gamma)
+    )
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_micro_batches_add_up_to_the_whole_batch(mode):
+    gen = torch.Generator().manual_seed(4)
+    lengths = [5, 1, 3, 0, 2, 4]
+    mask = lengths_mask(lengths, 5)
+    loss = torch.randn(6, 5, dtype=F64, generator=gen).requires_grad_()
+    whole = aggregate_loss(loss, mask, mode)
+    (grad_whole,) = torch.autograd.grad(whole, loss)
+    counts = {"num_tokens": mask.sum(), "num_seqs": (mask.sum(-1) > 0).sum() if mode == "seq-mean-token-mean" else 6}
+    parts = [aggregate_loss(loss[i : i + 2], mask[i : i + 2], mode, **counts, max_len=5) for i in (0, 2, 4)]
+    (grad_parts,) = torch.autograd.grad(sum(parts), loss)
+    assert_close(sum(parts), whole)
+    assert_close(grad_parts, grad_whole)
+    # without the global counts each micro-batch normalises by its own, and the average is a different number
+    local = sum(aggregate_loss(loss[i : i + 2], mask[i : i + 2], mode) for i in (0, 2, 4)) / 3
+    if mode != "seq-mean-token-sum-norm":  # equal-size micro-batches make Dr.GRPO's constant add up anyway
+        assert not torch.isclose(local, whole)
+
+
+def test_policy_loss_micro_batches_with_num_tokens_equal_whole_batch():
+    gen = torch.Generator().manual_seed(5)
+    mask = lengths_mask([4, 2, 3, 1], 4)
+    old = torch.randn(4, 4, dtype=F64, generator=gen)
+    logp = (old + 0.5 * torch.randn(4, 4, dtype=F64, generator=gen)).requires_grad_()
+    adv = torch.randn(4, 4, dtype=F64, generator=gen)
+    whole, _ = policy_loss(logp, old, adv, mask)
+    (grad_whole,) = torch.autograd.grad(whole, logp)
+    n = mask.sum()
+    parts = [
+        policy_loss(logp[i : i + 2], old[i : i + 2], adv[i : i + 2], mask[i : i + 2], num_tokens=n)[0] for i in (0, 2)
+    ]
+    (grad_parts,) = torch.autograd.grad(sum(parts), logp)
+    assert_close(sum(parts), whole)
+    assert_close(grad_parts, grad_whole)
+
+
+def test_sequence_level_equals_gspo_objective():
+    # GSPO: ρ_i = exp(mean_t(logp - old)), ℓ_i = -min(ρ_i A_i, clip(ρ_i) A_i), differentiated through the mean
+    gen = torch.Generator().manual_seed(6)
+    mask = lengths_mask([5, 2, 4, 1, 3], 5)
+    old = torch.randn(5, 5, dtype=F64, generator=gen)
+    logp = (old + 0.2 * torch.randn(5, 5, dtype=F64, generator=gen)).requires_grad_()
+    seq_adv = torch.randn(5, dtype=F64, generator=gen)
+    adv = seq_adv[:, None].expand(5, 5)
+    rho = torch.exp(masked_mean(logp - old, mask, dim=-1))
+    per_seq = -torch.min(rho * seq_adv, rho.clamp(1 - 0.05, 1 + 0.05) * seq_adv)  # (B,)
+    n_tokens = mask.sum(-1)
+    for agg, direct in [
+        ("seq-mean-token-mean", per_seq.mean()),
+        ("token-mean", (per_seq * n_tokens).sum() / n_tokens.sum()),
+    ]:
+        ours, stats = policy_loss(logp, old, adv, mask, clip_low=0.05, clip_high=0.05, level="sequence", agg=agg)
+        assert 0 < stats["clipfrac"] < 1  # some sequences clipped, some not
+        assert_close(ours, direct)
+        assert_close(torch.autograd.grad(ours, logp)[0], torch.autograd.grad(direct, logp, retain_graph=True)[0])
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# gradients against finite differences (float64)
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def _grad_inputs(seed, spread):
+    gen = torch.Generator().manual_seed(seed)
+    mask = lengths_mask([4, 3, 1], 4)
+    old = torch.randn(3, 4, dtype=F64, generator=gen)
+    new = (old + spread * torch.randn(3, 4, dtype=F64, generator=gen)).requires_grad_()
+    return gen, mask, old, new
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {},
+        {"clip_high": 0.28, "dual_clip": 3.0},
+        {"level": "sequence", "agg": "seq-mean-token-mean", "clip_low": 0.05, "clip_high": 0.05},
+        {"is_correction": "tis", "agg": "seq-mean-token-sum-norm"},
+    ],
+)
+def test_policy_loss_gradcheck_with_clipping_active(kwargs):
+    gen, mask, old, logp = _grad_inputs(7, spread=0.4)
+    adv = torch.randn(3, 4, dtype=F64, generator=gen)
+    rollout = old + 0.5 * torch.randn(3, 4, dtype=F64, generator=gen)
+    if kwargs.get("is_correction"):
+        kwargs = {**kwargs, "rollout_logp": rollout}
+    _, stats = policy_loss(logp, old, adv, mask, **kwargs)
+    assert 0 < stats["clipfrac"] < 1
+    assert torch.autograd.gradcheck(lambda lp: policy_loss(lp, old, adv, mask, **kwargs)[0], (logp,))
+
+
+def test_value_loss_gradcheck_with_clipping_active():
+    gen, mask, old_values, values = _grad_inputs(8, spread=0.3)
+    returns = old_values + torch.randn(3, 4, dtype=F64, generator=gen)
+    _, stats = value_loss(values, old_values, returns, mask, clip_eps=0.1)
+    assert 0 < stats["clipfrac"] < 1
+    assert torch.autograd.gradcheck(lambda v: value_loss(v, old_values, returns, mask, clip_eps=0.1)[0], (values,))
+
+
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+def test_aggregate_loss_and_entropy_and_logprobs_gradcheck(mode):
+    _, mask, _, loss = _grad_inputs(9, spread=1.0)
+    assert torch.autograd.gradcheck(lambda x: aggregate_loss(x, mask, mode, num_tokens=None), (loss,))
+    logits = torch.randn(2, 3, 5, dtype=F64, generator=torch.Generator().manual_seed(9)).requires_grad_()
+    labels = torch.tensor([[0, 4, 2], [1, 1, 3]])
+    assert torch.autograd.gradcheck(entropy_from_logits, (logits,))
+    assert torch.autograd.gradcheck(lambda z: logprobs_from_logits(z, labels, temperature=0.7), (logits,))
+
+
+# ----------------------------------------------------------------------------------------------------------------------
+# logprobs_from_logits
+# ----------------------------------------------------------------------------------------------------------------------
+
+
+def _logits_and_labels(seed=10, B=3, T=4, V=50):
+    gen = torch.Generator().manual_seed(seed)
+    return 3 * torch.randn(B, T, V, generator=gen), torch.randint(0, V, (B, T), generator=gen)
+
+
+def _reference(logits, labels):
+    return F.log_softmax(logits, dim=-1).gather(-1, labels.unsqueeze(-1)).squeeze(-1)
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_logprobs_fp32_matches_log_softmax_gather(temperature, monkeypatch):
+    logits, labels = _logits_and_labels()
+    logits.requires_grad_()
+    expected = _reference(logits / temperature, labels)
+    (grad_expected,) = torch.autograd.grad(expected.sum(), logits)
+
+    def no_full_log_softmax(*args, **kwargs):
+        raise AssertionError("the fp32 path must not build a (B, T, V) log_softmax")
+
+    monkeypatch.setattr(F, "log_softmax", no_full_log_softmax)
+    out = logprobs_from_logits(logits, labels, temperature=temperature)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+    (grad,) = torch.autograd.grad(out.sum(), logits)
+    torch.testing.assert_close(grad, grad_expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_logprobs_low_precision_close_and_fp32_out(dtype):
+    logits, labels = _logits_and_labels()
+    low = logits.to(dtype).requires_grad_()
+    out = logprobs_from_logits(low, labels, temperature=0.7)
+    assert out.dtype == torch.float32
+    # exact math on the rounded logits, in fp32
+    torch.testing.assert_close(out, _reference(low.float() / 0.7, labels), atol=1e-5, rtol=1e-5)
+    # close to the full-precision answer (bf16 keeps ~3 significant digits of logits up to ~10)
+    torch.testing.assert_close(out, _reference(logits / 0.7, labels), atol=0.1, rtol=0)
+    out.sum().backward()
+    assert low.grad.dtype == dtype and torch.isfinite(low.grad.float()).all()
+    with torch.no_grad():
+        assert torch.equal(logprobs_from_logits(low, labels, 0.7), out.detach())
+    with pytest.raises(ValueError, match="temperature"):
+        logprobs_from_logits(low, labels, temperature=0.0)
