@@ -18,6 +18,7 @@ from core import embedded
 from core.config import DataConfig
 
 DATA_SUFFIXES = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
+KNOWN_SPLITS = {"train", "test", "validation", "valid", "val", "dev", "eval"}
 
 
 class BadRow(Exception):
@@ -41,10 +42,14 @@ def _check_json_file(path: Path) -> None:
     text = path.read_text()
     if path.suffix == ".json" and text.lstrip().startswith("["):
         try:
-            json.loads(text)
+            rows = json.loads(text)
         except json.JSONDecodeError as e:
             raise ValueError(f"{path}: malformed JSON at line {e.lineno}: {e.msg}") from None
+        if not rows:
+            raise ValueError(f"{path}: empty dataset file (no rows)")
         return
+    if not text.strip():
+        raise ValueError(f"{path}: empty dataset file (no rows)")
     for lineno, line in enumerate(text.splitlines(), start=1):
         if not line.strip():
             continue
@@ -62,11 +67,14 @@ def _files_for(path: Path, split: str) -> list[Path]:
             raise ValueError(f"{path}: unsupported data file type {path.suffix!r} (use .json, .jsonl or .parquet)")
         return [path]
     files = sorted(p for p in path.iterdir() if p.suffix in DATA_SUFFIXES)
-    split_files = [p for p in files if p.stem == split]
+    split_of = {p: p.stem.split("-")[0] for p in files}  # `train.jsonl`, `train-00000-of-00002.parquet`
+    split_files = [p for p in files if split_of[p] == split]
     if split_files:
         return split_files
     if not files:
         raise ValueError(f"{path}: folder holds no .json, .jsonl or .parquet files")
+    if {split_of[p] for p in files} & KNOWN_SPLITS:  # e.g. train.jsonl only, asked for test: don't eval on train
+        raise ValueError(f"{path}: no file for split {split!r} (files: {', '.join(p.name for p in files)})")
     return files
 
 
@@ -132,7 +140,10 @@ def sft_example(row: dict, tokenizer, cfg: DataConfig, mode: str = "single") -> 
     assistant turn; `pretrain`: `input_key` holds plain text, loss on every token after the first.
     """
     if mode == "pretrain":
-        ids = _ids(tokenizer, _text(row, cfg.input_key), True) + [tokenizer.eos_token_id]
+        text = _text(row, cfg.input_key)
+        if not isinstance(text, str):
+            raise BadRow(cfg.input_key, f"key {cfg.input_key!r} must hold text")
+        ids = _ids(tokenizer, text, True) + [tokenizer.eos_token_id]
         example = {"input_ids": ids, "loss_mask": [0] + [1] * (len(ids) - 1)}
     elif mode == "multiturn":
         messages = _text(row, cfg.input_key)
@@ -140,8 +151,14 @@ def sft_example(row: dict, tokenizer, cfg: DataConfig, mode: str = "single") -> 
             raise BadRow(cfg.input_key, f"key {cfg.input_key!r} must hold a list of {{role, content}} messages")
         ids, mask = [], []
         for k, m in enumerate(messages):
-            full = tokenizer.apply_chat_template(messages[: k + 1], tokenize=False)
-            new = _ids(tokenizer, full, False)[len(ids) :]
+            if m["role"] == "assistant":  # the role header comes from the generation prompt: not a target
+                head = tokenizer.apply_chat_template(messages[:k], tokenize=False, add_generation_prompt=True)
+                new = _ids(tokenizer, head, False)[len(ids) :]
+                ids, mask = ids + new, mask + [0] * len(new)
+            full = _ids(tokenizer, tokenizer.apply_chat_template(messages[: k + 1], tokenize=False), False)
+            if full[: len(ids)] != ids:
+                raise BadRow(cfg.input_key, f"chat template output of turn {k} does not extend turns < {k}")
+            new = full[len(ids) :]
             ids += new
             mask += [int(m["role"] == "assistant")] * len(new)
         if not any(mask):
@@ -227,4 +244,50 @@ def batch_indices(n: int, batch_size: int, step: int, seed: int) -> list[int]:
         epoch, offset = divmod(start + len(out), n)
         perm = torch.randperm(n, generator=torch.Generator().manual_seed(seed * 100_003 + epoch))
         out += perm[offset : offset + batch_size - len(out)].tolist()
+    return out
+
+
+def preference_example(row: dict, tokenizer, cfg: DataConfig, chosen_key: str = "chosen",
+                       rejected_key: str = "rejected") -> dict:  # fmt: skip
+    """A preference pair (DPO, and KTO's paired eval): `{"chosen": ex, "rejected": ex}`, each an `sft_example` of
+    prompt `cfg.input_key` with that response (`loss_mask` on the response + eos). BadRow when a response is missing,
+    empty or not text, or when both responses tokenize identically (the pair would carry no preference)."""
+    from dataclasses import replace
+
+    chosen = sft_example(row, tokenizer, replace(cfg, output_key=chosen_key))
+    rejected = sft_example(row, tokenizer, replace(cfg, output_key=rejected_key))
+    if chosen["input_ids"] == rejected["input_ids"]:
+        raise BadRow(rejected_key, f"keys {chosen_key!r} and {rejected_key!r} hold identical responses")
+    return {"chosen": chosen, "rejected": rejected}
+
+
+def reward_ids(tokenizer, text: str, add_special_tokens: bool = True) -> list[int]:
+    """Token ids a reward model scores: the whole text (prompt + response) tokenized in one piece, plus eos unless it
+    already ends with one; the score is read at that last token. Shared by algos/rm.py (training) and
+    rewards/server.py (serving) so both see exactly the same tokens."""
+    ids = _ids(tokenizer, text, add_special_tokens)
+    return ids if ids and ids[-1] == tokenizer.eos_token_id else ids + [tokenizer.eos_token_id]
+
+
+def reward_pair_example(row: dict, tokenizer, cfg: DataConfig, chosen_key: str = "chosen",
+                        rejected_key: str = "rejected", margin_key: str | None = None) -> dict:  # fmt: skip
+    """A reward-model pair: `{"chosen": ids, "rejected": ids, "margin": float}` where ids = `reward_ids` of the
+    formatted prompt + response. Same BadRow rules as `preference_example`; `margin_key` (optional) must hold a number."""
+    prompt = format_prompt(_text(row, cfg.input_key), tokenizer, cfg)
+    special = not cfg.apply_chat_template
+    out: dict = {"margin": 0.0}
+    for name, key in (("chosen", chosen_key), ("rejected", rejected_key)):
+        response = _text(row, key)
+        if not isinstance(response, str):
+            raise BadRow(key, f"key {key!r} must hold text")
+        out[name] = reward_ids(tokenizer, prompt + response, special)
+        if len(out[name]) > cfg.max_len:
+            raise BadRow(key, f"{len(out[name])} tokens > --data.max-len {cfg.max_len}")
+    if out["chosen"] == out["rejected"]:
+        raise BadRow(rejected_key, f"keys {chosen_key!r} and {rejected_key!r} hold identical responses")
+    if margin_key is not None:
+        margin = _text(row, margin_key)
+        if isinstance(margin, bool) or not isinstance(margin, int | float):
+            raise BadRow(margin_key, f"key {margin_key!r} must hold a number, got {margin!r}")
+        out["margin"] = float(margin)
     return out

@@ -37,6 +37,9 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}{{ 'assistant: ' }}{% endif %}"
 )
 TEST_SIZE = 500
+# Written into each artifact's `.complete`; an artifact built with another version is rebuilt. Bump it whenever
+# what the builders produce changes (2: byte-level tokenizer that keeps spaces and newlines).
+ARTIFACT_VERSION = "2"
 WARM_START_ARGS = [
     "--model.name-or-path", "cleanrlhf/tiny",
     "--data.path", "cleanrlhf/add2",
@@ -58,6 +61,11 @@ def home() -> Path:
     return Path(os.environ.get("CLEANRLHF_HOME", Path.home() / ".cache" / "cleanrlhf"))
 
 
+def _is_built(target: Path) -> bool:
+    marker = target / ".complete"
+    return marker.exists() and marker.read_text().strip() == ARTIFACT_VERSION
+
+
 @contextmanager
 def _locked(name: str):
     """Inter-process lock so concurrent ranks/tests build an artifact once."""
@@ -74,12 +82,12 @@ def _atomic_build(target: Path, build) -> Path:
     """Run `build(tmp_dir)` and rename the result into place, so a killed build never leaves a half artifact."""
     target.parent.mkdir(parents=True, exist_ok=True)
     with _locked(target.name):
-        if (target / ".complete").exists():
+        if _is_built(target):
             return target
         tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
         try:
             build(tmp)
-            (tmp / ".complete").touch()
+            (tmp / ".complete").write_text(ARTIFACT_VERSION)
             if target.exists():
                 shutil.rmtree(target)
             os.replace(tmp, target)
@@ -89,14 +97,22 @@ def _atomic_build(target: Path, build) -> Path:
 
 
 def build_tokenizer():
-    """One token per character (printable ASCII + newline) and 4 specials; prepends `<s>` like Llama tokenizers."""
-    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+    """One token per character (printable ASCII + newline) and 4 specials; prepends `<s>` like Llama tokenizers.
+
+    Stored as a byte-level BPE without merges (GPT-2 byte alphabet: space is `Ġ`, newline `Ċ`). transformers
+    loads the tokenizer of a `qwen2` checkpoint as `Qwen2Tokenizer`, which rebuilds a byte-level BPE from the
+    vocab; a plain character vocab would then silently drop spaces and newlines. In this form both loaders agree.
+    """
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {tok: i for i, tok in enumerate(SPECIALS + CHARS)}
-    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
-    tok.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
-    tok.decoder = decoders.Fuse()
+    def byte_level(c: str) -> str:  # GPT-2 bytes_to_unicode for ASCII: control bytes and space move to 256 + b
+        return chr(256 + ord(c)) if ord(c) <= 32 else c
+
+    vocab = {tok: i for i, tok in enumerate(SPECIALS + [byte_level(c) for c in CHARS])}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[], unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.TemplateProcessing(
         single="<s> $A", pair="<s> $A $B", special_tokens=[("<s>", vocab["<s>"])]
     )
@@ -134,7 +150,8 @@ def build_tiny_model(tokenizer, seed: int = 0):
 
 
 def task_rows(digits: int, seed: int = 0) -> tuple[list[dict], list[dict]]:
-    """All a+b with a, b < 10**digits (capped at 20k pairs), shuffled by seed; the first 500 are the test split."""
+    """All a+b with a, b < 10**digits (capped at 20k pairs), shuffled by seed; the first 500 are the test split
+    (a fifth of the rows for add1, whose 100 pairs would otherwise leave no training data)."""
     n = 10**digits
     rng = random.Random(seed)
     if n * n <= 20_000:
@@ -147,7 +164,8 @@ def task_rows(digits: int, seed: int = 0) -> tuple[list[dict], list[dict]]:
         pairs = sorted(seen)
         rng.shuffle(pairs)
     rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b), "datasource": f"add{digits}"} for a, b in pairs]
-    return rows[TEST_SIZE:], rows[:TEST_SIZE]
+    n_test = min(TEST_SIZE, len(rows) // 5)
+    return rows[n_test:], rows[:n_test]
 
 
 def _write_jsonl(path: Path, rows: list[dict]) -> None:
@@ -183,7 +201,7 @@ def ensure_tiny_base() -> Path:
 def ensure_sft_warm_start() -> Path:
     """Build (once) the RL warm start by running `algos/sft.py` on the embedded task; returns its HF directory."""
     target = home() / "models" / "tiny-sft"
-    if (target / ".complete").exists():
+    if _is_built(target):
         return target
     script = Path(__file__).resolve().parent.parent / "algos" / "sft.py"
 
@@ -207,7 +225,12 @@ def resolve_model(name_or_path: str) -> str:
 
 
 def resolve_data(path: str) -> str:
-    """Map `cleanrlhf/addN` to its built folder; pass anything else through."""
+    """Map `cleanrlhf/addN` (and `addN-pref` / `addN-kto`, see core/preference.py) to its built folder; pass anything
+    else through."""
+    if path.startswith(PREFIX) and path.endswith(("-pref", "-kto")) and not Path(path).exists():
+        from core import preference  # imports this module: import here, not at the top
+
+        return str(preference.ensure_preference_data(path[len(PREFIX) :]))
     if path.startswith(PREFIX) and not Path(path).exists():
         return str(ensure_task_data(path[len(PREFIX) :]))
     return path

@@ -6,6 +6,8 @@ Tested with transformers 5.16-5.19 (Qwen2 and Llama architectures).
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import torch
 
 from core import embedded
@@ -20,10 +22,18 @@ def torch_dtype(dtype: str) -> torch.dtype:
 
 
 def load_tokenizer(name_or_path: str):
-    """AutoTokenizer with a pad token (eos when the model has none)."""
+    """AutoTokenizer with a pad token (eos when the model has none). A missing path or hub id is one ValueError."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(embedded.resolve_model(name_or_path))
+    path = embedded.resolve_model(name_or_path)
+    if path.startswith((".", "/", "~")) and not Path(path).expanduser().is_dir():
+        raise ValueError(
+            f"tokenizer {name_or_path!r} (--model.name-or-path / --model.tokenizer): no such folder {path}"
+        )
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except OSError as e:
+        raise ValueError(f"tokenizer {name_or_path!r}: cannot load a tokenizer: {e}") from None
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
@@ -32,8 +42,6 @@ def load_tokenizer(name_or_path: str):
 def _check_model_path(name_or_path: str) -> str:
     path = embedded.resolve_model(name_or_path)
     if path.startswith((".", "/", "~")):
-        from pathlib import Path
-
         if not (Path(path).expanduser() / "config.json").exists():
             raise ValueError(f"--model.name-or-path {name_or_path!r}: no such model folder (no config.json in {path})")
     return path
@@ -76,7 +84,10 @@ def load_scalar_model(name_or_path: str, dtype: str = "auto"):
     from transformers import AutoModelForSequenceClassification
 
     path = _check_model_path(name_or_path)
-    model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=torch_dtype(dtype))
+    try:
+        model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=torch_dtype(dtype))
+    except OSError as e:
+        raise ValueError(f"{name_or_path!r}: cannot load a scalar-head model: {e}") from None
     model.config.pad_token_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
     return model
 

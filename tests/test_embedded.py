@@ -1,0 +1,117 @@
+"""Tests for core/embedded.py (the synthetic addition task and artifact builds) and rewards/arithmetic.py."""
+
+import json
+
+import pytest
+import torch
+
+from core import data, embedded
+from rewards.arithmetic import parse_answer, reward_func
+
+
+# ------------------------------------------------------------------------------------------------------------ task
+def test_task_rows_deterministic_disjoint_and_correct():
+    train, test = embedded.task_rows(2, seed=0)
+    assert (train, test) == embedded.task_rows(2, seed=0)
+    assert embedded.task_rows(2, seed=1)[1] != test
+    assert len(test) == embedded.TEST_SIZE == 500 and len(train) + len(test) == 100 * 100  # every 2-digit pair
+    prompts = [r["prompt"] for r in train + test]
+    assert len(set(prompts)) == len(prompts)
+    assert not {r["prompt"] for r in train} & {r["prompt"] for r in test}
+    for r in train[:200] + test:
+        a, b = r["prompt"].removesuffix("=").split("+")
+        assert r["answer"] == str(int(a) + int(b)) and r["datasource"] == "add2"
+
+
+def test_task_rows_small_task_keeps_training_rows():
+    train, test = embedded.task_rows(1)
+    assert (len(train), len(test)) == (80, 20)
+
+
+def test_task_rows_large_digit_counts_are_sampled():
+    train, test = embedded.task_rows(4, seed=0)
+    assert len(test) == 500 and len(train) == 20_000 - 500
+    prompts = [r["prompt"] for r in train + test]
+    assert len(set(prompts)) == len(prompts)
+    assert embedded.task_rows(4, seed=0)[1] == test
+
+
+def test_resolve_data_builds_the_task_folder(tmp_path, monkeypatch):
+    monkeypatch.setenv("CLEANRLHF_HOME", str(tmp_path / "home"))
+    folder = embedded.resolve_data("cleanrlhf/add2")
+    assert folder == str(tmp_path / "home" / "data" / "add2")
+    train, test = embedded.task_rows(2)
+    for name, rows in [("train.jsonl", train), ("test.jsonl", test)]:
+        lines = (tmp_path / "home" / "data" / "add2" / name).read_text().splitlines()
+        assert [json.loads(line) for line in lines] == rows
+    # built once: a second call reuses it
+    stamp = (tmp_path / "home" / "data" / "add2" / "train.jsonl").stat().st_mtime_ns
+    assert embedded.resolve_data("cleanrlhf/add2") == folder
+    assert (tmp_path / "home" / "data" / "add2" / "train.jsonl").stat().st_mtime_ns == stamp
+    # and the data loader sees the splits
+    (src,) = data.load_sources("cleanrlhf/add2", "test")
+    assert src.name.endswith("add2/test.jsonl") and len(src.rows) == 500
+
+
+def test_artifact_from_another_build_version_is_rebuilt(tmp_path, monkeypatch):
+    monkeypatch.setenv("CLEANRLHF_HOME", str(tmp_path))
+    folder = embedded.ensure_task_data("add1")
+    (folder / ".complete").write_text("")  # as written by an older build
+    (folder / "train.jsonl").write_text("stale\n")
+    assert embedded.ensure_task_data("add1") == folder
+    assert (folder / "train.jsonl").read_text().splitlines()[0].startswith("{")
+    assert (folder / ".complete").read_text() == embedded.ARTIFACT_VERSION
+
+
+@pytest.mark.parametrize("name", ["cleanrlhf/foo", "cleanrlhf/add0", "cleanrlhf/add10", "cleanrlhf/add"])
+def test_unknown_embedded_dataset(tmp_path, monkeypatch, name):
+    monkeypatch.setenv("CLEANRLHF_HOME", str(tmp_path))
+    with pytest.raises(ValueError, match="unknown embedded dataset"):
+        embedded.resolve_data(name)
+    assert not (tmp_path / "data").exists() or not any((tmp_path / "data").iterdir())
+
+
+def test_resolve_passes_other_names_through(tmp_path, monkeypatch, tiny_path):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "cleanrlhf" / "add2").mkdir(parents=True)  # a local folder shadows the embedded name
+    assert embedded.resolve_data("cleanrlhf/add2") == "cleanrlhf/add2"
+    assert embedded.resolve_data("my.jsonl") == "my.jsonl"
+    assert embedded.resolve_model("Qwen/Qwen2.5-0.5B") == "Qwen/Qwen2.5-0.5B"
+    assert embedded.resolve_model("cleanrlhf/tiny") == str(tiny_path)
+    assert (tiny_path / "config.json").exists() and (tiny_path / "tokenizer.json").exists()
+
+
+# ---------------------------------------------------------------------------------------------------------- reward
+def test_reward_hand_cases():
+    cases = [  # (response, label, reward, format_ok)
+        ("46", "46", 1.0, 1.0),  # correct
+        ("47", "46", 0.0, 1.0),  # wrong number
+        ("4", "46", 0.0, 1.0),  # a prefix of the answer is wrong
+        ("466", "46", 0.0, 1.0),  # so is an extension
+        ("abc", "46", 0.0, 0.0),  # garbage
+        ("", "46", 0.0, 0.0),  # nothing
+        ("46 because 40+6", "46", 1.0, 1.0),  # trailing text after the number is ignored
+        ("46</s>", "46", 1.0, 1.0),
+        (" 46\n", "46", 1.0, 1.0),  # surrounding whitespace
+        ("the answer is 46", "46", 0.0, 0.0),  # the number must come first
+        ("-3", "-3", 1.0, 1.0),
+        ("3", " 3 ", 1.0, 1.0),  # label whitespace
+        ("108", 108, 1.0, 1.0),  # integer labels
+    ]
+    prompts = [f"{i}+1=" for i in range(len(cases))]
+    out = reward_func([p + c[0] for p, c in zip(prompts, cases)], prompts, [c[1] for c in cases])
+    assert set(out) == {"rewards", "scores", "extra_logs"}
+    assert out["rewards"].dtype == torch.float32 and out["rewards"].shape == (len(cases),)
+    assert out["rewards"].tolist() == [c[2] for c in cases]
+    assert out["scores"].tolist() == [c[2] for c in cases]
+    assert out["extra_logs"]["format_ok"].tolist() == [c[3] for c in cases]
+
+
+def test_reward_query_that_does_not_start_with_prompt_is_all_response():
+    assert reward_func(["46"], ["12+34="], ["46"])["rewards"].tolist() == [1.0]
+    assert parse_answer("  -12x") == "-12" and parse_answer("x12") is None
+
+
+def test_reward_length_mismatch():
+    with pytest.raises(ValueError, match="2 queries, 1 prompts, 2 labels"):
+        reward_func(["1+1=2", "1+2=3"], ["1+1="], ["2", "3"])

@@ -1,0 +1,157 @@
+"""Tests for core/models.py and the embedded tiny model/tokenizer: clear load errors, the scalar head's save/load
+round trip, LoRA, batched greedy generation against HF generate, and the character tokenizer."""
+
+import copy
+
+import pytest
+import torch
+from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+from core import embedded, models
+from core.config import ModelConfig
+
+
+# --------------------------------------------------------------------------------------------------- load errors
+@pytest.mark.parametrize("path", ["./nope_model", "/nonexistent/nope_model", "~/nope_model_cleanrlhf"])
+def test_nonexistent_model_path_is_one_clear_error(tmp_path, monkeypatch, path):
+    monkeypatch.chdir(tmp_path)
+    loaders = {
+        "causal_lm": lambda: models.load_causal_lm(ModelConfig(name_or_path=path)),
+        "tokenizer": lambda: models.load_tokenizer(path),
+        "scalar": lambda: models.load_scalar_model(path),
+    }
+    for name, load in loaders.items():
+        with pytest.raises(ValueError) as err:
+            load()
+        assert repr(path) in str(err.value) and "no such" in str(err.value), name
+
+
+def test_folder_without_config_is_not_a_model(tmp_path):
+    with pytest.raises(ValueError, match="no config.json"):
+        models.load_causal_lm(ModelConfig(name_or_path=str(tmp_path)))
+
+
+# ---------------------------------------------------------------------------------------------------- scalar head
+def right_padded(tokenizer, texts):
+    rows = [tokenizer(t)["input_ids"] for t in texts]
+    width = max(map(len, rows))
+    ids = torch.tensor([r + [tokenizer.pad_token_id] * (width - len(r)) for r in rows])
+    attn = torch.tensor([[1] * len(r) + [0] * (width - len(r)) for r in rows])
+    return ids, attn
+
+
+def test_scalar_model_save_load_round_trip(tiny_path, tokenizer, tmp_path):
+    torch.manual_seed(0)
+    model = models.load_scalar_model(str(tiny_path), dtype="fp32").eval()
+    assert model.config.num_labels == 1 and model.config.pad_token_id == tokenizer.pad_token_id
+    ids, attn = right_padded(tokenizer, ["1+2=3", "12+34=46", "7"])
+    with torch.no_grad():
+        values = models.token_values(model, ids, attention_mask=attn)
+        scores = models.sequence_scores(model, ids, attn)
+    assert values.shape == ids.shape and values.dtype == torch.float32
+    assert torch.equal(scores, values[torch.arange(3), attn.sum(-1) - 1])  # the head at the last real token
+    assert scores.std() > 0  # a real (random) head, not zeros
+    # padding does not change a sequence's score
+    with torch.no_grad():
+        alone = models.sequence_scores(model, ids[1:2, : attn[1].sum()], attn[1:2, : attn[1].sum()])
+    torch.testing.assert_close(alone, scores[1:2], rtol=1e-5, atol=1e-5)
+
+    model.save_pretrained(tmp_path / "rm")
+    loaded = AutoModelForSequenceClassification.from_pretrained(tmp_path / "rm", dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert torch.equal(models.sequence_scores(loaded, ids, attn), scores)
+    # and through the project's own loader (the critic / reward-model path)
+    with torch.no_grad():
+        again = models.sequence_scores(models.load_scalar_model(str(tmp_path / "rm"), dtype="fp32").eval(), ids, attn)
+    assert torch.equal(again, scores)
+
+
+# ----------------------------------------------------------------------------------------------------------- LoRA
+def test_lora_trains_only_adapters(tiny_path, tiny_model):
+    model = models.load_causal_lm(ModelConfig(name_or_path=str(tiny_path), dtype="fp32", lora_rank=4))
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    frozen = [n for n, p in model.named_parameters() if not p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    assert frozen and not any("lora_" in n for n in frozen)
+    # every linear layer of every block got an adapter (all-linear: q, k, v, o, gate, up, down per layer)
+    assert len([n for n in trainable if n.endswith("lora_A.default.weight")]) == 4 * 7
+    # lora_B starts at zero: the adapted model computes the base model's function
+    ids = torch.tensor([[1, 21, 22, 15, 23, 24, 33]])
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=ids).logits, tiny_model(input_ids=ids).logits)
+
+
+def test_gradient_checkpointing_flag(tiny_path):
+    model = models.load_causal_lm(ModelConfig(name_or_path=str(tiny_path), dtype="fp32", gradient_checkpointing=True))
+    assert model.is_gradient_checkpointing and model.config.use_cache is False
+
+
+# ----------------------------------------------------------------------------------------------------- generation
+def test_greedy_generate_matches_hf_generate_per_prompt(tiny_model, tokenizer):
+    model = copy.deepcopy(tiny_model)
+    with torch.no_grad():  # sharper than the random init (which repeats one token), so every step is a real check
+        for p in model.parameters():
+            p.mul_(4.0)
+    texts = ["1+2=", "12+34=", "123+4567=", "hello world, 5+5="]
+    prompts = [tokenizer(t)["input_ids"] for t in texts]
+    batched = models.greedy_generate(model, tokenizer, prompts, max_new_tokens=8)
+    small_batches = models.greedy_generate(model, tokenizer, prompts, max_new_tokens=8, batch_size=2)
+    reference = []
+    for p in prompts:  # one prompt at a time: no padding at all
+        out = model.generate(
+            input_ids=torch.tensor([p]), max_new_tokens=8, do_sample=False, pad_token_id=tokenizer.pad_token_id,
+            eos_token_id=tokenizer.eos_token_id,
+        )[0, len(p) :].tolist()  # fmt: skip
+        reference.append(out[: out.index(tokenizer.eos_token_id)] if tokenizer.eos_token_id in out else out)
+    assert batched == reference and small_batches == reference
+    assert len({t for r in reference for t in r}) > 8  # varied continuations: a padding leak would show
+    assert all(tokenizer.eos_token_id not in r for r in batched)
+
+
+def test_greedy_generate_cuts_at_eos(tokenizer):
+    model = embedded.build_tiny_model(tokenizer)
+    with torch.no_grad():  # a head that prefers token 5 first, then eos: the eos and what follows are removed
+        model.lm_head = torch.nn.Linear(128, len(tokenizer), bias=True)
+        model.lm_head.weight.zero_()
+        model.lm_head.bias.zero_()
+        model.lm_head.bias[tokenizer.eos_token_id] = 1.0
+    assert models.greedy_generate(model, tokenizer, [[1, 5], [1, 6, 7, 8]], max_new_tokens=4) == [[], []]
+
+
+# ------------------------------------------------------------------------------------------------------ tokenizer
+def test_embedded_tokenizer_round_trip(tiny_path, tokenizer):
+    ids = tokenizer("12+34=46")["input_ids"]
+    assert ids[0] == tokenizer.bos_token_id and len(ids) == 1 + len("12+34=46")
+    assert tokenizer.decode(ids, skip_special_tokens=True) == "12+34=46"
+    assert tokenizer.decode(ids) == "<s>12+34=46"
+    # every printable ASCII character and newline is its own token, and nothing is lost (spaces included)
+    text = "".join(embedded.CHARS)
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert len(ids) == len(text) and len(set(ids)) == len(text) and tokenizer.unk_token_id not in ids
+    assert tokenizer.decode(ids) == text
+    assert tokenizer.decode(tokenizer("  a  b\n\nc ")["input_ids"], skip_special_tokens=True) == "  a  b\n\nc "
+    assert len(tokenizer) == len(embedded.SPECIALS) + len(embedded.CHARS) == 100
+    specials = {tokenizer.pad_token_id, tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.unk_token_id}
+    assert specials == {0, 1, 2, 3}
+    # the freshly built tokenizer and the one AutoTokenizer loads from disk agree
+    fresh = embedded.build_tokenizer()
+    loaded = AutoTokenizer.from_pretrained(tiny_path)
+    assert fresh(text)["input_ids"] == loaded(text)["input_ids"] == tokenizer(text)["input_ids"]
+    messages = [{"role": "user", "content": "1 + 2 ="}]
+    rendered = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert rendered == "user: 1 + 2 =\nassistant: "
+    assert tokenizer.decode(tokenizer(rendered, add_special_tokens=False)["input_ids"]) == rendered
+
+
+def test_embedded_model_size_and_from_pretrained(tiny_path, tiny_model):
+    built = embedded.build_tiny_model(embedded.build_tokenizer())
+    n_params = sum(p.numel() for p in built.parameters())
+    assert 0.95e6 < n_params < 1.1e6
+    assert type(tiny_model).__name__ == "Qwen2ForCausalLM"
+    assert sum(p.numel() for p in tiny_model.parameters()) == n_params
+    assert tiny_model.config.tie_word_embeddings and tiny_model.lm_head.weight is tiny_model.model.embed_tokens.weight
+    loaded = tiny_model.state_dict()
+    for name, tensor in built.state_dict().items():  # the saved model is exactly the seeded build
+        assert torch.equal(loaded[name], tensor), name
+    through_core = models.load_causal_lm(ModelConfig(name_or_path=str(tiny_path), dtype="fp32"))
+    assert torch.equal(through_core.model.embed_tokens.weight, built.model.embed_tokens.weight)

@@ -1,0 +1,153 @@
+"""Tests for core/packing.py: the padding-free packed forward gives the same log-probs, SFT loss and gradients as the
+right-padded forward on the tiny model (fp32, tight tolerance), and pack/collate/unpack bookkeeping."""
+
+import copy
+import random
+
+import pytest
+import torch
+import torch.nn.functional as F
+from transformers import AutoModelForCausalLM
+
+from algos.sft import sft_loss
+from core import packing
+
+
+def random_examples(seed: int, n: int = 6, min_len: int = 2, max_len: int = 40, vocab: int = 100) -> list[dict]:
+    """Variable-length samples: random ids, a prompt part (mask 0, at least one token) then targets (mask 1)."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        length = rng.randint(min_len, max_len)
+        prompt = rng.randint(1, length - 1)
+        out.append(
+            {
+                "input_ids": [rng.randrange(4, vocab) for _ in range(length)],
+                "loss_mask": [0] * prompt + [1] * (length - prompt),
+            }
+        )
+    return out
+
+
+@pytest.fixture(scope="module", params=["sdpa", "eager"])
+def model(request, tiny_path):
+    return AutoModelForCausalLM.from_pretrained(
+        tiny_path, dtype=torch.float32, attn_implementation=request.param
+    ).eval()
+
+
+def per_sample_logprobs(model, examples, pad_id, temperature=1.0):
+    packed = packing.collate_packed(examples)
+    padded = packing.collate_padded(examples, pad_id)
+    with torch.no_grad():
+        lp_packed = packing.unpack(packing.token_logprobs(model, packed, temperature), packed["seq_lens"])
+        lp_padded = packing.token_logprobs(model, padded, temperature)
+    return lp_packed, [lp_padded[i, : len(ex["input_ids"])] for i, ex in enumerate(examples)], padded
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_packed_logprobs_equal_padded(model, tokenizer, seed):
+    examples = random_examples(seed)
+    lp_packed, lp_padded, _ = per_sample_logprobs(model, examples, tokenizer.pad_token_id)
+    for ex, a, b in zip(examples, lp_packed, lp_padded):
+        assert a.shape == (len(ex["input_ids"]),) and a[0] == 0 and b[0] == 0
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
+        mask = torch.tensor(ex["loss_mask"], dtype=torch.bool)
+        assert (a[mask] < 0).all()  # real log-probs at every target (a cross-sample leak would be caught above)
+
+
+def test_padded_logprobs_are_the_reference_log_softmax(model, tokenizer):
+    """The padded path itself is right: it equals log_softmax of each sample run alone, at temperature T too."""
+    examples = random_examples(7, n=3)
+    lp_packed, lp_padded, _ = per_sample_logprobs(model, examples, tokenizer.pad_token_id, temperature=0.7)
+    for ex, a, b in zip(examples, lp_packed, lp_padded):
+        ids = torch.tensor([ex["input_ids"]])
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[0, :-1] / 0.7
+        ref = F.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])[:, 0]
+        torch.testing.assert_close(b[1:], ref, rtol=0, atol=1e-5)
+        torch.testing.assert_close(a[1:], ref, rtol=0, atol=1e-5)
+
+
+def test_packing_changes_nothing_but_the_layout(model, tokenizer):
+    """A negative control: without restarting position ids the packed forward would leak across samples."""
+    examples = random_examples(4)
+    packed = packing.collate_packed(examples)
+    leaky = {**packed, "position_ids": torch.arange(packed["input_ids"].shape[1])[None]}
+    with torch.no_grad():
+        good = packing.token_logprobs(model, packed)
+        bad = packing.token_logprobs(model, leaky)
+    n0 = packed["seq_lens"][0]
+    assert (good[0, n0 + 1 :] - bad[0, n0 + 1 :]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_sft_loss_and_gradients_packed_equal_padded(tiny_path, tokenizer, seed):
+    base = AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.float32)
+    base.train()
+    examples = random_examples(10 + seed, n=8)
+    num_tokens = sum(sum(ex["loss_mask"]) for ex in examples)
+
+    def loss_and_grads(model, batches):
+        model.zero_grad(set_to_none=True)
+        total = 0.0
+        for batch in batches:  # gradient accumulation over micro-batches, as algos/sft.py does
+            loss = sft_loss(packing.token_logprobs(model, batch), batch["loss_mask"], num_tokens)
+            loss.backward()
+            total += loss.item()
+        return total, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    padded_model, packed_model = copy.deepcopy(base), copy.deepcopy(base)
+    loss_padded, grads_padded = loss_and_grads(padded_model, [packing.collate_padded(examples, tokenizer.pad_token_id)])
+    groups = packing.pack(examples, max_tokens=80)
+    assert 1 < len(groups) < len(examples)  # several micro-batches, several samples in some of them
+    loss_packed, grads_packed = loss_and_grads(packed_model, [packing.collate_packed(g) for g in groups])
+
+    # the reference value: the token mean of -log p over targets
+    lp = torch.cat([b[torch.tensor(ex["loss_mask"], dtype=torch.bool)] for ex, b in
+                    zip(examples, per_sample_logprobs(base.eval(), examples, tokenizer.pad_token_id)[1])])  # fmt: skip
+    assert loss_padded == pytest.approx(-lp.mean().item(), rel=1e-5)
+    assert loss_packed == pytest.approx(loss_padded, rel=1e-5)
+    assert grads_padded.keys() == grads_packed.keys()
+    for name, g in grads_padded.items():
+        assert g.abs().sum() > 0, name  # every parameter gets a gradient, so the comparison means something
+        torch.testing.assert_close(grads_packed[name], g, rtol=1e-4, atol=1e-6, msg=name)
+
+
+# ------------------------------------------------------------------------------------------------------ bookkeeping
+def test_pack_respects_budget_and_order():
+    examples = random_examples(0, n=50, max_len=30)
+    for max_tokens in [30, 64, 100, 1000]:
+        groups = packing.pack(examples, max_tokens)
+        assert [ex for g in groups for ex in g] == examples  # same objects, same order, none dropped
+        sizes = [sum(len(ex["input_ids"]) for ex in g) for g in groups]
+        assert all(s <= max_tokens for s in sizes)
+        for g, nxt in zip(groups, groups[1:]):  # greedy: a group is closed only when the next sample does not fit
+            assert sum(len(ex["input_ids"]) for ex in g) + len(nxt[0]["input_ids"]) > max_tokens
+    assert packing.pack([], 10) == []
+
+
+def test_pack_gives_a_long_sample_its_own_group():
+    lens = [3, 4, 25, 2, 2, 30, 5]
+    examples = [{"input_ids": [5] * n, "loss_mask": [0] + [1] * (n - 1)} for n in lens]
+    groups = packing.pack(examples, max_tokens=10)
+    assert [[len(ex["input_ids"]) for ex in g] for g in groups] == [[3, 4], [25], [2, 2], [30], [5]]
+
+
+def test_collate_and_unpack_round_trip():
+    examples = random_examples(3, n=5)
+    batch = packing.collate_packed(examples)
+    n = sum(len(ex["input_ids"]) for ex in examples)
+    assert batch["input_ids"].shape == batch["position_ids"].shape == batch["loss_mask"].shape == (1, n)
+    assert batch["seq_lens"] == [len(ex["input_ids"]) for ex in examples]
+    for key in ["input_ids", "loss_mask"]:
+        assert [t.tolist() for t in packing.unpack(batch[key], batch["seq_lens"])] == [
+            [int(v) for v in ex[key]] for ex in examples
+        ]
+    assert [t.tolist() for t in packing.unpack(batch["position_ids"], batch["seq_lens"])] == [
+        list(range(len(ex["input_ids"]))) for ex in examples
+    ]
+    padded = packing.collate_padded(examples, pad_id=0)
+    assert padded["attention_mask"].sum().item() == n and padded["loss_mask"].sum() == batch["loss_mask"].sum()
+    with pytest.raises(AssertionError, match="first token"):
+        packing.collate_packed([{"input_ids": [1, 2], "loss_mask": [1, 1]}])
