@@ -221,7 +221,8 @@ def main(args: Args) -> dict:
             total_loss += loss.item() / world
             tokens_seen += int(mb["input_ids"].numel()) if i < len(mbs) else 0
         engine.step()
-        t_train += time.perf_counter() - t0
+        t_step = time.perf_counter() - t0
+        t_train += t_step
 
         # 4. logging, eval, checkpoint
         metrics = {
@@ -229,6 +230,7 @@ def main(args: Args) -> dict:
             "train/lr": engine.lr_scheduler.get_last_lr()[0],
             "train/grad_norm": float(engine.get_global_grad_norm() or 0.0),
             "train/tokens": num_tokens,
+            "perf/train_s": t_step,
             "perf/tokens_per_s": ds_engine.all_reduce(tokens_seen) / max(t_train, 1e-9),
         }
         last = step == args.train.max_steps - 1

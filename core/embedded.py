@@ -198,6 +198,17 @@ def ensure_tiny_base() -> Path:
     return _atomic_build(home() / "models" / "tiny", build)
 
 
+def _die_with_parent() -> None:
+    """Linux: SIGTERM the build when the process that asked for it dies (no orphaned builds eating the CPU)."""
+    import ctypes
+    import signal
+
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
 def ensure_sft_warm_start() -> Path:
     """Build (once) the RL warm start by running `algos/sft.py` on the embedded task; returns its HF directory."""
     target = home() / "models" / "tiny-sft"
@@ -208,8 +219,9 @@ def ensure_sft_warm_start() -> Path:
     def build(tmp: Path) -> None:
         print(f"[cleanrlhf] building the SFT warm start {PREFIX}tiny-sft with {script} (one time, ~1 min)")
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+        env.setdefault("OMP_NUM_THREADS", "1")  # a 1 M model gains nothing from more threads; they thrash when shared
         cmd = [sys.executable, str(script), *WARM_START_ARGS, "--export-dir", str(tmp), "--run-dir", str(tmp / "run")]
-        subprocess.run(cmd, check=True, env=env)
+        subprocess.run(cmd, check=True, env=env, preexec_fn=_die_with_parent)
         shutil.rmtree(tmp / "run", ignore_errors=True)
 
     return _atomic_build(target, build)

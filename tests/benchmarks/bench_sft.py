@@ -1,0 +1,120 @@
+"""SFT throughput: algos/sft.py against TRL's SFTTrainer, same model, data, batch and step count, one run.
+
+    .venv/bin/pip install --no-deps trl==1.16.0       # the peer (not a project dependency)
+    .venv/bin/python tests/benchmarks/bench_sft.py --steps 40
+
+Both sides train `cleanrlhf/tiny` on `cleanrlhf/add2` (loss on the answer only) with batch 64, AdamW lr 3e-3,
+fp32, no gradient checkpointing, one process, and are timed over the same optimizer steps after a few warm-up
+steps. Each side runs in its own subprocess (same thread count) so neither inherits the other's state. Tokens are
+the real (non-pad) tokens of the samples consumed, counted the same way for both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def samples(n_steps: int, batch: int) -> list[dict]:
+    from core import embedded
+
+    train, _ = embedded.task_rows(2)
+    return [train[i % len(train)] for i in range(n_steps * batch)]
+
+
+def tokens_per_sample() -> float:
+    """Mean real tokens per sample (<s> + prompt + answer + </s>), the unit of tokens/s for both sides."""
+    from core import embedded, models
+
+    tokenizer = models.load_tokenizer("cleanrlhf/tiny")
+    train, _ = embedded.task_rows(2)
+    return sum(len(tokenizer(r["prompt"] + r["answer"])["input_ids"]) + 1 for r in train) / len(train)
+
+
+def run_ours(steps: int, warmup: int, batch: int, out: Path) -> dict:
+    sys.argv = [sys.argv[0]]
+    from algos.sft import Args, main
+
+    args = Args()
+    args.model.name_or_path = "cleanrlhf/tiny"
+    args.train.max_steps, args.train.batch_size, args.train.lr, args.train.warmup_steps = warmup + steps, batch, 3e-3, 0
+    args.eval.every = 0
+    args.logger.quiet, args.logger.tensorboard = True, False
+    args.run_dir = str(out / "ours")
+    main(args)
+    rows = [json.loads(line) for line in open(out / "ours" / "metrics.jsonl") if '"loss/sft"' in line]
+    timed = [r["perf/train_s"] for r in rows[warmup:]]  # forward + backward + optimizer step of each timed step
+    return {"step_s": sum(timed) / len(timed)}
+
+
+def run_trl(steps: int, warmup: int, batch: int, out: Path) -> dict:
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, TrainerCallback
+    from trl import SFTConfig, SFTTrainer
+
+    from core import embedded, models
+
+    path = embedded.ensure_tiny_base()
+    tokenizer = models.load_tokenizer(str(path))
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    rows = samples(warmup + steps, batch)
+    ds = Dataset.from_list([{"prompt": r["prompt"], "completion": r["answer"]} for r in rows])
+    times: list[float] = []
+
+    class Clock(TrainerCallback):
+        def on_step_end(self, *a, **k):
+            times.append(time.perf_counter())
+
+    cfg = SFTConfig(
+        output_dir=str(out / "trl"), per_device_train_batch_size=batch, max_steps=warmup + steps, learning_rate=3e-3,
+        lr_scheduler_type="constant", warmup_steps=0, use_cpu=True, bf16=False, report_to="none", logging_steps=10**6,
+        save_strategy="no", gradient_checkpointing=False, completion_only_loss=True, packing=False,
+        dataloader_num_workers=0, seed=1, max_length=64,
+    )  # fmt: skip
+    trainer = SFTTrainer(model=model, args=cfg, train_dataset=ds, processing_class=tokenizer, callbacks=[Clock()])
+    trainer.train()
+    timed = times[-1] - times[warmup - 1]
+    return {"step_s": timed / steps}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=40)
+    p.add_argument("--warmup", type=int, default=5)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--side", choices=["ours", "trl"], default=None, help=argparse.SUPPRESS)
+    p.add_argument("--out", default="/tmp/cleanrlhf-bench-sft")
+    a = p.parse_args()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if a.side:
+        t0 = time.perf_counter()
+        res = (run_ours if a.side == "ours" else run_trl)(a.steps, a.warmup, a.batch, out)
+        res["wall_s"] = time.perf_counter() - t0
+        (out / f"{a.side}.json").write_text(json.dumps(res))
+        return
+    threads = os.environ.get("OMP_NUM_THREADS", str(os.cpu_count()))
+    env = {**os.environ, "OMP_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "false"}
+    for side in ("ours", "trl"):
+        cmd = [sys.executable, __file__, "--side", side, "--steps", str(a.steps), "--warmup", str(a.warmup),
+               "--batch", str(a.batch), "--out", str(out)]  # fmt: skip
+        subprocess.run(cmd, check=True, env=env, cwd=REPO, stdout=subprocess.DEVNULL)
+    ours, trl = (json.loads((out / f"{side}.json").read_text())["step_s"] for side in ("ours", "trl"))
+    per_sample = tokens_per_sample()
+    print(f"SFT, cleanrlhf/tiny on cleanrlhf/add2, batch {a.batch}, {a.steps} timed steps, {threads} threads")
+    print(f"{'':14}{'s/step':>10}{'tokens/s':>12}")
+    for name, step_s in (("CleanRLHF", ours), ("TRL SFTTrainer", trl)):
+        print(f"{name:14}{step_s:>10.4f}{a.batch * per_sample / step_s:>12.0f}")
+    print(f"speed-up: {trl / ours:.2f}x")
+
+
+if __name__ == "__main__":
+    main()

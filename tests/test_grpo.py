@@ -1,0 +1,90 @@
+"""algos/grpo.py: the defining advantage function, reward-function checks, and the CLI."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from algos.grpo import Args, group_advantages, load_reward_func, score
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def test_group_advantages_hand_case():
+    # group 1: rewards 1, 0, 0, 1 -> mean 0.5, unbiased std sqrt(((.5²)·4)/3) = sqrt(1/3) = 0.57735
+    # group 2: rewards 3, 1, 1, 1 -> mean 1.5, deviations 1.5, -.5, -.5, -.5; var = (2.25 + 3·.25)/3 = 1
+    r = torch.tensor([1.0, 0, 0, 1, 3, 1, 1, 1])
+    adv = group_advantages(r, 4, eps=0.0)
+    s = (1 / 3) ** 0.5
+    expected = torch.tensor([0.5 / s, -0.5 / s, -0.5 / s, 0.5 / s, 1.5, -0.5, -0.5, -0.5])
+    assert torch.allclose(adv, expected, atol=1e-6)
+    # without std scaling (Dr.GRPO): only the group mean is removed
+    assert torch.allclose(group_advantages(r, 4, scale_by_std=False), r - torch.tensor([0.5] * 4 + [1.5] * 4))
+
+
+def test_zero_variance_group_gives_zero_advantage():
+    r = torch.tensor([1.0, 1, 1, 1, 0, 1, 0, 1])
+    adv = group_advantages(r, 4)
+    assert torch.equal(adv[:4], torch.zeros(4))
+    assert adv[4:].abs().min() > 0.5
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_group_advantages_vectorized_equals_loop(seed):
+    g = torch.Generator().manual_seed(seed)
+    G, n = 1 + seed % 4 + 1, 7
+    r = torch.randn(n * G, generator=g)
+    adv = group_advantages(r, G)
+    for i in range(n):
+        grp = r[i * G : (i + 1) * G].tolist()
+        mean = sum(grp) / G
+        std = (sum((x - mean) ** 2 for x in grp) / (G - 1)) ** 0.5
+        for j in range(G):
+            assert adv[i * G + j].item() == pytest.approx((grp[j] - mean) / (std + 1e-9), rel=1e-5, abs=1e-6)
+
+
+def test_reward_checks_name_the_file_and_batch(tmp_path):
+    bad = tmp_path / "bad_reward.py"
+    bad.write_text("def reward_func(queries, prompts, labels):\n    return [float('nan')] * len(queries)\n")
+    fn, src = load_reward_func(str(bad))
+    with pytest.raises(ValueError, match=r"bad_reward\.py returned NaN/inf on batch 7"):
+        score(fn, src, ["a", "b"], ["a", "b"], ["1", "2"], step=7)
+    short = tmp_path / "short_reward.py"
+    short.write_text("def reward_func(queries, prompts, labels):\n    return {'rewards': [1.0]}\n")
+    fn, src = load_reward_func(str(short))
+    with pytest.raises(ValueError, match=r"short_reward\.py returned 1 rewards for 2 queries on batch 3"):
+        score(fn, src, ["a", "b"], ["a", "b"], ["1", "2"], step=3)
+    raises = tmp_path / "raising_reward.py"
+    raises.write_text("def reward_func(queries, prompts, labels):\n    raise KeyError('label')\n")
+    fn, src = load_reward_func(str(raises))
+    with pytest.raises(ValueError, match=r"raising_reward\.py raised on batch 0: KeyError"):
+        score(fn, src, ["a"], ["a"], ["1"], step=0)
+    with pytest.raises(ValueError, match="no such file"):
+        load_reward_func(str(tmp_path / "missing.py"))
+
+
+def test_embedded_reward_scores_exact_match():
+    fn, src = load_reward_func(None)
+    r, logs = score(fn, src, ["1+2=3", "1+2=4", "1+2=x"], ["1+2="] * 3, ["3", "3", "3"], step=0)
+    assert r.tolist() == [1.0, 0.0, 0.0]
+    assert logs["rollout/format_ok"] == pytest.approx(2 / 3)
+
+
+def test_import_has_no_side_effects_and_defaults():
+    args = Args()
+    assert args.exp_name == "grpo"
+    assert args.actor.model.name_or_path == "cleanrlhf/tiny-sft"
+    assert args.algo.kl_coef == 0.0
+
+
+def test_help_lists_grouped_flags():
+    out = subprocess.run([sys.executable, str(REPO / "algos" / "grpo.py"), "--help"], capture_output=True, text=True,
+                         timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    for flag in ("--actor.lr", "--actor.clip-high", "--actor.model.name-or-path", "--reward.func", "--rollout.n-samples",
+                 "--algo.kl-coef", "--algo.dr-grpo", "--vllm.sync-bucket-mb", "--ds.zero-stage", "--eval.k"):  # fmt: skip
+        assert flag in out.stdout, flag
