@@ -96,7 +96,7 @@ class RolloutArgs:
 
 @dataclass
 class TrainArgs:
-    max_steps: int = 100
+    max_steps: int = 40
     """RL steps (one rollout + update each)."""
     minibatches: int = 2
     """optimizer steps per rollout: the batch is split into this many minibatches."""
@@ -289,7 +289,7 @@ def main(args: Args) -> dict:
     if args.ckpt.resume and checkpoint.latest(ckpt_dir):
         client = checkpoint.load({"actor": actor}, checkpoint.latest(ckpt_dir))
         start_step = client["step"] + 1
-        engines.update_weights(actor.module.named_parameters())  # engines start from the checkpoint's weights
+        engines.update_weights(ds_engine.full_named_parameters(actor))  # engines start from the checkpoint's weights
     logger = RunLogger(args.logger, run_dir, args, args.train.max_steps)
     first_eval = client.get("first_eval") or evaluate(engines, tokenizer, eval_set, reward_func, reward_source, args)
     logger.log(first_eval, start_step, shown=("eval/pass@1",))
@@ -401,7 +401,7 @@ def main(args: Args) -> dict:
         # 5. weight sync, eval, logging, checkpoint
         with timer(perf, "perf/sync_s"):
             if kept:
-                engines.update_weights(actor.module.named_parameters())
+                stats.update(engines.update_weights(ds_engine.full_named_parameters(actor)))
                 if args.debug:
                     rollout.check_weights(engines, actor.module, [prompts[i]["prompt_ids"] + samples[i].token_ids
                                                                   for i in kept[:4]])  # fmt: skip

@@ -10,7 +10,7 @@ script accepts a real model or dataset name in their place unchanged:
 | `cleanrlhf/tiny-sft`  | `cleanrlhf/tiny` after `algos/sft.py` on `cleanrlhf/add2` (the RL warm start) |
 | `cleanrlhf/add2`      | 2-digit addition, `train.jsonl` / `test.jsonl` (`addN` for N digits)          |
 
-The task: prompt `"37+45="`, answer `"82"`; the rule reward is `rewards/arithmetic.py`. 2-digit addition is
+The task: prompt `"37+05="`, answer `"042"` (fixed width); the rule reward is `rewards/arithmetic.py`. 2-digit addition is
 learnable by a 1 M model in CPU minutes, and SFT stopped at ~25-50 % exact match leaves room for RL.
 """
 
@@ -38,12 +38,13 @@ CHAT_TEMPLATE = (
 )
 TEST_SIZE = 500
 # Written into each artifact's `.complete`; an artifact built with another version is rebuilt. Bump it whenever
-# what the builders produce changes (2: byte-level tokenizer that keeps spaces and newlines).
-ARTIFACT_VERSION = "2"
+# what the builders produce changes (2: byte-level tokenizer that keeps spaces and newlines; 3: fixed-width task; 4: tied head not saved twice).
+ARTIFACT_VERSION = "4"
 WARM_START_ARGS = [
     "--model.name-or-path", "cleanrlhf/tiny",
     "--data.path", "cleanrlhf/add2",
-    "--train.lr", "3e-3",
+    "--train.lr", "1e-3",
+    "--train.adam-betas", "0.9", "0.98",
     "--train.batch-size", "64",
     "--train.max-steps", "3000",
     "--train.warmup-steps", "0",
@@ -163,7 +164,10 @@ def task_rows(digits: int, seed: int = 0) -> tuple[list[dict], list[dict]]:
             seen.add((rng.randrange(n), rng.randrange(n)))
         pairs = sorted(seen)
         rng.shuffle(pairs)
-    rows = [{"prompt": f"{a}+{b}=", "answer": str(a + b), "datasource": f"add{digits}"} for a, b in pairs]
+    # Fixed width (zero-padded operands, sum padded to digits + 1): every digit sits at the same position in every
+    # sample, which lets a 1 M model learn carries in a few hundred steps (unpadded sums plateaued near 7 %).
+    rows = [{"prompt": f"{a:0{digits}d}+{b:0{digits}d}=", "answer": f"{a + b:0{digits + 1}d}", "datasource": f"add{digits}"}
+            for a, b in pairs]  # fmt: skip
     n_test = min(TEST_SIZE, len(rows) // 5)
     return rows[n_test:], rows[:n_test]
 
@@ -220,9 +224,14 @@ def ensure_sft_warm_start() -> Path:
         print(f"[cleanrlhf] building the SFT warm start {PREFIX}tiny-sft with {script} (one time, ~1 min)")
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
         env.setdefault("OMP_NUM_THREADS", "1")  # a 1 M model gains nothing from more threads; they thrash when shared
-        cmd = [sys.executable, str(script), *WARM_START_ARGS, "--export-dir", str(tmp), "--run-dir", str(tmp / "run")]
-        subprocess.run(cmd, check=True, env=env, preexec_fn=_die_with_parent)
-        shutil.rmtree(tmp / "run", ignore_errors=True)
+        run_dir = tmp.with_name(tmp.name + "-run")  # beside, not inside: the export replaces `tmp` whole
+        cmd = [sys.executable, str(script), *WARM_START_ARGS, "--export-dir", str(tmp), "--run-dir", str(run_dir)]
+        try:
+            subprocess.run(cmd, check=True, env=env, preexec_fn=_die_with_parent)
+            summary = json.loads((run_dir / "summary.json").read_text())
+            (tmp / "sft_summary.json").write_text(json.dumps(summary, indent=2))
+        finally:
+            shutil.rmtree(run_dir, ignore_errors=True)
 
     return _atomic_build(target, build)
 

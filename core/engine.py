@@ -125,6 +125,20 @@ def gathered_state_dict(engine) -> dict[str, torch.Tensor] | None:
         return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
 
 
+def full_named_parameters(engine):
+    """Yield (name, full tensor) for every trainer parameter, for weight sync. Under ZeRO-3 each parameter is gathered
+    just in time and copied out (collective: every rank must iterate to the end); otherwise the live tensors."""
+    import deepspeed
+
+    zero3 = engine.zero_optimization_stage() == 3
+    for name, p in engine.module.named_parameters():
+        if zero3:
+            with deepspeed.zero.GatheredParameters([p], modifier_rank=None):
+                yield name, p.detach().clone()
+        else:
+            yield name, p.detach()
+
+
 def export_hf(engine, tokenizer, out_dir: str | Path) -> None:
     """Save an HF model folder (config, safetensors, tokenizer) that `from_pretrained` and vLLM load. LoRA adapters
     are merged into the base weights. Written to a temporary folder and renamed: a kill never leaves a half export.
@@ -143,9 +157,13 @@ def export_hf(engine, tokenizer, out_dir: str | Path) -> None:
             base = AutoModelForCausalLM.from_config(model.get_base_model().config)
             fresh = get_peft_model(base, model.peft_config["default"])
             fresh.load_state_dict(state)
-            fresh.merge_and_unload().save_pretrained(tmp)
-        else:
-            model.save_pretrained(tmp, state_dict=state)
+            model = fresh.merge_and_unload()
+            state = model.state_dict()
+        if getattr(model.config, "tie_word_embeddings", False):
+            # a tied head saved as its own tensor loads untied in vLLM, and a weight sync (which sends the shared
+            # tensor once, as embed_tokens) would then leave the engine's head stale
+            state = {k: v for k, v in state.items() if not k.endswith("lm_head.weight")}
+        model.save_pretrained(tmp, state_dict=state)
         tokenizer.save_pretrained(tmp)
         if out_dir.exists():
             shutil.rmtree(out_dir)

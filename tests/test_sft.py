@@ -53,6 +53,10 @@ def test_sft_lowers_eval_loss_and_changes_every_parameter(tmp_path):
     assert before.keys() == after.keys()
     unchanged = [n for n, p in before.items() if torch.equal(p, after[n])]
     assert not unchanged, f"parameters not updated: {unchanged}"
+    from safetensors import safe_open
+
+    with safe_open(str(Path(summary["export_dir"]) / "model.safetensors"), "pt") as f:  # tied head stored once
+        assert "lm_head.weight" not in list(f.keys())
 
 
 def _torchrun(nproc: int, tmp: Path, *extra: str) -> Path:

