@@ -96,7 +96,7 @@ class RolloutArgs:
 
 @dataclass
 class TrainArgs:
-    max_steps: int = 40
+    max_steps: int = 30
     """RL steps (one rollout + update each)."""
     minibatches: int = 2
     """optimizer steps per rollout: the batch is split into this many minibatches."""
