@@ -142,3 +142,41 @@ def test_warm_start_has_partial_accuracy():
     outs = models.greedy_generate(model, tokenizer, prompts, max_new_tokens=5)
     acc = sum(tokenizer.decode(o, skip_special_tokens=True) == r["answer"] for o, r in zip(outs, test)) / len(test)
     assert 0.2 <= acc <= 0.6, acc
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "option",
+    ["lora", "offload_optimizer", "gradient_checkpointing", "bf16", "zero3", "wandb_offline", "no_packing"],
+)
+def test_sft_engine_options_train_and_export(tmp_path, option, monkeypatch):
+    """Every engine option of the foundation trains (loss falls over a few steps) and exports a loadable model."""
+    args = small_args(tmp_path, max_steps=6, batch_size=32)
+    args.eval.every = 0
+    if option == "lora":
+        args.model.lora_rank, args.model.lora_alpha = 8, 16
+        args.train.lr = 1e-2
+    elif option == "offload_optimizer":
+        args.ds.offload_optimizer = True
+    elif option == "gradient_checkpointing":
+        args.model.gradient_checkpointing = True
+    elif option == "bf16":
+        args.model.dtype = "bf16"
+    elif option == "zero3":
+        args.ds.zero_stage = 3
+    elif option == "wandb_offline":
+        monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+        args.logger.wandb, args.logger.wandb_mode = True, "offline"
+    elif option == "no_packing":
+        args.train.packing = False
+    summary = main(args)
+    steps = losses(args.run_dir)
+    assert steps[6] < steps[1], steps
+    exported = models.load_causal_lm(models.ModelConfig(name_or_path=summary["export_dir"]))
+    base = models.load_causal_lm(models.ModelConfig(name_or_path="cleanrlhf/tiny"))
+    changed = [n for n, p in base.named_parameters() if not torch.equal(p, dict(exported.named_parameters())[n])]
+    assert changed, "export equals the untrained model"
+    if option == "lora":  # merged LoRA changes only the adapted linear layers, never embeddings or norms
+        assert all("proj" in n for n in changed), changed
+    if option == "wandb_offline":
+        assert list(Path(args.run_dir).rglob("*.wandb")), "no offline W&B run written"
