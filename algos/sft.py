@@ -64,6 +64,8 @@ class TrainArgs:
     """the cosine schedule ends at lr · min_lr_ratio."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
+    adam_betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW (β1, β2)."""
     mode: Literal["single", "multiturn", "pretrain"] = "single"
     """`single`: loss on the response; `multiturn`: on every assistant turn of a chat; `pretrain`: on all tokens."""
     seed: int = 1
@@ -184,7 +186,7 @@ def main(args: Args) -> dict:
     eval_set = [ex for g in data.build_examples(eval_sources, make, args.data, log) for ex in g]
     model = models.load_causal_lm(args.model).to(device)
     engine = ds_engine.make_engine(model, args.ds, args.train.lr, args.train.max_steps, args.train.warmup_steps,
-                                   args.train.min_lr_ratio, args.train.weight_decay)  # fmt: skip
+                                   args.train.min_lr_ratio, args.train.weight_decay, args.train.adam_betas)  # fmt: skip
 
     run_dir = Path(args.run_dir or Path(args.logger.run_root) / run_name(args.exp_name, args.train.seed))
     ckpt_dir = Path(args.ckpt.dir or run_dir / "checkpoints")

@@ -20,7 +20,8 @@ def test_task_rows_deterministic_disjoint_and_correct():
     assert not {r["prompt"] for r in train} & {r["prompt"] for r in test}
     for r in train[:200] + test:
         a, b = r["prompt"].removesuffix("=").split("+")
-        assert r["answer"] == str(int(a) + int(b)) and r["datasource"] == "add2"
+        assert len(a) == len(b) == 2 and len(r["answer"]) == 3, r  # fixed width: zero-padded operands and sum
+        assert int(r["answer"]) == int(a) + int(b) and r["datasource"] == "add2"
 
 
 def test_task_rows_small_task_keeps_training_rows():

@@ -34,6 +34,13 @@ def small_args(tmp_path: Path, **train) -> Args:
     return args
 
 
+def clean_env() -> dict:
+    """The environment for a child process: without the torch.distributed variables that in-process tests set
+    (a child would otherwise try to join this process's world)."""
+    dist_vars = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    return {k: v for k, v in os.environ.items() if k not in dist_vars} | {"TOKENIZERS_PARALLELISM": "false"}
+
+
 def metrics(run_dir) -> list[dict]:
     return [json.loads(line) for line in open(Path(run_dir) / "metrics.jsonl")]
 
@@ -61,7 +68,7 @@ def test_sft_lowers_eval_loss_and_changes_every_parameter(tmp_path):
 
 def _torchrun(nproc: int, tmp: Path, *extra: str) -> Path:
     run_dir = tmp / f"run{nproc}"
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    env = {**clean_env(), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1",
            "--master_port", str(29500 + nproc + os.getpid() % 1000), str(SFT), "--model.name-or-path", "cleanrlhf/tiny",
            "--train.max-steps", "4", "--train.batch-size", "32", "--train.warmup-steps", "0", "--eval.every", "0",
@@ -123,7 +130,7 @@ def test_help_documents_every_section():
 def test_copied_script_runs_from_another_directory_and_names_its_runs(tmp_path):
     copy = tmp_path / "my_sft.py"
     shutil.copy(SFT, copy)
-    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    env = clean_env()
     cmd = [sys.executable, str(copy), "--model.name-or-path", "cleanrlhf/tiny", "--train.max-steps", "2",
            "--eval.every", "0", "--logger.quiet", "--logger.run-root", str(tmp_path / "runs")]  # fmt: skip
     subprocess.run(cmd, check=True, cwd=tmp_path, env=env, timeout=600)
