@@ -45,6 +45,12 @@ def init_distributed(backend: str = "auto", timeout_s: int = 600) -> tuple[int, 
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     if not dist.is_initialized():
+        # The world may have been torn down by someone else in this process (an in-process vLLM engine destroys it
+        # at shutdown); DeepSpeed would keep handing out the dead groups it cached (tested with deepspeed 0.19.8).
+        from deepspeed.utils import groups
+
+        if hasattr(groups, "_release_process_group_references"):
+            groups._release_process_group_references(None)
         deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(seconds=timeout_s), auto_mpi_discovery=False)
     device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
     return dist.get_rank(), dist.get_world_size(), device

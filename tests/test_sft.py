@@ -66,6 +66,20 @@ def test_sft_lowers_eval_loss_and_changes_every_parameter(tmp_path):
         assert "lm_head.weight" not in list(f.keys())
 
 
+@pytest.mark.slow
+def test_sft_runs_again_after_the_world_was_destroyed(tmp_path):
+    """An in-process vLLM engine destroys the default process group at shutdown; the next run must still work."""
+    import torch.distributed as dist
+
+    args = small_args(tmp_path / "a", max_steps=2, batch_size=16)
+    args.eval.every = 0
+    main(args)
+    dist.destroy_process_group()
+    args = small_args(tmp_path / "b", max_steps=2, batch_size=16)
+    args.eval.every = 0
+    assert main(args)["steps"] == 2
+
+
 def _torchrun(nproc: int, tmp: Path, *extra: str) -> Path:
     run_dir = tmp / f"run{nproc}"
     env = {**clean_env(), "OMP_NUM_THREADS": "1"}
