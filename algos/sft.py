@@ -54,6 +54,10 @@ class TrainArgs:
     """packing budget: tokens per forward/backward on one rank (gradient accumulation covers the rest)."""
     packing: bool = True
     """pack samples padding-free; `--train.no-packing` uses right-padded micro-batches of `micro-batch-size`."""
+    pack_row_len: int | None = None
+    """tokens per packed row (rows are filled longest-first and padded to the fullest one). Default: one row per
+    micro-batch with flash-attention (varlen kernels), otherwise rows of twice the longest sample, because
+    sdpa/eager attention over a packed row costs O(row length^2)."""
     micro_batch_size: int = 16
     """samples per micro-batch when packing is off."""
     max_steps: int = 300
@@ -125,9 +129,11 @@ def sft_example_with_label(row: dict, tokenizer, cfg: DataConfig, mode: str) -> 
 def micro_batches(examples: list[dict], args: Args, pad_id: int, device) -> list[dict]:
     """Packed (default) or padded micro-batches of one rank's share of the batch."""
     if args.train.packing:
-        return [
-            packing.collate_packed(g, device) for g in packing.pack(examples, args.train.max_tokens_per_micro_batch)
-        ]
+        row_len = args.train.pack_row_len
+        if row_len is None and not args.model.attn_implementation.startswith("flash"):
+            row_len = 2 * max(len(ex["input_ids"]) for ex in examples)
+        groups = packing.pack(examples, args.train.max_tokens_per_micro_batch)
+        return [packing.collate_packed(g, device, row_len) for g in groups]
     step = args.train.micro_batch_size
     return [packing.collate_padded(examples[i : i + step], pad_id, device) for i in range(0, len(examples), step)]
 

@@ -1,7 +1,7 @@
 """Padding-free sequence packing.
 
-Variable-length samples are concatenated into one row (1, N) with `position_ids` restarting at 0 for every sample
-and no attention mask. transformers (>= 4.56, tested on 5.16-5.19) turns restarting position ids into a
+Variable-length samples are concatenated into one row (1, N), or into a few rows (R, L), with `position_ids`
+restarting at 0 for every sample and no attention mask. transformers (>= 4.56, tested on 5.16-5.19) turns restarting position ids into a
 block-diagonal causal mask for sdpa/eager and into varlen kernels for flash-attention, so no token attends across
 samples and packed log-probs equal the padded ones (tests/test_packing.py).
 
@@ -32,17 +32,50 @@ def pack(examples: list[dict], max_tokens: int) -> list[list[dict]]:
     return groups
 
 
-def collate_packed(examples: list[dict], device="cpu") -> dict:
-    """One packed row: input_ids, position_ids, loss_mask of shape (1, N) and the per-sample lengths."""
+def collate_packed(examples: list[dict], device="cpu", row_len: int | None = None) -> dict:
+    """Packed batch: input_ids, position_ids, loss_mask of shape (R, L), the per-sample lengths `seq_lens` and
+    `segments`, one (row, start, length) per example in input order.
+
+    row_len None: one row (1, N) holding every example in order, the layout for flash-attention's varlen kernels.
+    row_len L: rows of at most max(L, longest example) tokens, filled first-fit-decreasing (longest examples first,
+    each into the first row with room), so rows come out nearly equally full. Rows are right-filled with a pad
+    segment (its own position ids from 0, loss mask 0) that no real token attends to. With sdpa/eager the
+    block-diagonal mask costs O(row length^2) per row, so bounded rows keep attention cost linear in the batch.
+    """
     assert all(ex["loss_mask"][0] == 0 for ex in examples), "the first token of a sample cannot be a target"
-    ids = [t for ex in examples for t in ex["input_ids"]]
-    pos = [p for ex in examples for p in range(len(ex["input_ids"]))]
-    mask = [m for ex in examples for m in ex["loss_mask"]]
+    lens = [len(ex["input_ids"]) for ex in examples]
+    if row_len is None:
+        rows = [list(range(len(examples)))]
+    else:
+        cap, rows, used = max(row_len, *lens), [], []
+        for i in sorted(range(len(examples)), key=lambda i: -lens[i]):
+            r = next((r for r, u in enumerate(used) if u + lens[i] <= cap), len(rows))
+            if r == len(rows):
+                rows.append([])
+                used.append(0)
+            rows[r].append(i)
+            used[r] += lens[i]
+    width = max(sum(lens[i] for i in row) for row in rows)
+    ids = torch.zeros((len(rows), width), dtype=torch.long)
+    pos = torch.zeros((len(rows), width), dtype=torch.long)
+    mask = torch.zeros((len(rows), width), dtype=torch.bool)
+    segments: list = [None] * len(examples)
+    for r, row in enumerate(rows):
+        start = 0
+        for i in row:
+            n = lens[i]
+            ids[r, start : start + n] = torch.tensor(examples[i]["input_ids"])
+            pos[r, start : start + n] = torch.arange(n)
+            mask[r, start : start + n] = torch.tensor(examples[i]["loss_mask"], dtype=torch.bool)
+            segments[i] = (r, start, n)
+            start += n
+        pos[r, start:] = torch.arange(width - start)  # pad segment: attends only to itself
     return {
-        "input_ids": torch.tensor([ids], device=device),
-        "position_ids": torch.tensor([pos], device=device),
-        "loss_mask": torch.tensor([mask], device=device, dtype=torch.bool),
-        "seq_lens": [len(ex["input_ids"]) for ex in examples],
+        "input_ids": ids.to(device),
+        "position_ids": pos.to(device),
+        "loss_mask": mask.to(device),
+        "seq_lens": lens,
+        "segments": segments,
     }
 
 
@@ -77,6 +110,9 @@ def token_logprobs(model, batch: dict, temperature: float = 1.0) -> torch.Tensor
     return logp
 
 
-def unpack(x: torch.Tensor, seq_lens: list[int]) -> list[torch.Tensor]:
-    """Split a packed (1, N) tensor back into per-sample 1-D tensors."""
+def unpack(x: torch.Tensor, seq_lens: list) -> list[torch.Tensor]:
+    """Split a packed tensor back into per-sample 1-D tensors, in input order: `seq_lens` (lengths, for a one-row
+    (1, N) batch) or a batch's `segments` ((row, start, length) triples, for any row layout)."""
+    if seq_lens and isinstance(seq_lens[0], (tuple, list)):
+        return [x[r, s : s + n] for r, s, n in seq_lens]
     return list(torch.split(x[0], seq_lens))

@@ -36,19 +36,20 @@ def model(request, tiny_path):
     ).eval()
 
 
-def per_sample_logprobs(model, examples, pad_id, temperature=1.0):
-    packed = packing.collate_packed(examples)
+def per_sample_logprobs(model, examples, pad_id, temperature=1.0, row_len=None):
+    packed = packing.collate_packed(examples, row_len=row_len)
     padded = packing.collate_padded(examples, pad_id)
     with torch.no_grad():
-        lp_packed = packing.unpack(packing.token_logprobs(model, packed, temperature), packed["seq_lens"])
+        lp_packed = packing.unpack(packing.token_logprobs(model, packed, temperature), packed["segments"])
         lp_padded = packing.token_logprobs(model, padded, temperature)
     return lp_packed, [lp_padded[i, : len(ex["input_ids"])] for i, ex in enumerate(examples)], padded
 
 
+@pytest.mark.parametrize("row_len", [None, 45, 80])  # one row; several rows, each closed by a pad segment
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
-def test_packed_logprobs_equal_padded(model, tokenizer, seed):
+def test_packed_logprobs_equal_padded(model, tokenizer, seed, row_len):
     examples = random_examples(seed)
-    lp_packed, lp_padded, _ = per_sample_logprobs(model, examples, tokenizer.pad_token_id)
+    lp_packed, lp_padded, _ = per_sample_logprobs(model, examples, tokenizer.pad_token_id, row_len=row_len)
     for ex, a, b in zip(examples, lp_packed, lp_padded):
         assert a.shape == (len(ex["input_ids"]),) and a[0] == 0 and b[0] == 0
         torch.testing.assert_close(a, b, rtol=0, atol=1e-5)
@@ -81,8 +82,9 @@ def test_packing_changes_nothing_but_the_layout(model, tokenizer):
     assert (good[0, n0 + 1 :] - bad[0, n0 + 1 :]).abs().max() > 1e-3
 
 
+@pytest.mark.parametrize("row_len", [None, 50])
 @pytest.mark.parametrize("seed", [0, 1])
-def test_sft_loss_and_gradients_packed_equal_padded(tiny_path, tokenizer, seed):
+def test_sft_loss_and_gradients_packed_equal_padded(tiny_path, tokenizer, seed, row_len):
     base = AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.float32)
     base.train()
     examples = random_examples(10 + seed, n=8)
@@ -101,7 +103,7 @@ def test_sft_loss_and_gradients_packed_equal_padded(tiny_path, tokenizer, seed):
     loss_padded, grads_padded = loss_and_grads(padded_model, [packing.collate_padded(examples, tokenizer.pad_token_id)])
     groups = packing.pack(examples, max_tokens=80)
     assert 1 < len(groups) < len(examples)  # several micro-batches, several samples in some of them
-    loss_packed, grads_packed = loss_and_grads(packed_model, [packing.collate_packed(g) for g in groups])
+    loss_packed, grads_packed = loss_and_grads(packed_model, [packing.collate_packed(g, row_len=row_len) for g in groups])
 
     # the reference value: the token mean of -log p over targets
     lp = torch.cat([b[torch.tensor(ex["loss_mask"], dtype=torch.bool)] for ex, b in
@@ -151,3 +153,19 @@ def test_collate_and_unpack_round_trip():
     assert padded["attention_mask"].sum().item() == n and padded["loss_mask"].sum() == batch["loss_mask"].sum()
     with pytest.raises(AssertionError, match="first token"):
         packing.collate_packed([{"input_ids": [1, 2], "loss_mask": [1, 1]}])
+
+
+def test_rows_layout_round_trip_and_pad_segment():
+    examples = random_examples(5, n=9, max_len=30)
+    batch = packing.collate_packed(examples, row_len=40)
+    rows, width = batch["input_ids"].shape
+    assert rows > 1 and width <= max(40, *batch["seq_lens"])
+    assert rows <= len(packing.pack(examples, max(40, *batch["seq_lens"])))  # first-fit-decreasing beats in-order
+    for key in ["input_ids", "loss_mask"]:
+        assert [t.tolist() for t in packing.unpack(batch[key], batch["segments"])] == [
+            [int(v) for v in ex[key]] for ex in examples
+        ]
+    assert batch["loss_mask"].sum() == sum(sum(ex["loss_mask"]) for ex in examples)  # pad segments carry no targets
+    for r in range(rows):  # every row: real samples then one pad segment, each with positions from 0
+        used = sum(n for row, _, n in batch["segments"] if row == r)
+        assert batch["position_ids"][r, used:].tolist() == list(range(width - used))

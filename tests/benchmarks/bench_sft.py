@@ -1,11 +1,13 @@
 """SFT throughput: algos/sft.py against TRL's SFTTrainer, same model, data, batch and step count, one run.
 
     .venv/bin/pip install --no-deps trl==1.16.0       # the peer (not a project dependency)
-    .venv/bin/python tests/benchmarks/bench_sft.py --steps 40
+    .venv/bin/python tests/benchmarks/bench_sft.py --steps 40                  # both workloads
 
-Both sides train `cleanrlhf/tiny` on `cleanrlhf/add2` (loss on the answer only) with batch 64, AdamW lr 3e-3,
-fp32, no gradient checkpointing, one process, and are timed over the same optimizer steps after a few warm-up
-steps. Each side runs in its own subprocess (same thread count) so neither inherits the other's state. Tokens are
+Both sides train `cleanrlhf/tiny` (loss on the answer only) with batch 64, AdamW lr 3e-3, fp32, no gradient
+checkpointing, one process, and are timed over the same optimizer steps after a few warm-up steps. Two workloads
+from the same sample pool for both sides: `add2`, the embedded default (every sample is 13 tokens, so padding costs
+nothing), and `mixed`, additions of 1 to 8 digits (7 to 29 tokens), where TRL pads each batch to its longest
+sample and algos/sft.py packs. Each side runs in its own subprocess (same thread count) so neither inherits the other's state. Tokens are
 the real (non-pad) tokens of the samples consumed, counted the same way for both.
 """
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -22,28 +25,34 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[2]
 
 
-def samples(n_steps: int, batch: int) -> list[dict]:
+def pool(workload: str) -> list[dict]:
+    """The sample pool both sides draw their batches from (rows with prompt / answer)."""
     from core import embedded
 
-    train, _ = embedded.task_rows(2)
-    return [train[i % len(train)] for i in range(n_steps * batch)]
+    if workload == "add2":
+        return embedded.task_rows(2)[0]
+    per_size = [embedded.task_rows(d)[0][:1000] for d in range(1, 9)]
+    return [rows[i] for i in range(1000) for rows in per_size if i < len(rows)]  # interleaved sizes
 
 
-def tokens_per_sample() -> float:
+def tokens_per_sample(rows: list[dict]) -> float:
     """Mean real tokens per sample (<s> + prompt + answer + </s>), the unit of tokens/s for both sides."""
-    from core import embedded, models
+    from core import models
 
     tokenizer = models.load_tokenizer("cleanrlhf/tiny")
-    train, _ = embedded.task_rows(2)
-    return sum(len(tokenizer(r["prompt"] + r["answer"])["input_ids"]) + 1 for r in train) / len(train)
+    return sum(len(tokenizer(r["prompt"] + r["answer"])["input_ids"]) + 1 for r in rows) / len(rows)
 
 
-def run_ours(steps: int, warmup: int, batch: int, out: Path) -> dict:
+def run_ours(steps: int, warmup: int, batch: int, out: Path, workload: str) -> dict:
     sys.argv = [sys.argv[0]]
     from algos.sft import Args, main
 
+    data_file = out / f"{workload}.jsonl"
+    data_file.write_text("".join(json.dumps(r) + "\n" for r in pool(workload)))
+    shutil.rmtree(out / "ours", ignore_errors=True)  # metrics.jsonl appends; a stale run would mix into the timing
     args = Args()
     args.model.name_or_path = "cleanrlhf/tiny"
+    args.data.path, args.data.eval_path, args.eval.max_samples, args.eval.generate = str(data_file), "cleanrlhf/add2", 64, False
     args.train.max_steps, args.train.batch_size, args.train.lr, args.train.warmup_steps = warmup + steps, batch, 3e-3, 0
     args.eval.every = 0
     args.logger.quiet, args.logger.tensorboard = True, False
@@ -54,7 +63,7 @@ def run_ours(steps: int, warmup: int, batch: int, out: Path) -> dict:
     return {"step_s": sum(timed) / len(timed)}
 
 
-def run_trl(steps: int, warmup: int, batch: int, out: Path) -> dict:
+def run_trl(steps: int, warmup: int, batch: int, out: Path, workload: str) -> dict:
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, TrainerCallback
@@ -65,7 +74,7 @@ def run_trl(steps: int, warmup: int, batch: int, out: Path) -> dict:
     path = embedded.ensure_tiny_base()
     tokenizer = models.load_tokenizer(str(path))
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    rows = samples(warmup + steps, batch)
+    rows = pool(workload)
     ds = Dataset.from_list([{"prompt": r["prompt"], "completion": r["answer"]} for r in rows])
     times: list[float] = []
 
@@ -90,6 +99,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=40)
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--workload", choices=["add2", "mixed", "both"], default="both")
     p.add_argument("--side", choices=["ours", "trl"], default=None, help=argparse.SUPPRESS)
     p.add_argument("--out", default="/tmp/cleanrlhf-bench-sft")
     a = p.parse_args()
@@ -97,23 +107,25 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     if a.side:
         t0 = time.perf_counter()
-        res = (run_ours if a.side == "ours" else run_trl)(a.steps, a.warmup, a.batch, out)
+        res = (run_ours if a.side == "ours" else run_trl)(a.steps, a.warmup, a.batch, out, a.workload)
         res["wall_s"] = time.perf_counter() - t0
         (out / f"{a.side}.json").write_text(json.dumps(res))
         return
     threads = os.environ.get("OMP_NUM_THREADS", str(os.cpu_count()))
     env = {**os.environ, "OMP_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "false"}
-    for side in ("ours", "trl"):
-        cmd = [sys.executable, __file__, "--side", side, "--steps", str(a.steps), "--warmup", str(a.warmup),
-               "--batch", str(a.batch), "--out", str(out)]  # fmt: skip
-        subprocess.run(cmd, check=True, env=env, cwd=REPO, stdout=subprocess.DEVNULL)
-    ours, trl = (json.loads((out / f"{side}.json").read_text())["step_s"] for side in ("ours", "trl"))
-    per_sample = tokens_per_sample()
-    print(f"SFT, cleanrlhf/tiny on cleanrlhf/add2, batch {a.batch}, {a.steps} timed steps, {threads} threads")
-    print(f"{'':14}{'s/step':>10}{'tokens/s':>12}")
-    for name, step_s in (("CleanRLHF", ours), ("TRL SFTTrainer", trl)):
-        print(f"{name:14}{step_s:>10.4f}{a.batch * per_sample / step_s:>12.0f}")
-    print(f"speed-up: {trl / ours:.2f}x")
+    print(f"SFT, cleanrlhf/tiny, batch {a.batch}, {a.steps} timed steps, {threads} threads, fp32")
+    print(f"{'workload':10}{'':16}{'s/step':>10}{'tokens/s':>12}")
+    for workload in ["add2", "mixed"] if a.workload == "both" else [a.workload]:
+        for side in ("ours", "trl"):
+            (out / f"{side}.json").unlink(missing_ok=True)
+            cmd = [sys.executable, __file__, "--side", side, "--steps", str(a.steps), "--warmup", str(a.warmup),
+                   "--batch", str(a.batch), "--out", str(out), "--workload", workload]  # fmt: skip
+            subprocess.run(cmd, check=True, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        ours, trl = (json.loads((out / f"{side}.json").read_text())["step_s"] for side in ("ours", "trl"))
+        per_sample = tokens_per_sample(pool(workload))
+        for name, step_s in (("CleanRLHF", ours), ("TRL SFTTrainer", trl)):
+            print(f"{workload:10}{name:16}{step_s:>10.4f}{a.batch * per_sample / step_s:>12.0f}")
+        print(f"{workload:10}speed-up {trl / ours:.2f}x")
 
 
 if __name__ == "__main__":
