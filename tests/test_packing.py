@@ -103,7 +103,9 @@ def test_sft_loss_and_gradients_packed_equal_padded(tiny_path, tokenizer, seed, 
     loss_padded, grads_padded = loss_and_grads(padded_model, [packing.collate_padded(examples, tokenizer.pad_token_id)])
     groups = packing.pack(examples, max_tokens=80)
     assert 1 < len(groups) < len(examples)  # several micro-batches, several samples in some of them
-    loss_packed, grads_packed = loss_and_grads(packed_model, [packing.collate_packed(g, row_len=row_len) for g in groups])
+    loss_packed, grads_packed = loss_and_grads(
+        packed_model, [packing.collate_packed(g, row_len=row_len) for g in groups]
+    )
 
     # the reference value: the token mean of -log p over targets
     lp = torch.cat([b[torch.tensor(ex["loss_mask"], dtype=torch.bool)] for ex, b in

@@ -52,7 +52,12 @@ def run_ours(steps: int, warmup: int, batch: int, out: Path, workload: str) -> d
     shutil.rmtree(out / "ours", ignore_errors=True)  # metrics.jsonl appends; a stale run would mix into the timing
     args = Args()
     args.model.name_or_path = "cleanrlhf/tiny"
-    args.data.path, args.data.eval_path, args.eval.max_samples, args.eval.generate = str(data_file), "cleanrlhf/add2", 64, False
+    args.data.path, args.data.eval_path, args.eval.max_samples, args.eval.generate = (
+        str(data_file),
+        "cleanrlhf/add2",
+        64,
+        False,
+    )
     args.train.max_steps, args.train.batch_size, args.train.lr, args.train.warmup_steps = warmup + steps, batch, 3e-3, 0
     args.eval.every = 0
     args.logger.quiet, args.logger.tensorboard = True, False
