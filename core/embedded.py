@@ -62,9 +62,9 @@ def home() -> Path:
     return Path(os.environ.get("CLEANRLHF_HOME", Path.home() / ".cache" / "cleanrlhf"))
 
 
-def _is_built(target: Path) -> bool:
+def _is_built(target: Path, version: str = ARTIFACT_VERSION) -> bool:
     marker = target / ".complete"
-    return marker.exists() and marker.read_text().strip() == ARTIFACT_VERSION
+    return marker.exists() and marker.read_text().strip() == version
 
 
 @contextmanager
@@ -79,16 +79,17 @@ def _locked(name: str):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _atomic_build(target: Path, build) -> Path:
-    """Run `build(tmp_dir)` and rename the result into place, so a killed build never leaves a half artifact."""
+def _atomic_build(target: Path, build, version: str = ARTIFACT_VERSION) -> Path:
+    """Run `build(tmp_dir)` and rename the result into place, so a killed build never leaves a half artifact.
+    A cached artifact whose version marker differs from `version` is rebuilt."""
     target.parent.mkdir(parents=True, exist_ok=True)
     with _locked(target.name):
-        if _is_built(target):
+        if _is_built(target, version):
             return target
         tmp = Path(tempfile.mkdtemp(dir=target.parent, prefix=f".{target.name}-"))
         try:
             build(tmp)
-            (tmp / ".complete").write_text(ARTIFACT_VERSION)
+            (tmp / ".complete").write_text(version)
             if target.exists():
                 shutil.rmtree(target)
             os.replace(tmp, target)

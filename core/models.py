@@ -96,7 +96,10 @@ def token_values(model, input_ids: torch.Tensor, attention_mask=None, position_i
     """Per-token scalar outputs (B, T) of a sequence-classification model: the head applied to every hidden state
     (a critic's values; a reward model reads the last valid position)."""
     body = getattr(model, model.base_model_prefix)
-    hidden = body(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids).last_hidden_state
+    # use_cache=False: with a KV cache transformers does not turn restarting position ids into a block-diagonal
+    # mask, and packed samples would attend to each other.
+    hidden = body(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                  use_cache=False).last_hidden_state  # fmt: skip
     return model.score(hidden).squeeze(-1).float()
 
 

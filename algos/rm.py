@@ -1,0 +1,307 @@
+"""Reward model (RM) training: a causal LM body with a scalar head, fit to pairwise preferences (Bradley-Terry).
+
+Ouyang et al. 2022 ("Training language models to follow instructions", step 2), after Stiennon et al. 2020. The
+reward r_φ(x, y) is a linear head on the last hidden state of the last token (the eos appended to prompt + response).
+For a pair with chosen y_w and rejected y_l:
+
+    sigmoid:  L = −log σ(r_φ(x, y_w) − r_φ(x, y_l) − m)        (m: optional per-pair margin, Llama 2, arXiv:2307.09288)
+    logexp:   L = log(1 + exp(r_φ(x, y_l) − r_φ(x, y_w)))      (OpenRLHF's LogExpLoss: the same function when m = 0)
+
+The trained model is saved as an `AutoModelForSequenceClassification` (num_labels=1) whose `config.json` also holds
+`reward_mean` / `reward_std` (of the held-out rewards, chosen and rejected together) and `reward_add_special_tokens`,
+so `rewards/server.py` can serve normalized scores of exactly the tokens seen in training.
+
+Deviations from the paper:
+1. Chosen and rejected sequences are packed padding-free into ONE forward pass; the scores are read at each packed
+   sample's last token (tests/test_rm.py checks them against the padded `core.models.sequence_scores`).
+2. One pair per prompt and a global batch of pairs (the paper batches all K-choose-2 comparisons of a prompt).
+3. The prompt and response are tokenized as one text (`core.data.reward_ids`), as the server sees them.
+
+Debug (SFT warm start body, embedded pairs `cleanrlhf/add2-pref`, one CPU):
+    python algos/rm.py --train.max-steps 40
+Several processes (ZeRO-3 over 2 ranks; see slurm/ for many hosts):
+    torchrun --nproc_per_node 2 algos/rm.py --ds.zero-stage 3
+Serve it:
+    python -m rewards.server --model runs/rm__1__<time>/hf --normalize
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+import tyro
+
+from core import checkpoint, data, models, packing
+from core import engine as ds_engine
+from core.config import CkptConfig, DataConfig, DSConfig, LoggerConfig, ModelConfig
+from core.logger import RunLogger, run_name, timer
+
+
+@dataclass
+class TrainArgs:
+    loss: Literal["sigmoid", "logexp"] = "sigmoid"
+    """pairwise loss: `sigmoid` (−log σ(r_w − r_l − m)) or `logexp` (log(1 + exp(r_l − r_w)), no margin)."""
+    lr: float = 3e-4
+    """peak learning rate (3e-4 suits the ~1 M embedded model, 6e-4 is unstable; use ~9e-6 for real models)."""
+    batch_size: int = 128
+    """global batch: preference pairs per optimizer step, summed over ranks."""
+    max_tokens_per_micro_batch: int = 4096
+    """packing budget: chosen + rejected tokens per forward/backward on one rank."""
+    max_steps: int = 150
+    """optimizer steps."""
+    warmup_steps: int = 10
+    """linear learning-rate warmup steps, then cosine decay."""
+    min_lr_ratio: float = 0.1
+    """the cosine schedule ends at lr · min_lr_ratio."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    adam_betas: tuple[float, float] = (0.9, 0.999)
+    """AdamW (β1, β2); β2 0.95 left the embedded reward model at chance for longer."""
+    seed: int = 1
+    """seed of the data order, of the head's initialisation and of every rank's RNG."""
+
+
+@dataclass
+class EvalArgs:
+    every: int = 50
+    """evaluate every N steps (and at the start and the end); 0 disables."""
+    max_samples: int = 500
+    """held-out pairs used (also the sample for the saved reward mean / std)."""
+    batch_size: int = 128
+    """sequences per padded forward pass in the eval."""
+
+
+@dataclass
+class Args:
+    exp_name: str = Path(__file__).stem
+    """run name prefix; defaults to this file's name, so a copied script names its own runs."""
+    chosen_key: str = "chosen"
+    """field holding the preferred response (the prompt is `--data.input-key`)."""
+    rejected_key: str = "rejected"
+    """field holding the dispreferred response."""
+    margin_key: str | None = None
+    """optional field holding a per-pair margin m ≥ 0 (sigmoid loss only), e.g. Llama 2's preference strength."""
+    model: ModelConfig = field(default_factory=lambda: ModelConfig(name_or_path="cleanrlhf/tiny-sft"))
+    data: DataConfig = field(default_factory=lambda: DataConfig(path="cleanrlhf/add2-pref"))
+    train: TrainArgs = field(default_factory=TrainArgs)
+    eval: EvalArgs = field(default_factory=EvalArgs)
+    ds: DSConfig = field(default_factory=DSConfig)
+    ckpt: CkptConfig = field(default_factory=CkptConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    run_dir: str | None = None
+    """run folder (metrics, TensorBoard, checkpoints); default `<logger.run-root>/<exp_name>__<seed>__<time>`.
+    Pass an existing one to resume from its latest checkpoint."""
+    export_dir: str | None = None
+    """where the final HF model (AutoModelForSequenceClassification) is written; default `<run_dir>/hf`."""
+
+
+# ALGO LOGIC: the objective. chosen, rejected, margin: (P,) rewards of the P pairs.
+def reward_loss(chosen: torch.Tensor, rejected: torch.Tensor, margin: torch.Tensor | None = None,
+                kind: str = "sigmoid") -> torch.Tensor:  # fmt: skip
+    """Bradley-Terry pairwise loss, mean over pairs. sigmoid: −log σ(r_c − r_r − m); logexp: log(1 + exp(r_r − r_c)),
+    computed as softplus (no overflow), equal to sigmoid with m = 0."""
+    if kind == "sigmoid":
+        return -F.logsigmoid(chosen - rejected - (0.0 if margin is None else margin)).mean()
+    if kind == "logexp":
+        if margin is not None:
+            raise ValueError("reward_loss: the logexp loss takes no margin (use kind='sigmoid')")
+        return F.softplus(rejected - chosen).mean()
+    raise ValueError(f"unknown reward loss {kind!r}: expected sigmoid or logexp")
+
+
+def packed_scores(model, seqs: list[list[int]], device) -> torch.Tensor:
+    """Rewards (S,) of S token sequences from ONE packed forward: the scalar head at each sample's last token."""
+    rows = 2 * max(len(s) for s in seqs)  # bounded rows: sdpa's block-diagonal mask costs O(row length^2)
+    batch = packing.collate_packed([{"input_ids": s, "loss_mask": [0] * len(s)} for s in seqs], device, rows)
+    # use_cache=False: transformers (5.19) only turns restarting position ids into a block-diagonal mask when no
+    # KV cache is passed; with one, packed samples would attend to each other.
+    body = getattr(model, model.base_model_prefix)
+    hidden = body(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).last_hidden_state
+    row = torch.tensor([r for r, _, _ in batch["segments"]], device=device)
+    last = torch.tensor([start + n - 1 for _, start, n in batch["segments"]], device=device)
+    return model.score(hidden[row, last]).squeeze(-1).float()  # (S,)
+
+
+def micro_batches(idx: list[int], pairs: list[dict], max_tokens: int) -> list[list[int]]:
+    """Split pair indices, in order, into groups of at most `max_tokens` chosen + rejected tokens."""
+    groups, size = [[]], 0
+    for i in idx:
+        n = len(pairs[i]["chosen"]) + len(pairs[i]["rejected"])
+        if groups[-1] and size + n > max_tokens:
+            groups, size = groups + [[]], 0
+        groups[-1].append(i)
+        size += n
+    return groups
+
+
+@torch.no_grad()
+def padded_scores(model, seqs: list[list[int]], pad_id: int, device) -> torch.Tensor:
+    """Rewards (S,) of right-padded sequences (`core.models.sequence_scores`): what the eval and the server use."""
+    width = max(len(s) for s in seqs)
+    ids = torch.tensor([s + [pad_id] * (width - len(s)) for s in seqs], device=device)
+    attn = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs], device=device)
+    return models.sequence_scores(model, ids, attn)
+
+
+@torch.no_grad()
+def evaluate(model, pairs: list[dict], args: Args, pad_id: int, rank: int, world: int, device) -> dict:
+    """Held-out pair accuracy, loss, margin and the reward mean / std (chosen and rejected together). Each rank
+    scores an equal-sized slice (padded with repeats: ZeRO-3's collective forwards stay in step), summed over ranks."""
+    model.eval()
+    n = len(pairs)
+    per_rank = -(-n // world)
+    scores = torch.zeros(n, 2, device=device, dtype=torch.float64)
+    step = max(1, args.eval.batch_size // 2)
+    for start in range(0, per_rank, step):
+        idx = [rank * per_rank + i for i in range(start, min(start + step, per_rank))]
+        seqs = [pairs[i % n]["chosen"] for i in idx] + [pairs[i % n]["rejected"] for i in idx]
+        r = padded_scores(model, seqs, pad_id, device).double()
+        keep = torch.tensor([i < n for i in idx], device=device)
+        rows = torch.tensor([i % n for i in idx], device=device)
+        scores[rows[keep]] = torch.stack([r[: len(idx)], r[len(idx) :]], dim=1)[keep]
+    if world > 1:
+        dist.all_reduce(scores)
+    model.train()
+    rc, rr = scores[:, 0], scores[:, 1]
+    margin = torch.tensor([p["margin"] for p in pairs], device=device, dtype=torch.float64)
+    return {
+        "eval/loss": reward_loss(rc, rr, margin if args.margin_key else None, args.train.loss).item(),
+        "eval/accuracy": (rc > rr).double().mean().item(),
+        "eval/margin": (rc - rr).mean().item(),
+        "eval/chosen_reward": rc.mean().item(),
+        "eval/rejected_reward": rr.mean().item(),
+        "eval/reward_mean": scores.mean().item(),
+        "eval/reward_std": scores.std().item(),
+    }
+
+
+def main(args: Args) -> dict:
+    # 1. setup ------------------------------------------------------------------------------------------------
+    # PLUMBING: process group (world of one for `python algos/rm.py`), tokenizer, pairs, model, DeepSpeed engine.
+    rank, world, device = ds_engine.init_distributed(args.ds.backend, args.ds.timeout_s)
+    # Same seed on every rank for the data order and the head's init (each rank must build the same model);
+    # per-rank offset afterwards for everything stochastic inside the model (dropout).
+    random.seed(args.train.seed)
+    np.random.seed(args.train.seed)
+    torch.manual_seed(args.train.seed)
+    if args.model.lora_rank > 0:
+        raise ValueError("--model.lora-rank: LoRA is not supported for reward models here (train all parameters)")
+    if args.margin_key and args.train.loss != "sigmoid":
+        raise ValueError(f"--margin-key {args.margin_key!r} needs --train.loss sigmoid (logexp takes no margin)")
+    tokenizer = models.load_tokenizer(args.model.tokenizer or args.model.name_or_path)
+    log = print if rank == 0 else (lambda *_: None)
+    make = partial(data.reward_pair_example, tokenizer=tokenizer, cfg=args.data, chosen_key=args.chosen_key,
+                   rejected_key=args.rejected_key, margin_key=args.margin_key)  # fmt: skip
+    sources = data.load_sources(args.data.path, args.data.split, args.data.max_samples)
+    train_set = data.mix(data.build_examples(sources, make, args.data, log), args.data.probs, args.train.seed)
+    eval_sources = data.load_sources(args.data.eval_path or args.data.path, args.data.eval_split, args.eval.max_samples)
+    eval_set = [ex for g in data.build_examples(eval_sources, make, args.data, log) for ex in g]
+    model = models.load_scalar_model(args.model.name_or_path, args.model.dtype).to(device)
+    if args.model.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    torch.manual_seed(args.train.seed + rank)
+    engine = ds_engine.make_engine(model, args.ds, args.train.lr, args.train.max_steps, args.train.warmup_steps,
+                                   args.train.min_lr_ratio, args.train.weight_decay, args.train.adam_betas)  # fmt: skip
+    pad_id = tokenizer.pad_token_id
+
+    run_dir = Path(args.run_dir or Path(args.logger.run_root) / run_name(args.exp_name, args.train.seed))
+    ckpt_dir = Path(args.ckpt.dir or run_dir / "checkpoints")
+    start_step, client = 0, {}
+    if args.ckpt.resume and checkpoint.latest(ckpt_dir):
+        client = checkpoint.load({"model": engine}, checkpoint.latest(ckpt_dir))
+        start_step = client["step"] + 1
+        log(f"[rm] resumed from {checkpoint.latest(ckpt_dir)} at step {start_step}")
+    logger = RunLogger(args.logger, run_dir, args, args.train.max_steps, enabled=rank == 0)
+    logger.print(f"[rm] {len(train_set)} train / {len(eval_set)} eval pairs, world size {world}, "
+                 f"ZeRO-{args.ds.zero_stage}, run dir {run_dir}")  # fmt: skip
+    first_eval = client.get("first_eval") or evaluate(engine.module, eval_set, args, pad_id, rank, world, device)
+    logger.log(first_eval, start_step)
+    tokens_seen, t_train, step = 0.0, 0.0, start_step - 1
+
+    for step in range(start_step, args.train.max_steps):
+        # 2. batch: the global batch is a pure function of (seed, step); each rank takes every world-th pair
+        idx = data.batch_indices(len(train_set), args.train.batch_size, step, args.train.seed)[rank::world]
+        groups = micro_batches(idx, train_set, args.train.max_tokens_per_micro_batch)
+        n_micro = int(ds_engine.all_reduce(len(groups), op="max"))  # ranks must run the same number of passes
+
+        # 3. forward (chosen + rejected packed) / backward over micro-batches, one optimizer step
+        t0 = time.perf_counter()
+        stats = torch.zeros(5, dtype=torch.float64)  # sums of: loss, r_c, r_r, correct, tokens
+        for i in range(n_micro):
+            g, weight = (groups[i], 1.0) if i < len(groups) else (groups[0], 0.0)  # weight 0: a pad pass (ZeRO-3)
+            pairs = [train_set[j] for j in g]
+            r = packed_scores(engine.module, [p["chosen"] for p in pairs] + [p["rejected"] for p in pairs], device)
+            rc, rr = r[: len(g)], r[len(g) :]
+            margin = torch.tensor([p["margin"] for p in pairs], device=device) if args.margin_key else None
+            rm_loss = reward_loss(rc, rr, margin, args.train.loss)
+            # mean over the global batch; DeepSpeed averages gradients over ranks, so scale by world.
+            engine.set_gradient_accumulation_boundary(i == n_micro - 1)
+            engine.backward(rm_loss * len(g) / args.train.batch_size * world * weight)
+            n_tok = sum(len(p["chosen"]) + len(p["rejected"]) for p in pairs)
+            stats += weight * torch.tensor([rm_loss.item() * len(g), rc.sum().item(), rr.sum().item(),
+                                            (rc > rr).sum().item(), n_tok])  # fmt: skip
+        engine.step()
+        t_train += time.perf_counter() - t0
+
+        # 4. logging, eval, checkpoint
+        s = [ds_engine.all_reduce(x) for x in stats.tolist()]
+        tokens_seen += s[4]
+        b = args.train.batch_size
+        metrics = {
+            "loss/rm": s[0] / b,
+            "train/accuracy": s[3] / b,
+            "train/chosen_reward": s[1] / b,
+            "train/rejected_reward": s[2] / b,
+            "train/margin": (s[1] - s[2]) / b,
+            "train/lr": engine.lr_scheduler.get_last_lr()[0],
+            "train/grad_norm": float(engine.get_global_grad_norm() or 0.0),
+            "train/tokens": s[4],
+            "perf/step_s": t_train / (step + 1 - start_step),
+            "perf/tokens_per_s": tokens_seen / max(t_train, 1e-9),
+        }
+        last = step == args.train.max_steps - 1
+        if args.eval.every and ((step + 1) % args.eval.every == 0 or last):
+            with timer(metrics, "perf/eval_s"):
+                metrics.update(evaluate(engine.module, eval_set, args, pad_id, rank, world, device))
+        logger.log(metrics, step + 1, shown=("loss/rm", "train/accuracy", "eval/accuracy"))
+        if args.ckpt.every and ((step + 1) % args.ckpt.every == 0 or last):
+            checkpoint.save({"model": engine}, ckpt_dir, step, {"step": step, "first_eval": first_eval},
+                            args.ckpt.keep_last)  # fmt: skip
+
+    # 5. normalization statistics, export and summary
+    # The held-out reward mean / std go into config.json: the server's `--normalize` serves (r − mean) / std.
+    final = evaluate(engine.module, eval_set, args, pad_id, rank, world, device)
+    config = engine.module.config
+    config.reward_mean, config.reward_std = final["eval/reward_mean"], final["eval/reward_std"]
+    config.reward_add_special_tokens = not args.data.apply_chat_template
+    export_dir = Path(args.export_dir or run_dir / "hf")
+    ds_engine.export_hf(engine, tokenizer, export_dir)
+    summary = {
+        "steps": step + 1,
+        "train_loss_last": logger.latest("loss/rm"),
+        "eval_accuracy_first": first_eval["eval/accuracy"],
+        "eval_accuracy_last": final["eval/accuracy"],
+        "eval_margin_last": final["eval/margin"],
+        "reward_mean": final["eval/reward_mean"],
+        "reward_std": final["eval/reward_std"],
+        "step_s": logger.latest("perf/step_s"),
+        "tokens_per_s": logger.latest("perf/tokens_per_s"),
+        "export_dir": str(export_dir),
+    }
+    logger.close(summary)
+    return summary
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main(tyro.cli(Args))

@@ -1,0 +1,123 @@
+"""DPO throughput: algos/dpo.py against TRL's DPOTrainer, same model, pairs, batch and step count, one run.
+
+    .venv/bin/pip install --no-deps trl==1.16.0       # the peer (not a project dependency)
+    .venv/bin/python tests/benchmarks/bench_dpo.py --steps 20 --batch 8 64
+
+Both sides train the SFT warm start `cleanrlhf/tiny-sft` on the embedded pairs `cleanrlhf/add2-pref` (the same
+pool, random order) with AdamW lr 5e-4, β 0.1, sigmoid loss, fp32, one process, and are timed over the same
+optimizer steps after a few warm-up steps. Each side runs in its own subprocess with the same thread count.
+
+The reference model is handled the way each side does it by default: TRL runs a frozen reference copy on every
+step; algos/dpo.py computes the reference log-probs of the pairs its batches will use once, before the first step.
+The table shows our step time without that up-front pass (`s/step`) and with it spread over the timed steps
+(`s/step incl. ref`), so neither side is flattered.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+LR, BETA = 5e-4, 0.1
+
+
+def pool() -> list[dict]:
+    from core import embedded
+
+    path = embedded.resolve_data("cleanrlhf/add2-pref")
+    return [json.loads(line) for line in open(Path(path) / "train.jsonl")][:4000]
+
+
+def run_ours(steps: int, warmup: int, batch: int, out: Path) -> dict:
+    sys.argv = [sys.argv[0]]
+    from algos.dpo import Args, main
+
+    data_file = out / "pairs.jsonl"
+    data_file.write_text("".join(json.dumps(r) + "\n" for r in pool()))
+    shutil.rmtree(out / "ours", ignore_errors=True)  # metrics.jsonl appends; a stale run would mix into the timing
+    args = Args()
+    args.data.path, args.data.eval_path, args.eval.max_samples = str(data_file), "cleanrlhf/add2-pref", 8
+    args.train.max_steps, args.train.batch_size, args.train.lr, args.train.beta = warmup + steps, batch, LR, BETA
+    args.train.warmup_steps = 0
+    args.eval.every = 0
+    args.logger.quiet, args.logger.tensorboard = True, False
+    args.run_dir = str(out / "ours")
+    summary = main(args)
+    rows = [json.loads(line) for line in open(out / "ours" / "metrics.jsonl") if '"loss/dpo"' in line]
+    # perf/step_s is the running mean over the run's steps; recover each step's own time from it
+    total = [r["perf/step_s"] * r["step"] for r in rows]
+    timed = total[-1] - total[warmup - 1]
+    return {"step_s": timed / steps, "ref_s": summary["ref_s"]}
+
+
+def run_trl(steps: int, warmup: int, batch: int, out: Path) -> dict:
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, TrainerCallback
+    from trl import DPOConfig, DPOTrainer
+
+    from core import embedded, models
+
+    path = embedded.ensure_sft_warm_start()
+    tokenizer = models.load_tokenizer(str(path))
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    ds = Dataset.from_list([{"prompt": r["prompt"], "chosen": r["chosen"], "rejected": r["rejected"]} for r in pool()])
+    times: list[float] = []
+
+    class Clock(TrainerCallback):
+        def on_step_end(self, *a, **k):
+            times.append(time.perf_counter())
+
+    cfg = DPOConfig(
+        output_dir=str(out / "trl"), per_device_train_batch_size=batch, max_steps=warmup + steps, learning_rate=LR,
+        beta=BETA, lr_scheduler_type="constant", warmup_steps=0, use_cpu=True, bf16=False, report_to="none",
+        logging_steps=10**6, save_strategy="no", gradient_checkpointing=False, dataloader_num_workers=0, seed=1,
+        max_length=64,
+    )  # fmt: skip
+    trainer = DPOTrainer(model=model, args=cfg, train_dataset=ds, processing_class=tokenizer, callbacks=[Clock()])
+    trainer.train()
+    return {"step_s": (times[-1] - times[warmup - 1]) / steps}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--batch", type=int, nargs="+", default=[8, 64], help="pairs per step (one row per value)")
+    p.add_argument("--side", choices=["ours", "trl"], default=None, help=argparse.SUPPRESS)
+    p.add_argument("--out", default="/tmp/cleanrlhf-bench-dpo")
+    a = p.parse_args()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if a.side:
+        res = (run_ours if a.side == "ours" else run_trl)(a.steps, a.warmup, a.batch[0], out)
+        (out / f"{a.side}.json").write_text(json.dumps(res))
+        return
+    threads = os.environ.get("OMP_NUM_THREADS", str(os.cpu_count()))
+    env = {**os.environ, "OMP_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "false"}
+    print(f"DPO, cleanrlhf/tiny-sft on cleanrlhf/add2-pref, {a.steps} timed steps, {threads} threads, fp32")
+    print(f"{'pairs':>5}  {'':16}{'s/step':>10}{'s/step incl. ref':>18}{'pairs/s':>10}")
+    for batch in a.batch:
+        for side in ("ours", "trl"):
+            (out / f"{side}.json").unlink(missing_ok=True)
+            cmd = [sys.executable, __file__, "--side", side, "--steps", str(a.steps), "--warmup", str(a.warmup),
+                   "--batch", str(batch), "--out", str(out)]  # fmt: skip
+            subprocess.run(cmd, check=True, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        ours, trl = (json.loads((out / f"{side}.json").read_text()) for side in ("ours", "trl"))
+        with_ref = ours["step_s"] + ours["ref_s"] / (a.steps + a.warmup)
+        print(f"{batch:>5}  {'CleanRLHF':16}{ours['step_s']:>10.4f}{with_ref:>18.4f}{batch / ours['step_s']:>10.0f}")
+        print(
+            f"{batch:>5}  {'TRL DPOTrainer':16}{trl['step_s']:>10.4f}{trl['step_s']:>18.4f}{batch / trl['step_s']:>10.0f}"
+        )
+        print(f"{batch:>5}  speed-up {trl['step_s'] / ours['step_s']:.2f}x ({trl['step_s'] / with_ref:.2f}x incl. ref)")
+
+
+if __name__ == "__main__":
+    main()
