@@ -1,0 +1,481 @@
+"""REINFORCE++ (Hu et al. 2025, "REINFORCE++: Stabilizing Critic-Free Policy Optimization with Global Advantage
+Normalization", arXiv:2501.03262) and REINFORCE++-baseline (`--algo.baseline group`).
+
+No critic and no per-prompt normalisation: the scalar reward r_i of response o_i becomes a per-token reward with a
+token-level KL penalty against the frozen SFT policy (KL_t = log(π_old(o_t|…) / π_ref(o_t|…)), the k1 estimate),
+is summed into a reward-to-go, and the returns are normalised over every response token of the global batch:
+
+    r̃_i      = r_i                      REINFORCE++ (any number of samples per prompt, G ≥ 1)
+    r̃_i      = r_i − mean(r_1..r_G)     REINFORCE++-baseline (G ≥ 2 samples of the same prompt)
+    r_{i,t}  = −β · KL_{i,t} + [t = |o_i|] · r̃_i
+    R_{i,t}  = Σ_{k≥t} γ^{k−t} r_{i,k}                        (γ = 1: R_{i,t} = r̃_i − β Σ_{k≥t} KL_{i,k})
+    A_{i,t}  = (R_{i,t} − μ) / σ,   μ, σ over all valid tokens of the batch       (global advantage normalisation)
+
+The policy maximises the PPO clipped surrogate with these token advantages, ρ_{i,t} = π_θ(o_{i,t}|…) / π_old(o_{i,t}|…):
+
+    J(θ) = E[ 1/Σ|o_i| Σ_i Σ_t min(ρ_{i,t} A_{i,t}, clip(ρ_{i,t}, 1 − ε_low, 1 + ε_high) A_{i,t}) ]
+
+Deviations from the paper:
+1. Token-mean loss over the whole batch (DAPO, arXiv:2503.14476; OpenRLHF's default), 2 minibatches per rollout.
+2. 8 samples per prompt by default for both variants, as this repository's GRPO and RLOO, so the three scripts
+   generate the same rollouts; the paper's general-domain REINFORCE++ uses one (`--rollout.n-samples 1`).
+3. No in-loss KL term: the KL penalty lives only in the reward (`--algo.kl-coef`, β = 0.01 here); `--algo.kl-coef 0`
+   loads no reference model and leaves plain REINFORCE with global normalisation.
+4. Old log-probs are recomputed by the trainer, not taken from vLLM: the engine's log-probs are kept as
+   `rollout_logp` for the optional importance-sampling correction (`--algo.is-correction`); the KL in the reward uses
+   the trainer's old log-probs.
+
+Debug (embedded tiny model and task, one CPU process, in-process vLLM):
+    python algos/reinforce_pp.py --train.max-steps 5 --eval.every 5
+    python algos/reinforce_pp.py --algo.baseline group              # REINFORCE++-baseline
+A real model:
+    python algos/reinforce_pp.py --actor.model.name-or-path Qwen/Qwen2.5-0.5B-Instruct --data.path prompts.jsonl \\
+        --data.apply-chat-template --reward.func my_reward.py --rollout.max-new-tokens 1024 --actor.lr 1e-6
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import random
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import torch
+import tyro
+
+from core import checkpoint, data, embedded, models, packing, rl_math, rollout
+from core import engine as ds_engine
+from core.config import CkptConfig, DataConfig, DSConfig, LoggerConfig, ModelConfig
+from core.logger import RunLogger, run_name, timer
+from core.rollout import VLLMConfig
+
+
+@dataclass
+class ActorArgs:
+    model: ModelConfig = field(default_factory=lambda: ModelConfig(name_or_path="cleanrlhf/tiny-sft"))
+    lr: float = 3e-4
+    """peak learning rate (3e-4 suits the ~1 M embedded model; ~1e-6 for real models)."""
+    warmup_steps: int = 0
+    """linear learning-rate warmup steps, then cosine decay to 0.1 · lr."""
+    clip_low: float = 0.2
+    """ε_low: ratio lower clip 1 − ε_low."""
+    clip_high: float = 0.2
+    """ε_high: ratio upper clip 1 + ε_high (DAPO's clip-higher uses 0.28)."""
+    dual_clip: float | None = None
+    """dual-clip constant c > 1 (Ye et al. 2020): bounds the loss of negative-advantage tokens at c·|A|."""
+    level: Literal["token", "sequence"] = "token"
+    """importance ratio per token (PPO/GRPO) or per sequence (GSPO, Zheng et al. 2025)."""
+    entropy_coef: float = 0.0
+    """entropy bonus coefficient (0: off, no extra memory)."""
+
+
+@dataclass
+class RewardArgs:
+    func: str | None = None
+    """python file defining `reward_func(queries, prompts, labels)` returning a tensor/list of rewards or a dict
+    with `rewards`, optional `scores` (0-1) and `extra_logs` (OpenRLHF's contract). Default: rewards/arithmetic.py,
+    the embedded task's exact-match rule."""
+    clip: float = 10.0
+    """rewards are clipped to [−clip, clip]."""
+    stop_properly_penalty: float | None = None
+    """reward given instead to responses truncated at max-new-tokens (None: keep their reward)."""
+
+
+@dataclass
+class RolloutArgs:
+    batch_size: int = 64
+    """prompts per step."""
+    n_samples: int = 8  # DEVIATION(2): 8 samples per prompt also without a baseline
+    """G: responses sampled per prompt (the group of `--algo.baseline group`; 1 is fine without a baseline)."""
+    max_new_tokens: int = 8
+    """response length limit."""
+    temperature: float = 1.0
+    """sampling temperature (the trainer's log-probs use the same temperature)."""
+    top_p: float = 1.0
+    """nucleus sampling."""
+
+
+@dataclass
+class TrainArgs:
+    max_steps: int = 30
+    """RL steps (one rollout + update each)."""
+    minibatches: int = 2
+    """optimizer steps per rollout: the batch is split into this many minibatches."""
+    epochs: int = 1
+    """passes over each rollout."""
+    micro_batch_size: int = 128
+    """sequences per forward/backward (gradient accumulation covers the minibatch)."""
+    seed: int = 1
+    """seed of the prompt order, the sampling seeds and every RNG."""
+
+
+@dataclass
+class AlgoArgs:
+    baseline: Literal["none", "group"] = "none"
+    """none: REINFORCE++; group: REINFORCE++-baseline, the prompt's mean reward is subtracted before the KL shaping."""
+    gamma: float = 1.0
+    """discount γ of the reward-to-go over response tokens (1 in the paper)."""
+    filter_zero_variance: bool = False
+    """drop groups whose rewards are all equal. Off: under global normalisation an all-correct group still gets a
+    positive advantage (without a baseline), so these groups carry signal."""
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
+    """loss aggregation (see core/rl_math.aggregate_loss)."""
+    kl_coef: float = 0.01  # DEVIATION(3): the only KL term; none in the loss
+    """β of the per-token KL penalty in the reward (Hu et al. 2025); 0 loads no reference model."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k1"
+    """KL estimator for the reward penalty (k1 = log π_old/π_ref, the paper's)."""
+    is_correction: Literal["tis", "icepop", "seq-mask-tis"] | None = None
+    """importance-sampling correction for the rollout engine's log-probs (see core/rl_math.policy_loss)."""
+    is_threshold: tuple[float, float] = (0.5, 5.0)
+    """[lo, hi] bounds of the IS weight."""
+
+
+@dataclass
+class EvalArgs:
+    every: int = 10
+    """evaluate every N steps (and at the start and end); 0 disables."""
+    max_samples: int = 500
+    """eval prompts."""
+    k: int = 4
+    """pass@k uses k samples per prompt at the rollout temperature; pass@1 is greedy."""
+
+
+@dataclass
+class Args:
+    exp_name: str = Path(__file__).stem
+    """run name prefix; defaults to this file's name, so a copied script names its own runs."""
+    actor: ActorArgs = field(default_factory=ActorArgs)
+    reward: RewardArgs = field(default_factory=RewardArgs)
+    rollout: RolloutArgs = field(default_factory=RolloutArgs)
+    train: TrainArgs = field(default_factory=TrainArgs)
+    algo: AlgoArgs = field(default_factory=AlgoArgs)
+    eval: EvalArgs = field(default_factory=EvalArgs)
+    data: DataConfig = field(default_factory=DataConfig)
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
+    ds: DSConfig = field(default_factory=DSConfig)
+    ckpt: CkptConfig = field(default_factory=CkptConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    run_dir: str | None = None
+    """run folder; default `<logger.run-root>/<exp_name>__<seed>__<time>`. An existing one resumes."""
+    debug: bool = False
+    """after every weight sync, check that the engine's log-probs equal the trainer's."""
+
+
+# ALGO LOGIC: REINFORCE++'s advantage estimator.
+def reinforce_pp_advantages(
+    rewards: torch.Tensor,
+    kl: torch.Tensor,
+    mask: torch.Tensor,
+    kl_coef: float,
+    gamma: float = 1.0,
+    baseline: str = "none",
+    group_size: int = 1,
+) -> torch.Tensor:
+    """A = whiten_batch(Σ_{k≥t} γ^{k−t} r_k),  r_t = −kl_coef · kl_t + [t = last] · r̃,  r̃ = r (− mean_group(r)).
+
+    rewards: (B,) one scalar per response, prompt-major (samples i·G .. i·G+G−1 share a prompt) when baseline is
+    "group"; kl: (B, T) per-token KL estimate; mask: (B, T) response mask -> (B, T), 0 at masked positions. The
+    mean and (population) std of the whitening run over all valid tokens of the batch."""
+    if baseline not in ("none", "group"):
+        raise ValueError(f"unknown baseline {baseline!r}; valid: none, group")
+    if rewards.dim() != 1 or kl.shape != mask.shape or kl.dim() != 2 or kl.shape[0] != rewards.numel():
+        raise ValueError(f"shapes: rewards (B,), kl and mask (B, T); got rewards {tuple(rewards.shape)}, kl "
+                         f"{tuple(kl.shape)}, mask {tuple(mask.shape)}")  # fmt: skip
+    if baseline == "group":
+        if group_size < 2 or rewards.numel() % group_size != 0:
+            raise ValueError(f"baseline 'group' needs group_size >= 2 dividing B = {rewards.numel()}; got "
+                             f"group_size {group_size} (--rollout.n-samples)")  # fmt: skip
+        r = rewards.view(-1, group_size)  # (B/G, G)
+        rewards = (r - r.mean(dim=1, keepdim=True)).reshape(-1)
+    # the script already clipped the raw reward to ±reward.clip, so no second clip here
+    per_token = rl_math.token_rewards(rewards, kl, kl_coef, mask, clip_range=None)  # (B, T)
+    returns = rl_math.discounted_returns(per_token, mask, gamma)  # (B, T)
+    return rl_math.masked_whiten(returns, mask)
+
+
+def load_reward_func(path: str | None):
+    """The user's `reward_func` (from a python file), or the embedded task's rule reward."""
+    if path is None:
+        from rewards.arithmetic import reward_func
+
+        return reward_func, "rewards/arithmetic.py"
+    if not Path(path).is_file():
+        raise ValueError(f"--reward.func {path}: no such file")
+    spec = importlib.util.spec_from_file_location("user_reward", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not hasattr(module, "reward_func"):
+        raise ValueError(f"--reward.func {path}: defines no `reward_func(queries, prompts, labels)`")
+    return module.reward_func, path
+
+
+def score(reward_func, source: str, queries, prompts, labels, step: int) -> tuple[torch.Tensor, dict]:
+    """Call the reward function and check what it returned: one finite reward per query."""
+    try:
+        out = reward_func(queries=queries, prompts=prompts, labels=labels)
+    except Exception as e:
+        raise ValueError(f"reward function {source} raised on batch {step}: {type(e).__name__}: {e}") from e
+    rewards = out["rewards"] if isinstance(out, dict) else out
+    rewards = torch.as_tensor(rewards, dtype=torch.float32).flatten()
+    if rewards.numel() != len(queries):
+        raise ValueError(f"reward function {source} returned {rewards.numel()} rewards for {len(queries)} queries "
+                         f"on batch {step}")  # fmt: skip
+    if not torch.isfinite(rewards).all():
+        bad = (~torch.isfinite(rewards)).nonzero().flatten().tolist()[:5]
+        raise ValueError(f"reward function {source} returned NaN/inf on batch {step} (queries {bad})")
+    logs = {f"rollout/{k}": torch.as_tensor(v, dtype=torch.float32).mean().item()
+            for k, v in (out.get("extra_logs", {}) if isinstance(out, dict) else {}).items()}  # fmt: skip
+    return rewards, logs
+
+
+def sequences(prompts: list[list[int]], responses: list[list[int]], pad_id: int, device) -> dict:
+    """Right-padded prompt+response batch (B, L) with the response mask (True on response tokens)."""
+    examples = [{"input_ids": p + r, "loss_mask": [0] * len(p) + [1] * len(r)} for p, r in zip(prompts, responses)]
+    return packing.collate_padded(examples, pad_id, device)
+
+
+def forward_logp(model, batch: dict, temperature: float, entropy: bool = False):
+    """Per-token log-probs (B, L) of the batch's tokens (position t: log p(x_t | x_<t)), and optionally entropies."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+    logits = logits[:, :-1]
+    logp = rl_math.logprobs_from_logits(logits, batch["input_ids"][:, 1:], temperature=temperature)
+    logp = torch.cat([torch.zeros_like(logp[:, :1]), logp], dim=1)
+    ent = None
+    if entropy:
+        ent = rl_math.entropy_from_logits(logits.float() / temperature)
+        ent = torch.cat([torch.zeros_like(ent[:, :1]), ent], dim=1)
+    return logp, ent
+
+
+@torch.no_grad()
+def evaluate(engines, tokenizer, eval_set: list[dict], reward_func, source: str, args: Args) -> dict:
+    """pass@1 (greedy) and pass@k (k samples at the rollout temperature), overall and per data source."""
+    prompts = [e["prompt_ids"] for e in eval_set]
+    greedy = engines.generate(prompts, n=1, max_new_tokens=args.rollout.max_new_tokens, temperature=0.0)
+    sampled = engines.generate(prompts, n=args.eval.k, max_new_tokens=args.rollout.max_new_tokens,
+                               temperature=args.rollout.temperature, seed=12345)  # fmt: skip
+
+    def correct(groups):
+        texts = [tokenizer.decode(s.token_ids, skip_special_tokens=True) for g in groups for s in g]
+        per = len(groups[0])
+        queries = [e["prompt"] + t for e, t in zip((e for e in eval_set for _ in range(per)), texts)]
+        labels = [e["label"] for e in eval_set for _ in range(per)]
+        r, _ = score(reward_func, source, queries, [e["prompt"] for e in eval_set for _ in range(per)], labels, -1)
+        return (r > 0.5).float().view(len(groups), per)
+
+    p1, pk = correct(greedy)[:, 0], correct(sampled).max(dim=1).values
+    out = {"eval/pass@1": p1.mean().item(), f"eval/pass@{args.eval.k}": pk.mean().item()}
+    sources = sorted({e["datasource"] for e in eval_set})
+    if len(sources) > 1:
+        for s in sources:
+            idx = torch.tensor([e["datasource"] == s for e in eval_set])
+            out[f"eval/{s}/pass@1"] = p1[idx].mean().item()
+    return out
+
+
+def main(args: Args) -> dict:
+    # 1. setup ------------------------------------------------------------------------------------------------
+    if args.algo.baseline == "group" and args.rollout.n_samples < 2:
+        raise ValueError(f"--algo.baseline group needs --rollout.n-samples >= 2, got {args.rollout.n_samples}")
+    # PLUMBING: one process holds the DeepSpeed actor and an in-process vLLM engine (single-process mode).
+    rank, world, device = ds_engine.init_distributed(args.ds.backend, args.ds.timeout_s)
+    if world != 1:
+        raise ValueError("algos/reinforce_pp.py runs as one process (trainer + in-process vLLM); Ray placement is not "
+                         "wired into the RL scripts yet")  # fmt: skip
+    # Seeds: data order and sampling seeds are derived from (seed, step); RNGs seeded once for the rest.
+    random.seed(args.train.seed)
+    np.random.seed(args.train.seed)
+    torch.manual_seed(args.train.seed)
+    actor_path = embedded.resolve_model(args.actor.model.name_or_path)
+    args.actor.model.name_or_path = actor_path
+    tokenizer = models.load_tokenizer(args.actor.model.tokenizer or actor_path)
+    make = partial(data.prompt_example, tokenizer=tokenizer, cfg=args.data)
+    train_set = data.mix(data.build_examples(data.load_sources(args.data.path, args.data.split, args.data.max_samples),
+                                             make, args.data), args.data.probs, args.train.seed)  # fmt: skip
+    eval_sources = data.load_sources(args.data.eval_path or args.data.path, args.data.eval_split, args.eval.max_samples)
+    eval_set = [e for g in data.build_examples(eval_sources, make, args.data) for e in g]
+    reward_func, reward_source = load_reward_func(args.reward.func)
+
+    model = models.load_causal_lm(args.actor.model).to(device)
+    total_updates = args.train.max_steps * args.train.minibatches * args.train.epochs
+    actor = ds_engine.make_engine(model, args.ds, args.actor.lr, total_updates, args.actor.warmup_steps)
+    ref = None
+    if args.algo.kl_coef > 0:  # PLUMBING: frozen reference (SFT) policy, only when the KL penalty is on
+        ref = models.load_causal_lm(ModelConfig(name_or_path=actor_path, dtype=args.actor.model.dtype)).to(device)
+        ref.eval().requires_grad_(False)
+    engines = rollout.create_engines(actor_path, args.vllm, seed=args.train.seed)
+
+    run_dir = Path(args.run_dir or Path(args.logger.run_root) / run_name(args.exp_name, args.train.seed))
+    ckpt_dir = Path(args.ckpt.dir or run_dir / "checkpoints")
+    start_step, client = 0, {}
+    if args.ckpt.resume and checkpoint.latest(ckpt_dir):
+        client = checkpoint.load({"actor": actor}, checkpoint.latest(ckpt_dir))
+        start_step = client["step"] + 1
+        engines.update_weights(ds_engine.full_named_parameters(actor))  # engines start from the checkpoint's weights
+    logger = RunLogger(args.logger, run_dir, args, args.train.max_steps)
+    first_eval = client.get("first_eval") or evaluate(engines, tokenizer, eval_set, reward_func, reward_source, args)
+    logger.log(first_eval, start_step, shown=("eval/pass@1",))
+    logger.print(
+        f"[reinforce_pp] {len(train_set)} prompts, eval pass@1 {first_eval['eval/pass@1']:.3f} at step {start_step}"
+    )
+
+    G = args.rollout.n_samples
+    for step in range(start_step, args.train.max_steps):
+        perf: dict = {}
+        # 2. rollout: G samples per prompt from the vLLM engine, token ids in, token ids + log-probs out
+        with timer(perf, "perf/gen_s"):
+            batch = [train_set[i] for i in data.batch_indices(len(train_set), args.rollout.batch_size, step,
+                                                               args.train.seed)]  # fmt: skip
+            groups = engines.generate([e["prompt_ids"] for e in batch], n=G, max_new_tokens=args.rollout.max_new_tokens,
+                                      temperature=args.rollout.temperature, top_p=args.rollout.top_p,
+                                      seed=args.train.seed * 1_000_003 + step * 10_007)  # fmt: skip
+        samples = [s for g in groups for s in g]  # prompt-major: sample j of prompt i at i*G + j
+        prompts = [e for e in batch for _ in range(G)]
+
+        # 3. rewards (the advantages need the trainer's log-probs for the KL shaping, so they are made in 4.)
+        texts = [tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in samples]
+        rewards, extra = score(reward_func, reward_source, [p["prompt"] + t for p, t in zip(prompts, texts)],
+                               [p["prompt"] for p in prompts], [p["label"] for p in prompts], step)  # fmt: skip
+        truncated = torch.tensor([s.truncated for s in samples])
+        if args.reward.stop_properly_penalty is not None:
+            rewards = torch.where(truncated, torch.tensor(args.reward.stop_properly_penalty), rewards)
+        rewards = rewards.clamp(-args.reward.clip, args.reward.clip)
+        keep = torch.ones(len(samples), dtype=torch.bool)
+        if args.algo.filter_zero_variance:  # optional (off): drops whole groups whose rewards all agree
+            keep = (rewards.view(-1, G).std(dim=1) > 0).repeat_interleave(G)
+        kept = keep.nonzero().flatten().tolist()  # prompt-major, whole groups: the order the group baseline needs
+        stats = {
+            "rollout/reward_mean": rewards.mean().item(),
+            "rollout/response_len_mean": float(np.mean([len(s.token_ids) for s in samples])),
+            "rollout/truncated_frac": truncated.float().mean().item(),
+            "rollout/kept_frac": keep.float().mean().item(),
+            **extra,
+        }
+
+        # 4. policy update: old and reference log-probs by the trainer (DEVIATION(4)), KL-shaped returns, globally
+        #    whitened advantages, then minibatches of the PPO-clipped loss
+        with timer(perf, "perf/train_s"):
+            if kept:
+                seqs = sequences([prompts[i]["prompt_ids"] for i in kept], [samples[i].token_ids for i in kept],
+                                 tokenizer.pad_token_id, device)  # fmt: skip
+                mask = seqs["loss_mask"]
+                rollout_logp = torch.zeros(mask.shape)
+                for row, i in enumerate(kept):
+                    resp = torch.tensor(samples[i].logprobs)
+                    rollout_logp[row, mask[row].nonzero().flatten()] = resp
+                mb_size = max(1, math.ceil(len(kept) / args.train.minibatches))
+                with torch.no_grad():
+                    old_logp = torch.cat([forward_logp(actor, {k: v[i : i + args.train.micro_batch_size]
+                                                               for k, v in seqs.items()}, args.rollout.temperature)[0]
+                                          for i in range(0, len(kept), args.train.micro_batch_size)])  # fmt: skip
+                    ref_logp = None
+                    if ref is not None:
+                        ref_logp = torch.cat([forward_logp(ref, {k: v[i : i + args.train.micro_batch_size]
+                                                                 for k, v in seqs.items()}, args.rollout.temperature)[0]
+                                              for i in range(0, len(kept), args.train.micro_batch_size)])  # fmt: skip
+                    kl = torch.zeros_like(old_logp)
+                    if ref_logp is not None:  # KL_t of the sampling policy to the reference, on the sampled tokens
+                        kl = rl_math.approx_kl(old_logp, ref_logp, args.algo.kl_estimator, mask=mask)
+                        stats["loss/kl"] = rl_math.masked_mean(kl, mask).item()
+                    # ALGO LOGIC: KL-shaped reward-to-go per token, normalised over every response token of the batch
+                    adv_tok = reinforce_pp_advantages(rewards[kept].to(old_logp.device), kl, mask, args.algo.kl_coef,
+                                                      args.algo.gamma, args.algo.baseline, G)  # fmt: skip
+                order = list(range(len(kept)))  # advantages are in prompt-major order; minibatches mix prompts
+                random.Random(args.train.seed + step).shuffle(order)
+                losses, clipfracs, ents, norms = [], [], [], []  # losses: one per optimizer step
+                for _ in range(args.train.epochs):
+                    for m0 in range(0, len(kept), mb_size):
+                        rows = order[m0 : m0 + mb_size]
+                        n_tok = mask[rows].sum().item()
+                        micro = [rows[i : i + args.train.micro_batch_size]
+                                 for i in range(0, len(rows), args.train.micro_batch_size)]  # fmt: skip
+                        losses.append(0.0)
+                        for j, r in enumerate(micro):
+                            mb = {k: v[r] for k, v in seqs.items()}
+                            logp, ent = forward_logp(actor, mb, args.rollout.temperature, args.actor.entropy_coef > 0)
+                            agg = {"num_tokens": n_tok, "num_seqs": len(rows), "max_len": mask.shape[1]}
+                            if args.algo.loss_agg == "seq-mean-token-sum-norm":
+                                agg["max_len"] = args.rollout.max_new_tokens
+                            # DEVIATION(1): token-mean over the minibatch (the default --algo.loss-agg)
+                            loss, pstats = rl_math.policy_loss(
+                                logp, old_logp[r], adv_tok[r], mb["loss_mask"], clip_low=args.actor.clip_low,
+                                clip_high=args.actor.clip_high, dual_clip=args.actor.dual_clip, level=args.actor.level,
+                                agg=args.algo.loss_agg, rollout_logp=rollout_logp[r],
+                                is_correction=args.algo.is_correction, is_threshold=args.algo.is_threshold, **agg,
+                            )  # fmt: skip
+                            # DEVIATION(3): no KL term in the loss; the penalty is in the reward (adv_tok)
+                            if ent is not None:
+                                ent_mean = rl_math.aggregate_loss(ent, mb["loss_mask"], args.algo.loss_agg, **agg)
+                                loss = loss - args.actor.entropy_coef * ent_mean
+                                ents.append(rl_math.masked_mean(ent, mb["loss_mask"]).item())
+                            if not torch.isfinite(loss):
+                                raise FloatingPointError(f"NaN/inf loss at step {step}: stopped before the "
+                                                         f"optimizer step, weights untouched")  # fmt: skip
+                            actor.set_gradient_accumulation_boundary(j == len(micro) - 1)
+                            actor.backward(loss)
+                            losses[-1] += loss.item()
+                            clipfracs.append(pstats["clipfrac"].item())
+                        actor.step()
+                        norms.append(float(actor.get_global_grad_norm() or 0.0))
+                stats.update({"loss/policy": float(np.mean(losses)),
+                              "loss/clipfrac": float(np.mean(clipfracs)), "train/grad_norm": float(np.mean(norms)),
+                              "train/tokens": float(mask.sum())})  # fmt: skip
+                if ents:
+                    stats["loss/entropy"] = float(np.mean(ents))
+
+        # 5. weight sync, eval, logging, checkpoint
+        with timer(perf, "perf/sync_s"):
+            if kept:
+                stats.update(engines.update_weights(ds_engine.full_named_parameters(actor)))
+                if args.debug:
+                    rollout.check_weights(engines, actor.module, [prompts[i]["prompt_ids"] + samples[i].token_ids
+                                                                  for i in kept[:4]])  # fmt: skip
+        stats["train/lr"] = actor.lr_scheduler.get_last_lr()[0]
+        last = step == args.train.max_steps - 1
+        if args.eval.every and ((step + 1) % args.eval.every == 0 or last):
+            stats.update(evaluate(engines, tokenizer, eval_set, reward_func, reward_source, args))
+        n_tokens = sum(len(s.token_ids) for s in samples)
+        perf["perf/tokens_per_s"] = n_tokens / max(perf["perf/gen_s"], 1e-9)
+        logger.log({**stats, **perf}, step + 1, shown=("rollout/reward_mean", "eval/pass@1"))
+        if args.ckpt.every and ((step + 1) % args.ckpt.every == 0 or last):
+            checkpoint.save({"actor": actor}, ckpt_dir, step, {"step": step, "first_eval": first_eval},
+                            args.ckpt.keep_last)  # fmt: skip
+
+    # 6. export, learning curve and summary
+    ds_engine.export_hf(actor, tokenizer, run_dir / "hf")
+    plot_curve(logger.history, run_dir / "learning_curve.png")
+    summary = {"steps": args.train.max_steps, "eval_pass@1_first": first_eval["eval/pass@1"],
+               "eval_pass@1_last": logger.latest("eval/pass@1"), "reward_mean_last": logger.latest("rollout/reward_mean"),
+               "run_dir": str(run_dir)}  # fmt: skip
+    logger.close(summary)
+    return summary
+
+
+def plot_curve(history: list[dict], path: Path) -> None:
+    """Reward and eval pass@1 against step, saved as a PNG next to the run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for key in ("rollout/reward_mean", "eval/pass@1"):
+        pts = [(h["step"], h[key]) for h in history if key in h]
+        if pts:
+            ax.plot(*zip(*pts), marker="." if key.startswith("eval") else None, label=key)
+    ax.set_xlabel("step")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main(tyro.cli(Args))

@@ -1,0 +1,459 @@
+"""RLOO: REINFORCE Leave-One-Out (Ahmadian et al. 2024, "Back to Basics: Revisiting REINFORCE Style Optimization for
+Learning from Human Feedback in LLMs", arXiv:2402.14740; the estimator is Kool et al. 2019's).
+
+For each prompt q, sample G ≥ 2 responses o_1..o_G and treat each whole response as one action. The baseline of
+sample i is the mean reward of the *other* G − 1 samples of its prompt, so it is independent of o_i and the
+policy-gradient estimate stays unbiased (no critic, no learned baseline):
+
+    A_i = r_i − 1/(G − 1) · Σ_{j≠i} r_j  =  r_i − (Σ_j r_j − r_i)/(G − 1)  =  G/(G − 1) · (r_i − mean(r_1..r_G))
+
+The paper maximises the REINFORCE objective E[A_i · log π_θ(o_i | q)] with the KL-regularised reward
+r_i = R(q, o_i) − β · log(π_θ(o_i|q) / π_ref(o_i|q)). Here every token of o_i gets A_i, and the update is the PPO
+clipped surrogate with ρ_{i,t} = π_θ(o_{i,t} | q, o_{i,<t}) / π_old(o_{i,t} | ...) (as TRL's and OpenRLHF's RLOO):
+
+    J(θ) = E[ 1/Σ|o_i| Σ_i Σ_t min(ρ_{i,t} A_i, clip(ρ_{i,t}, 1 − ε_low, 1 + ε_high) A_i) − β · KL_k3(π_θ ‖ π_ref) ]
+
+With `--train.minibatches 1 --train.epochs 1` the single update happens at ρ = 1, where the clip is inactive and
+the gradient is exactly REINFORCE's Σ_t A_i ∇log π_θ(o_{i,t}) (up to the token-mean normaliser).
+
+Deviations from the paper:
+1. PPO-clipped surrogate over 2 minibatches per rollout, token-mean loss over the batch (DAPO, arXiv:2503.14476),
+   instead of one vanilla REINFORCE step on the sequence log-prob; see above for how to recover the paper's update.
+2. Groups whose rewards all agree have A = 0 exactly and are dropped before the update (`--algo.filter-zero-
+   variance`): this saves their forward/backward and only changes the token-mean normaliser.
+3. The KL penalty is a k3 loss term, off by default (`--algo.kl-coef 0`, no reference model loaded), as in this
+   repository's GRPO; the paper subtracts β·KL from the reward before the leave-one-out baseline.
+4. Old log-probs are recomputed by the trainer, not taken from vLLM: the engine's log-probs are kept as
+   `rollout_logp` for the optional importance-sampling correction (`--algo.is-correction`).
+
+Debug (embedded tiny model and task, one CPU process, in-process vLLM):
+    python algos/rloo.py --train.max-steps 5 --eval.every 5
+A real model:
+    python algos/rloo.py --actor.model.name-or-path Qwen/Qwen2.5-0.5B-Instruct --data.path prompts.jsonl \\
+        --data.apply-chat-template --reward.func my_reward.py --rollout.max-new-tokens 1024 --actor.lr 1e-6
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import random
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import torch
+import tyro
+
+from core import checkpoint, data, embedded, models, packing, rl_math, rollout
+from core import engine as ds_engine
+from core.config import CkptConfig, DataConfig, DSConfig, LoggerConfig, ModelConfig
+from core.logger import RunLogger, run_name, timer
+from core.rollout import VLLMConfig
+
+
+@dataclass
+class ActorArgs:
+    model: ModelConfig = field(default_factory=lambda: ModelConfig(name_or_path="cleanrlhf/tiny-sft"))
+    lr: float = 3e-4
+    """peak learning rate (3e-4 suits the ~1 M embedded model; ~1e-6 for real models)."""
+    warmup_steps: int = 0
+    """linear learning-rate warmup steps, then cosine decay to 0.1 · lr."""
+    clip_low: float = 0.2
+    """ε_low: ratio lower clip 1 − ε_low."""
+    clip_high: float = 0.2
+    """ε_high: ratio upper clip 1 + ε_high (DAPO's clip-higher uses 0.28)."""
+    dual_clip: float | None = None
+    """dual-clip constant c > 1 (Ye et al. 2020): bounds the loss of negative-advantage tokens at c·|A|."""
+    level: Literal["token", "sequence"] = "token"
+    """importance ratio per token (PPO/GRPO) or per sequence (GSPO, Zheng et al. 2025)."""
+    entropy_coef: float = 0.0
+    """entropy bonus coefficient (0: off, no extra memory)."""
+
+
+@dataclass
+class RewardArgs:
+    func: str | None = None
+    """python file defining `reward_func(queries, prompts, labels)` returning a tensor/list of rewards or a dict
+    with `rewards`, optional `scores` (0-1) and `extra_logs` (OpenRLHF's contract). Default: rewards/arithmetic.py,
+    the embedded task's exact-match rule."""
+    clip: float = 10.0
+    """rewards are clipped to [−clip, clip]."""
+    stop_properly_penalty: float | None = None
+    """reward given instead to responses truncated at max-new-tokens (None: keep their reward)."""
+
+
+@dataclass
+class RolloutArgs:
+    batch_size: int = 64
+    """prompts per step."""
+    n_samples: int = 8
+    """G: responses sampled per prompt (the group; RLOO needs G ≥ 2, the paper uses k = 2 or 4)."""
+    max_new_tokens: int = 8
+    """response length limit."""
+    temperature: float = 1.0
+    """sampling temperature (the trainer's log-probs use the same temperature)."""
+    top_p: float = 1.0
+    """nucleus sampling."""
+
+
+@dataclass
+class TrainArgs:
+    max_steps: int = 30
+    """RL steps (one rollout + update each)."""
+    minibatches: int = 2
+    """optimizer steps per rollout: the batch is split into this many minibatches."""
+    epochs: int = 1
+    """passes over each rollout."""
+    micro_batch_size: int = 128
+    """sequences per forward/backward (gradient accumulation covers the minibatch)."""
+    seed: int = 1
+    """seed of the prompt order, the sampling seeds and every RNG."""
+
+
+@dataclass
+class AlgoArgs:
+    filter_zero_variance: bool = True
+    """drop groups whose rewards are all equal (their leave-one-out advantages are exactly 0)."""
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
+    """loss aggregation (see core/rl_math.aggregate_loss)."""  # DEVIATION(1): token-mean, not one sequence log-prob
+    kl_coef: float = 0.0
+    """β of the k3 KL penalty in the loss; 0 loads no reference model."""  # DEVIATION(3): in the loss, off
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """KL estimator for the penalty."""
+    is_correction: Literal["tis", "icepop", "seq-mask-tis"] | None = None
+    """importance-sampling correction for the rollout engine's log-probs (see core/rl_math.policy_loss)."""
+    is_threshold: tuple[float, float] = (0.5, 5.0)
+    """[lo, hi] bounds of the IS weight."""
+
+
+@dataclass
+class EvalArgs:
+    every: int = 10
+    """evaluate every N steps (and at the start and end); 0 disables."""
+    max_samples: int = 500
+    """eval prompts."""
+    k: int = 4
+    """pass@k uses k samples per prompt at the rollout temperature; pass@1 is greedy."""
+
+
+@dataclass
+class Args:
+    exp_name: str = Path(__file__).stem
+    """run name prefix; defaults to this file's name, so a copied script names its own runs."""
+    actor: ActorArgs = field(default_factory=ActorArgs)
+    reward: RewardArgs = field(default_factory=RewardArgs)
+    rollout: RolloutArgs = field(default_factory=RolloutArgs)
+    train: TrainArgs = field(default_factory=TrainArgs)
+    algo: AlgoArgs = field(default_factory=AlgoArgs)
+    eval: EvalArgs = field(default_factory=EvalArgs)
+    data: DataConfig = field(default_factory=DataConfig)
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
+    ds: DSConfig = field(default_factory=DSConfig)
+    ckpt: CkptConfig = field(default_factory=CkptConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    run_dir: str | None = None
+    """run folder; default `<logger.run-root>/<exp_name>__<seed>__<time>`. An existing one resumes."""
+    debug: bool = False
+    """after every weight sync, check that the engine's log-probs equal the trainer's."""
+
+
+# ALGO LOGIC: RLOO's advantage estimator.
+def rloo_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """A_i = r_i − (Σ_group r − r_i) / (G − 1): the baseline is the mean reward of the other G − 1 samples.
+
+    Equal to G/(G − 1) · (r_i − mean_group(r)): GRPO's advantage without the std, scaled by G/(G − 1).
+    rewards: (B,) ordered prompt-major (samples i·G .. i·G+G−1 share a prompt), B = n_prompts · G -> (B,)."""
+    if group_size < 2:
+        raise ValueError(f"RLOO needs group_size >= 2 (--rollout.n-samples): the leave-one-out baseline of a single "
+                         f"sample is undefined; got {group_size}")  # fmt: skip
+    if rewards.dim() != 1 or rewards.numel() % group_size != 0:
+        raise ValueError(f"rewards must be (B,) with B divisible by group_size {group_size}; got shape "
+                         f"{tuple(rewards.shape)}")  # fmt: skip
+    r = rewards.view(-1, group_size)  # (B/G, G)
+    baseline = (r.sum(dim=1, keepdim=True) - r) / (group_size - 1)
+    return (r - baseline).reshape(-1)
+
+
+def load_reward_func(path: str | None):
+    """The user's `reward_func` (from a python file), or the embedded task's rule reward."""
+    if path is None:
+        from rewards.arithmetic import reward_func
+
+        return reward_func, "rewards/arithmetic.py"
+    if not Path(path).is_file():
+        raise ValueError(f"--reward.func {path}: no such file")
+    spec = importlib.util.spec_from_file_location("user_reward", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not hasattr(module, "reward_func"):
+        raise ValueError(f"--reward.func {path}: defines no `reward_func(queries, prompts, labels)`")
+    return module.reward_func, path
+
+
+def score(reward_func, source: str, queries, prompts, labels, step: int) -> tuple[torch.Tensor, dict]:
+    """Call the reward function and check what it returned: one finite reward per query."""
+    try:
+        out = reward_func(queries=queries, prompts=prompts, labels=labels)
+    except Exception as e:
+        raise ValueError(f"reward function {source} raised on batch {step}: {type(e).__name__}: {e}") from e
+    rewards = out["rewards"] if isinstance(out, dict) else out
+    rewards = torch.as_tensor(rewards, dtype=torch.float32).flatten()
+    if rewards.numel() != len(queries):
+        raise ValueError(f"reward function {source} returned {rewards.numel()} rewards for {len(queries)} queries "
+                         f"on batch {step}")  # fmt: skip
+    if not torch.isfinite(rewards).all():
+        bad = (~torch.isfinite(rewards)).nonzero().flatten().tolist()[:5]
+        raise ValueError(f"reward function {source} returned NaN/inf on batch {step} (queries {bad})")
+    logs = {f"rollout/{k}": torch.as_tensor(v, dtype=torch.float32).mean().item()
+            for k, v in (out.get("extra_logs", {}) if isinstance(out, dict) else {}).items()}  # fmt: skip
+    return rewards, logs
+
+
+def sequences(prompts: list[list[int]], responses: list[list[int]], pad_id: int, device) -> dict:
+    """Right-padded prompt+response batch (B, L) with the response mask (True on response tokens)."""
+    examples = [{"input_ids": p + r, "loss_mask": [0] * len(p) + [1] * len(r)} for p, r in zip(prompts, responses)]
+    return packing.collate_padded(examples, pad_id, device)
+
+
+def forward_logp(model, batch: dict, temperature: float, entropy: bool = False):
+    """Per-token log-probs (B, L) of the batch's tokens (position t: log p(x_t | x_<t)), and optionally entropies."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+    logits = logits[:, :-1]
+    logp = rl_math.logprobs_from_logits(logits, batch["input_ids"][:, 1:], temperature=temperature)
+    logp = torch.cat([torch.zeros_like(logp[:, :1]), logp], dim=1)
+    ent = None
+    if entropy:
+        ent = rl_math.entropy_from_logits(logits.float() / temperature)
+        ent = torch.cat([torch.zeros_like(ent[:, :1]), ent], dim=1)
+    return logp, ent
+
+
+@torch.no_grad()
+def evaluate(engines, tokenizer, eval_set: list[dict], reward_func, source: str, args: Args) -> dict:
+    """pass@1 (greedy) and pass@k (k samples at the rollout temperature), overall and per data source."""
+    prompts = [e["prompt_ids"] for e in eval_set]
+    greedy = engines.generate(prompts, n=1, max_new_tokens=args.rollout.max_new_tokens, temperature=0.0)
+    sampled = engines.generate(prompts, n=args.eval.k, max_new_tokens=args.rollout.max_new_tokens,
+                               temperature=args.rollout.temperature, seed=12345)  # fmt: skip
+
+    def correct(groups):
+        texts = [tokenizer.decode(s.token_ids, skip_special_tokens=True) for g in groups for s in g]
+        per = len(groups[0])
+        queries = [e["prompt"] + t for e, t in zip((e for e in eval_set for _ in range(per)), texts)]
+        labels = [e["label"] for e in eval_set for _ in range(per)]
+        r, _ = score(reward_func, source, queries, [e["prompt"] for e in eval_set for _ in range(per)], labels, -1)
+        return (r > 0.5).float().view(len(groups), per)
+
+    p1, pk = correct(greedy)[:, 0], correct(sampled).max(dim=1).values
+    out = {"eval/pass@1": p1.mean().item(), f"eval/pass@{args.eval.k}": pk.mean().item()}
+    sources = sorted({e["datasource"] for e in eval_set})
+    if len(sources) > 1:
+        for s in sources:
+            idx = torch.tensor([e["datasource"] == s for e in eval_set])
+            out[f"eval/{s}/pass@1"] = p1[idx].mean().item()
+    return out
+
+
+def main(args: Args) -> dict:
+    # 1. setup ------------------------------------------------------------------------------------------------
+    if args.rollout.n_samples < 2:
+        raise ValueError(f"--rollout.n-samples {args.rollout.n_samples}: RLOO needs at least 2 samples per prompt")
+    # PLUMBING: one process holds the DeepSpeed actor and an in-process vLLM engine (single-process mode).
+    rank, world, device = ds_engine.init_distributed(args.ds.backend, args.ds.timeout_s)
+    if world != 1:
+        raise ValueError("algos/rloo.py runs as one process (trainer + in-process vLLM); Ray placement is not "
+                         "wired into the RL scripts yet")  # fmt: skip
+    # Seeds: data order and sampling seeds are derived from (seed, step); RNGs seeded once for the rest.
+    random.seed(args.train.seed)
+    np.random.seed(args.train.seed)
+    torch.manual_seed(args.train.seed)
+    actor_path = embedded.resolve_model(args.actor.model.name_or_path)
+    args.actor.model.name_or_path = actor_path
+    tokenizer = models.load_tokenizer(args.actor.model.tokenizer or actor_path)
+    make = partial(data.prompt_example, tokenizer=tokenizer, cfg=args.data)
+    train_set = data.mix(data.build_examples(data.load_sources(args.data.path, args.data.split, args.data.max_samples),
+                                             make, args.data), args.data.probs, args.train.seed)  # fmt: skip
+    eval_sources = data.load_sources(args.data.eval_path or args.data.path, args.data.eval_split, args.eval.max_samples)
+    eval_set = [e for g in data.build_examples(eval_sources, make, args.data) for e in g]
+    reward_func, reward_source = load_reward_func(args.reward.func)
+
+    model = models.load_causal_lm(args.actor.model).to(device)
+    total_updates = args.train.max_steps * args.train.minibatches * args.train.epochs
+    actor = ds_engine.make_engine(model, args.ds, args.actor.lr, total_updates, args.actor.warmup_steps)
+    ref = None
+    if args.algo.kl_coef > 0:  # PLUMBING: frozen reference policy, only when the KL penalty is on
+        ref = models.load_causal_lm(ModelConfig(name_or_path=actor_path, dtype=args.actor.model.dtype)).to(device)
+        ref.eval().requires_grad_(False)
+    engines = rollout.create_engines(actor_path, args.vllm, seed=args.train.seed)
+
+    run_dir = Path(args.run_dir or Path(args.logger.run_root) / run_name(args.exp_name, args.train.seed))
+    ckpt_dir = Path(args.ckpt.dir or run_dir / "checkpoints")
+    start_step, client = 0, {}
+    if args.ckpt.resume and checkpoint.latest(ckpt_dir):
+        client = checkpoint.load({"actor": actor}, checkpoint.latest(ckpt_dir))
+        start_step = client["step"] + 1
+        engines.update_weights(ds_engine.full_named_parameters(actor))  # engines start from the checkpoint's weights
+    logger = RunLogger(args.logger, run_dir, args, args.train.max_steps)
+    first_eval = client.get("first_eval") or evaluate(engines, tokenizer, eval_set, reward_func, reward_source, args)
+    logger.log(first_eval, start_step, shown=("eval/pass@1",))
+    logger.print(f"[rloo] {len(train_set)} prompts, eval pass@1 {first_eval['eval/pass@1']:.3f} at step {start_step}")
+
+    G = args.rollout.n_samples
+    for step in range(start_step, args.train.max_steps):
+        perf: dict = {}
+        # 2. rollout: G samples per prompt from the vLLM engine, token ids in, token ids + log-probs out
+        with timer(perf, "perf/gen_s"):
+            batch = [train_set[i] for i in data.batch_indices(len(train_set), args.rollout.batch_size, step,
+                                                               args.train.seed)]  # fmt: skip
+            groups = engines.generate([e["prompt_ids"] for e in batch], n=G, max_new_tokens=args.rollout.max_new_tokens,
+                                      temperature=args.rollout.temperature, top_p=args.rollout.top_p,
+                                      seed=args.train.seed * 1_000_003 + step * 10_007)  # fmt: skip
+        samples = [s for g in groups for s in g]  # prompt-major: sample j of prompt i at i*G + j
+        prompts = [e for e in batch for _ in range(G)]
+
+        # 3. rewards and advantages
+        texts = [tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in samples]
+        rewards, extra = score(reward_func, reward_source, [p["prompt"] + t for p, t in zip(prompts, texts)],
+                               [p["prompt"] for p in prompts], [p["label"] for p in prompts], step)  # fmt: skip
+        truncated = torch.tensor([s.truncated for s in samples])
+        if args.reward.stop_properly_penalty is not None:
+            rewards = torch.where(truncated, torch.tensor(args.reward.stop_properly_penalty), rewards)
+        rewards = rewards.clamp(-args.reward.clip, args.reward.clip)
+        # ALGO LOGIC: leave-one-out advantage, one scalar per response, broadcast to its tokens
+        adv = rloo_advantages(rewards, G)
+        keep = torch.ones(len(samples), dtype=torch.bool)
+        if args.algo.filter_zero_variance:  # DEVIATION(2): groups with A = 0 everywhere dropped
+            keep = (rewards.view(-1, G).std(dim=1) > 0).repeat_interleave(G)
+        kept = keep.nonzero().flatten().tolist()
+        stats = {
+            "rollout/reward_mean": rewards.mean().item(),
+            "rollout/response_len_mean": float(np.mean([len(s.token_ids) for s in samples])),
+            "rollout/truncated_frac": truncated.float().mean().item(),
+            "rollout/kept_frac": keep.float().mean().item(),
+            **extra,
+        }
+
+        # 4. policy update: old log-probs by the trainer (DEVIATION(4)), then minibatches of the PPO-clipped loss
+        with timer(perf, "perf/train_s"):
+            if kept:
+                random.Random(args.train.seed + step).shuffle(kept)
+                seqs = sequences([prompts[i]["prompt_ids"] for i in kept], [samples[i].token_ids for i in kept],
+                                 tokenizer.pad_token_id, device)  # fmt: skip
+                mask = seqs["loss_mask"]
+                rollout_logp = torch.zeros(mask.shape)
+                for row, i in enumerate(kept):
+                    resp = torch.tensor(samples[i].logprobs)
+                    rollout_logp[row, mask[row].nonzero().flatten()] = resp
+                adv_tok = adv[kept][:, None].expand_as(mask).float()
+                mb_size = max(1, math.ceil(len(kept) / args.train.minibatches))
+                with torch.no_grad():
+                    old_logp = torch.cat([forward_logp(actor, {k: v[i : i + args.train.micro_batch_size]
+                                                               for k, v in seqs.items()}, args.rollout.temperature)[0]
+                                          for i in range(0, len(kept), args.train.micro_batch_size)])  # fmt: skip
+                    ref_logp = None
+                    if ref is not None:
+                        ref_logp = torch.cat([forward_logp(ref, {k: v[i : i + args.train.micro_batch_size]
+                                                                 for k, v in seqs.items()}, args.rollout.temperature)[0]
+                                              for i in range(0, len(kept), args.train.micro_batch_size)])  # fmt: skip
+                losses, clipfracs, kls, ents, norms = [], [], [], [], []  # losses: one per optimizer step
+                for _ in range(args.train.epochs):
+                    for m0 in range(0, len(kept), mb_size):
+                        rows = list(range(m0, min(m0 + mb_size, len(kept))))
+                        n_tok = mask[rows].sum().item()
+                        micro = [rows[i : i + args.train.micro_batch_size]
+                                 for i in range(0, len(rows), args.train.micro_batch_size)]  # fmt: skip
+                        losses.append(0.0)
+                        for j, r in enumerate(micro):
+                            mb = {k: v[r] for k, v in seqs.items()}
+                            logp, ent = forward_logp(actor, mb, args.rollout.temperature, args.actor.entropy_coef > 0)
+                            agg = {"num_tokens": n_tok, "num_seqs": len(rows), "max_len": mask.shape[1]}
+                            if args.algo.loss_agg == "seq-mean-token-sum-norm":
+                                agg["max_len"] = args.rollout.max_new_tokens
+                            # DEVIATION(1): PPO clip; at ρ = 1 (1st minibatch) the gradient is REINFORCE's
+                            loss, pstats = rl_math.policy_loss(
+                                logp, old_logp[r], adv_tok[r], mb["loss_mask"], clip_low=args.actor.clip_low,
+                                clip_high=args.actor.clip_high, dual_clip=args.actor.dual_clip, level=args.actor.level,
+                                agg=args.algo.loss_agg, rollout_logp=rollout_logp[r],
+                                is_correction=args.algo.is_correction, is_threshold=args.algo.is_threshold, **agg,
+                            )  # fmt: skip
+                            if ref_logp is not None:  # DEVIATION(3): KL as a loss term, not in the reward
+                                kl = rl_math.approx_kl(logp, ref_logp[r], args.algo.kl_estimator, mask=mb["loss_mask"])
+                                kl_loss = rl_math.aggregate_loss(kl, mb["loss_mask"], args.algo.loss_agg, **agg)
+                                loss = loss + args.algo.kl_coef * kl_loss
+                                kls.append(rl_math.masked_mean(kl, mb["loss_mask"]).item())
+                            if ent is not None:
+                                ent_mean = rl_math.aggregate_loss(ent, mb["loss_mask"], args.algo.loss_agg, **agg)
+                                loss = loss - args.actor.entropy_coef * ent_mean
+                                ents.append(rl_math.masked_mean(ent, mb["loss_mask"]).item())
+                            if not torch.isfinite(loss):
+                                raise FloatingPointError(f"NaN/inf loss at step {step}: stopped before the "
+                                                         f"optimizer step, weights untouched")  # fmt: skip
+                            actor.set_gradient_accumulation_boundary(j == len(micro) - 1)
+                            actor.backward(loss)
+                            losses[-1] += loss.item()
+                            clipfracs.append(pstats["clipfrac"].item())
+                        actor.step()
+                        norms.append(float(actor.get_global_grad_norm() or 0.0))
+                stats.update({"loss/policy": float(np.mean(losses)),
+                              "loss/clipfrac": float(np.mean(clipfracs)), "train/grad_norm": float(np.mean(norms)),
+                              "train/tokens": float(mask.sum())})  # fmt: skip
+                if kls:
+                    stats["loss/kl"] = float(np.mean(kls))
+                if ents:
+                    stats["loss/entropy"] = float(np.mean(ents))
+
+        # 5. weight sync, eval, logging, checkpoint
+        with timer(perf, "perf/sync_s"):
+            if kept:
+                stats.update(engines.update_weights(ds_engine.full_named_parameters(actor)))
+                if args.debug:
+                    rollout.check_weights(engines, actor.module, [prompts[i]["prompt_ids"] + samples[i].token_ids
+                                                                  for i in kept[:4]])  # fmt: skip
+        stats["train/lr"] = actor.lr_scheduler.get_last_lr()[0]
+        last = step == args.train.max_steps - 1
+        if args.eval.every and ((step + 1) % args.eval.every == 0 or last):
+            stats.update(evaluate(engines, tokenizer, eval_set, reward_func, reward_source, args))
+        n_tokens = sum(len(s.token_ids) for s in samples)
+        perf["perf/tokens_per_s"] = n_tokens / max(perf["perf/gen_s"], 1e-9)
+        logger.log({**stats, **perf}, step + 1, shown=("rollout/reward_mean", "eval/pass@1"))
+        if args.ckpt.every and ((step + 1) % args.ckpt.every == 0 or last):
+            checkpoint.save({"actor": actor}, ckpt_dir, step, {"step": step, "first_eval": first_eval},
+                            args.ckpt.keep_last)  # fmt: skip
+
+    # 6. export, learning curve and summary
+    ds_engine.export_hf(actor, tokenizer, run_dir / "hf")
+    plot_curve(logger.history, run_dir / "learning_curve.png")
+    summary = {"steps": args.train.max_steps, "eval_pass@1_first": first_eval["eval/pass@1"],
+               "eval_pass@1_last": logger.latest("eval/pass@1"), "reward_mean_last": logger.latest("rollout/reward_mean"),
+               "run_dir": str(run_dir)}  # fmt: skip
+    logger.close(summary)
+    return summary
+
+
+def plot_curve(history: list[dict], path: Path) -> None:
+    """Reward and eval pass@1 against step, saved as a PNG next to the run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for key in ("rollout/reward_mean", "eval/pass@1"):
+        pts = [(h["step"], h[key]) for h in history if key in h]
+        if pts:
+            ax.plot(*zip(*pts), marker="." if key.startswith("eval") else None, label=key)
+    ax.set_xlabel("step")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main(tyro.cli(Args))
