@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from algos.grpo import Args, group_advantages, load_reward_func, score
+from algos.grpo import Args, RewardArgs, group_advantages, load_reward_func, score
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -50,25 +50,25 @@ def test_group_advantages_vectorized_equals_loop(seed):
 def test_reward_checks_name_the_file_and_batch(tmp_path):
     bad = tmp_path / "bad_reward.py"
     bad.write_text("def reward_func(queries, prompts, labels):\n    return [float('nan')] * len(queries)\n")
-    fn, src = load_reward_func(str(bad))
+    fn, src = load_reward_func(RewardArgs(func=str(bad)))
     with pytest.raises(ValueError, match=r"bad_reward\.py returned NaN/inf on batch 7"):
         score(fn, src, ["a", "b"], ["a", "b"], ["1", "2"], step=7)
     short = tmp_path / "short_reward.py"
     short.write_text("def reward_func(queries, prompts, labels):\n    return {'rewards': [1.0]}\n")
-    fn, src = load_reward_func(str(short))
+    fn, src = load_reward_func(RewardArgs(func=str(short)))
     with pytest.raises(ValueError, match=r"short_reward\.py returned 1 rewards for 2 queries on batch 3"):
         score(fn, src, ["a", "b"], ["a", "b"], ["1", "2"], step=3)
     raises = tmp_path / "raising_reward.py"
     raises.write_text("def reward_func(queries, prompts, labels):\n    raise KeyError('label')\n")
-    fn, src = load_reward_func(str(raises))
+    fn, src = load_reward_func(RewardArgs(func=str(raises)))
     with pytest.raises(ValueError, match=r"raising_reward\.py raised on batch 0: KeyError"):
         score(fn, src, ["a"], ["a"], ["1"], step=0)
     with pytest.raises(ValueError, match="no such file"):
-        load_reward_func(str(tmp_path / "missing.py"))
+        load_reward_func(RewardArgs(func=str(tmp_path / "missing.py")))
 
 
 def test_embedded_reward_scores_exact_match():
-    fn, src = load_reward_func(None)
+    fn, src = load_reward_func(RewardArgs())
     r, logs = score(fn, src, ["1+2=3", "1+2=4", "1+2=x"], ["1+2="] * 3, ["3", "3", "3"], step=0)
     assert r.tolist() == [1.0, 0.0, 0.0]
     assert logs["rollout/format_ok"] == pytest.approx(2 / 3)

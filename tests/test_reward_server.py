@@ -129,3 +129,42 @@ def test_malformed_request_gets_4xx_with_message_and_server_keeps_serving(server
 def test_wrong_method_and_path(server):
     assert requests.get(f"{server}/get_reward", timeout=TIMEOUT).status_code == 405
     assert requests.post(f"{server}/nope", json={"query": ["x"]}, timeout=TIMEOUT).status_code == 404
+
+
+# ------------------------------------------------------------------------------ the RL scripts' client side
+def test_remote_reward_client_matches_server_and_splits_across_urls(server, rm_path):
+    from rewards.remote import ModelReward, RemoteReward
+
+    ref = torch.tensor(in_process_scores(rm_path, TEXTS))
+    prompts, labels = [t[:3] for t in TEXTS], [None] * len(TEXTS)
+    one = RemoteReward([server], timeout_s=TIMEOUT)(TEXTS, prompts, labels)
+    two = RemoteReward([server, server + "/get_reward"], timeout_s=TIMEOUT)(TEXTS, prompts, labels)  # 2 chunks
+    local = ModelReward(rm_path)(TEXTS, prompts, labels)
+    for out in (one, two, local):
+        torch.testing.assert_close(out["rewards"], ref, rtol=0, atol=1e-4)
+
+
+def test_remote_reward_retries_then_names_the_url():
+    from rewards.remote import RemoteReward
+
+    dead = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=rf"{dead}/get_reward failed after 2 attempt\(s\)"):
+        RemoteReward([dead], timeout_s=2, retries=1)(["1+1=2"], ["1+1="], [None])
+    assert time.monotonic() - t0 >= 1.0  # it waited before retrying
+
+
+def test_remote_reward_does_not_retry_a_client_error(server):
+    from rewards.remote import RemoteReward
+
+    with pytest.raises(RuntimeError, match="failed after 1 attempt.*HTTP 400.*max_len"):
+        RemoteReward([server], timeout_s=TIMEOUT, retries=3)(["9" * 500], ["p"], [None])  # over-long text: 400
+
+
+def test_rl_scripts_take_one_reward_source(rm_path, tmp_path):
+    from algos.grpo import RewardArgs, load_reward_func
+
+    with pytest.raises(ValueError, match="--reward.func and --reward.model: give one reward source"):
+        load_reward_func(RewardArgs(func=str(tmp_path / "r.py"), model=rm_path))
+    func, name = load_reward_func(RewardArgs(model=rm_path))
+    assert name == rm_path and func(["1+2=3"], ["1+2="], [None])["rewards"].shape == (1,)

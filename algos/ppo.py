@@ -1,0 +1,575 @@
+"""PPO with a learned critic and GAE for RLHF (Ouyang et al. 2022, InstructGPT, arXiv:2203.02155; Stiennon et al.
+2020, arXiv:2009.01325), with the clipped surrogate of Schulman et al. 2017 (PPO, arXiv:1707.06347) and generalized
+advantage estimation of Schulman et al. 2016 (GAE, arXiv:1506.02438).
+
+A critic V_φ (a causal LM body with a scalar head) predicts the return at every response token. The scalar reward r_i
+of response o_i becomes a per-token reward with a KL penalty against the frozen SFT policy (KL_t = log π_old(o_t|…) −
+log π_ref(o_t|…), the k1 estimate), and GAE turns rewards and values into advantages and the critic's targets:
+
+    r_{i,t}  = −β · KL_{i,t} + [t = |o_i|] · r_i
+    δ_{i,t}  = r_{i,t} + γ · V_old(s_{i,t+1}) − V_old(s_{i,t}),      V_old(s_{i,|o_i|+1}) = 0
+    Â_{i,t}  = Σ_{k≥t} (γλ)^{k−t} δ_{i,k},      R_{i,t} = Â_{i,t} + V_old(s_{i,t})           (the critic's target)
+    A_{i,t}  = (Â_{i,t} − μ) / σ,   μ, σ over all valid tokens of the batch                  (advantage whitening)
+
+The policy maximises the PPO clipped surrogate, ρ_{i,t} = π_θ(o_{i,t}|…) / π_old(o_{i,t}|…), and the critic minimises
+the clipped value loss (Schulman et al. 2017's code; OpenRLHF's ValueLoss):
+
+    J(θ) = E[ 1/Σ|o_i| Σ_i Σ_t min(ρ_{i,t} A_{i,t}, clip(ρ_{i,t}, 1 − ε_low, 1 + ε_high) A_{i,t}) ]
+    L(φ) = E[ 1/Σ|o_i| Σ_i Σ_t ½ · max((V_φ − R)², (V_old + clip(V_φ − V_old, −ε_v, ε_v) − R)²) ]
+
+Deviations from the papers:
+1. Token-mean loss over the whole batch (DAPO, arXiv:2503.14476; OpenRLHF's default), 2 minibatches per rollout; the
+   critic is a second DeepSpeed engine with its own optimizer, stepped on the same minibatches (no shared body and no
+   value-loss coefficient).
+2. 8 samples per prompt by default, as this repository's GRPO, RLOO and REINFORCE++, so the four scripts generate the
+   same rollouts; InstructGPT samples one response per prompt (`--rollout.n-samples 1`).
+3. No in-loss KL term and no pretraining-mix (PPO-ptx) term: the KL penalty lives only in the reward
+   (`--algo.kl-coef`, β = 0.01 here, fixed rather than adaptive); `--algo.kl-coef 0` loads no reference model.
+4. Old log-probs are recomputed by the trainer, not taken from vLLM: the engine's log-probs are kept as
+   `rollout_logp` for the optional importance-sampling correction (`--algo.is-correction`).
+5. The critic is warm-started from the policy (the SFT model) with a fresh scalar head by default, as OpenRLHF allows;
+   InstructGPT initialises it from the reward model (`--critic.name-or-path <rm folder>`).
+
+Debug (embedded tiny model and task, one CPU process, in-process vLLM):
+    python algos/ppo.py --train.max-steps 5 --eval.every 5
+    python algos/ppo.py --critic.warmup-steps 5                     # critic-only updates for the first 5 steps
+A real model:
+    python algos/ppo.py --actor.model.name-or-path Qwen/Qwen2.5-0.5B-Instruct --data.path prompts.jsonl \\
+        --data.apply-chat-template --reward.func my_reward.py --rollout.max-new-tokens 1024 --actor.lr 1e-6 \\
+        --critic.lr 9e-6 --critic.name-or-path runs/my_rm/hf
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import os
+import random
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Literal
+
+import numpy as np
+import torch
+import tyro
+
+from core import checkpoint, data, embedded, models, packing, rl_math, rollout
+from core import engine as ds_engine
+from core.config import CkptConfig, DataConfig, DSConfig, LoggerConfig, ModelConfig
+from core.logger import RunLogger, run_name, timer
+from core.rollout import VLLMConfig
+from rewards.remote import ModelReward, RemoteReward
+
+
+@dataclass
+class ActorArgs:
+    model: ModelConfig = field(default_factory=lambda: ModelConfig(name_or_path="cleanrlhf/tiny-sft"))
+    lr: float = 3e-4
+    """peak learning rate (3e-4 suits the ~1 M embedded model; ~1e-6 for real models)."""
+    warmup_steps: int = 0
+    """linear learning-rate warmup steps, then cosine decay to 0.1 · lr."""
+    clip_low: float = 0.2
+    """ε_low: ratio lower clip 1 − ε_low."""
+    clip_high: float = 0.2
+    """ε_high: ratio upper clip 1 + ε_high (DAPO's clip-higher uses 0.28)."""
+    dual_clip: float | None = None
+    """dual-clip constant c > 1 (Ye et al. 2020): bounds the loss of negative-advantage tokens at c·|A|."""
+    level: Literal["token", "sequence"] = "token"
+    """importance ratio per token (PPO/GRPO) or per sequence (GSPO, Zheng et al. 2025)."""
+    entropy_coef: float = 0.0
+    """entropy bonus coefficient (0: off, no extra memory)."""
+
+
+@dataclass
+class CriticArgs:
+    name_or_path: str | None = None  # DEVIATION(5): the SFT policy's body by default, not the reward model's
+    """critic initialisation: a causal LM (fresh scalar head) or a reward model folder from algos/rm.py (its head is
+    kept). Default: the actor's model, i.e. the SFT warm start. The dtype is the actor's."""
+    lr: float = 1e-3
+    """peak learning rate of the critic (its own AdamW and warmup/cosine schedule)."""
+    lr_warmup_steps: int = 0
+    """linear learning-rate warmup of the critic's optimizer, in optimizer steps."""
+    value_clip: float | None = 0.2
+    """ε_v: a new value may move at most this far from the rollout's value before its loss stops shrinking
+    (PPO's value clipping); None turns it off."""
+    warmup_steps: int = 0
+    """critic-only steps at the start: the first N rollouts update the critic and leave the actor (and vLLM) as
+    they are, so the policy gradient starts with a fitted baseline."""
+
+
+@dataclass
+class RewardArgs:
+    func: str | None = None
+    """python file defining `reward_func(queries, prompts, labels)` returning a tensor/list of rewards or a dict
+    with `rewards`, optional `scores` (0-1) and `extra_logs` (OpenRLHF's contract). Default: rewards/arithmetic.py,
+    the embedded task's exact-match rule."""
+    model: str | None = None
+    """reward model (an `algos/rm.py` export or any one-label `AutoModelForSequenceClassification`) scored
+    in-process on prompt + response; instead of `func`."""
+    remote_url: list[str] = field(default_factory=list)
+    """reward server URL(s) (`python -m rewards.server`, or OpenRLHF's remote RM contract); several URLs split each
+    batch between them; instead of `func`."""
+    normalize: bool = False
+    """with `model`: score (r − reward_mean) / reward_std using the statistics `algos/rm.py` saved."""
+    timeout_s: float = 60.0
+    """with `remote_url`: seconds per request before it is retried."""
+    retries: int = 3
+    """with `remote_url`: retries per request (after a timeout, connection error or 5xx) before a clear error."""
+    clip: float = 10.0
+    """rewards are clipped to [−clip, clip]."""
+    stop_properly_penalty: float | None = None
+    """reward given instead to responses truncated at max-new-tokens (None: keep their reward)."""
+
+
+@dataclass
+class RolloutArgs:
+    batch_size: int = 64
+    """prompts per step."""
+    n_samples: int = 8  # DEVIATION(2): 8 samples per prompt, as grpo.py
+    """responses sampled per prompt (PPO needs no group; 1 is InstructGPT's setting)."""
+    max_new_tokens: int = 8
+    """response length limit."""
+    temperature: float = 1.0
+    """sampling temperature (the trainer's log-probs use the same temperature)."""
+    top_p: float = 1.0
+    """nucleus sampling."""
+
+
+@dataclass
+class TrainArgs:
+    max_steps: int = 30
+    """RL steps (one rollout + update each), critic warm-up steps included."""
+    minibatches: int = 2
+    """optimizer steps per rollout (actor and critic each): the batch is split into this many minibatches."""
+    epochs: int = 1
+    """passes over each rollout."""
+    micro_batch_size: int = 128
+    """sequences per forward/backward (gradient accumulation covers the minibatch)."""
+    seed: int = 1
+    """seed of the prompt order, the sampling seeds and every RNG."""
+
+
+@dataclass
+class AlgoArgs:
+    gamma: float = 1.0
+    """discount γ of GAE over response tokens (1 in InstructGPT/OpenRLHF: the reward comes once, at the end)."""
+    lam: float = 0.95
+    """GAE λ (Schulman et al. 2016): 1 uses the full Monte-Carlo return, 0 the one-step TD error."""
+    whiten_advantages: bool = True
+    """normalise the advantages over every valid token of the batch (mean 0, std 1); the critic's targets are not."""
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
+    """loss aggregation of the policy and value losses (see core/rl_math.aggregate_loss)."""
+    kl_coef: float = 0.01  # DEVIATION(3): the only KL term; none in the loss
+    """β of the per-token KL penalty in the reward (Ziegler et al. 2019); 0 loads no reference model."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k1"
+    """KL estimator for the reward penalty (k1 = log π_old/π_ref, InstructGPT's)."""
+    is_correction: Literal["tis", "icepop", "seq-mask-tis"] | None = None
+    """importance-sampling correction for the rollout engine's log-probs (see core/rl_math.policy_loss)."""
+    is_threshold: tuple[float, float] = (0.5, 5.0)
+    """[lo, hi] bounds of the IS weight."""
+
+
+@dataclass
+class EvalArgs:
+    every: int = 10
+    """evaluate every N steps (and at the start and end); 0 disables."""
+    max_samples: int = 500
+    """eval prompts."""
+    k: int = 4
+    """pass@k uses k samples per prompt at the rollout temperature; pass@1 is greedy."""
+
+
+@dataclass
+class Args:
+    exp_name: str = Path(__file__).stem
+    """run name prefix; defaults to this file's name, so a copied script names its own runs."""
+    actor: ActorArgs = field(default_factory=ActorArgs)
+    critic: CriticArgs = field(default_factory=CriticArgs)
+    reward: RewardArgs = field(default_factory=RewardArgs)
+    rollout: RolloutArgs = field(default_factory=RolloutArgs)
+    train: TrainArgs = field(default_factory=TrainArgs)
+    algo: AlgoArgs = field(default_factory=AlgoArgs)
+    eval: EvalArgs = field(default_factory=EvalArgs)
+    data: DataConfig = field(default_factory=DataConfig)
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
+    ds: DSConfig = field(default_factory=DSConfig)
+    ckpt: CkptConfig = field(default_factory=CkptConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    run_dir: str | None = None
+    """run folder; default `<logger.run-root>/<exp_name>__<seed>__<time>`. An existing one resumes."""
+    debug: bool = False
+    """after every weight sync, check that the engine's log-probs equal the trainer's."""
+
+
+# ALGO LOGIC: PPO's advantage estimator: KL-shaped token rewards, GAE with the critic's values, whitening.
+def ppo_advantages(
+    rewards: torch.Tensor,
+    kl: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    kl_coef: float,
+    gamma: float = 1.0,
+    lam: float = 0.95,
+    whiten: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(A, R) = gae(r, V),  r_t = −kl_coef · kl_t + [t = last] · reward;  A whitened over the batch's valid tokens.
+
+    rewards: (B,) one scalar per response; kl: (B, T) per-token KL estimate; values: (B, T) the rollout critic's
+    V(s_t), the value of the state before token t; mask: (B, T) response mask -> advantages (B, T) (whitened when
+    `whiten`) and returns R = Â + V (B, T), the critic's targets (never whitened); both 0 at masked positions."""
+    if (
+        rewards.dim() != 1
+        or kl.dim() != 2
+        or not kl.shape == values.shape == mask.shape == (rewards.numel(), kl.shape[1])
+    ):
+        raise ValueError(f"shapes: rewards (B,), kl, values and mask (B, T); got rewards {tuple(rewards.shape)}, kl "
+                         f"{tuple(kl.shape)}, values {tuple(values.shape)}, mask {tuple(mask.shape)}")  # fmt: skip
+    # the script already clipped the raw reward to ±reward.clip, so no second clip here
+    per_token = rl_math.token_rewards(rewards, kl, kl_coef, mask, clip_range=None)  # (B, T)
+    advantages, returns = rl_math.gae(per_token, values, mask, gamma, lam)  # (B, T), (B, T)
+    if whiten:
+        advantages = rl_math.masked_whiten(advantages, mask)
+    return advantages, returns
+
+
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """1 − Var(R − V) / Var(R) over the valid tokens (population variances): 1 is a perfect critic, 0 one no better
+    than the batch mean, < 0 one worse than it. values, returns, mask: (B, T) -> scalar; NaN when Var(R) = 0 (as
+    CleanRL's ppo.py)."""
+    mask = mask.bool()
+    v, r = values[mask].double(), returns[mask].double()
+    var_r = r.var(unbiased=False) if r.numel() else torch.tensor(0.0, dtype=torch.float64)
+    if var_r == 0:
+        return torch.tensor(float("nan"))
+    return (1 - (r - v).var(unbiased=False) / var_r).float()
+
+
+def load_reward_func(cfg: RewardArgs):
+    """(reward_func, its name for messages): a remote server, a reward model, the user's python file, or the embedded
+    task's rule reward. All follow OpenRLHF's contract `reward_func(queries, prompts, labels)`."""
+    chosen = [name for name, on in (("func", cfg.func), ("model", cfg.model), ("remote-url", cfg.remote_url)) if on]
+    if len(chosen) > 1:
+        raise ValueError(f"--reward.{chosen[0]} and --reward.{chosen[1]}: give one reward source")
+    if cfg.remote_url:
+        return RemoteReward(cfg.remote_url, cfg.timeout_s, cfg.retries), ", ".join(cfg.remote_url)
+    if cfg.model:
+        return ModelReward(cfg.model, cfg.normalize), cfg.model
+    if cfg.func is None:
+        from rewards.arithmetic import reward_func
+
+        return reward_func, "rewards/arithmetic.py"
+    path = cfg.func
+    if not Path(path).is_file():
+        raise ValueError(f"--reward.func {path}: no such file")
+    spec = importlib.util.spec_from_file_location("user_reward", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if not hasattr(module, "reward_func"):
+        raise ValueError(f"--reward.func {path}: defines no `reward_func(queries, prompts, labels)`")
+    return module.reward_func, path
+
+
+def score(reward_func, source: str, queries, prompts, labels, step: int) -> tuple[torch.Tensor, dict]:
+    """Call the reward function and check what it returned: one finite reward per query."""
+    try:
+        out = reward_func(queries=queries, prompts=prompts, labels=labels)
+    except Exception as e:
+        raise ValueError(f"reward function {source} raised on batch {step}: {type(e).__name__}: {e}") from e
+    rewards = out["rewards"] if isinstance(out, dict) else out
+    rewards = torch.as_tensor(rewards, dtype=torch.float32).flatten()
+    if rewards.numel() != len(queries):
+        raise ValueError(f"reward function {source} returned {rewards.numel()} rewards for {len(queries)} queries "
+                         f"on batch {step}")  # fmt: skip
+    if not torch.isfinite(rewards).all():
+        bad = (~torch.isfinite(rewards)).nonzero().flatten().tolist()[:5]
+        raise ValueError(f"reward function {source} returned NaN/inf on batch {step} (queries {bad})")
+    logs = {f"rollout/{k}": torch.as_tensor(v, dtype=torch.float32).mean().item()
+            for k, v in (out.get("extra_logs", {}) if isinstance(out, dict) else {}).items()}  # fmt: skip
+    return rewards, logs
+
+
+def sequences(prompts: list[list[int]], responses: list[list[int]], pad_id: int, device) -> dict:
+    """Right-padded prompt+response batch (B, L) with the response mask (True on response tokens)."""
+    examples = [{"input_ids": p + r, "loss_mask": [0] * len(p) + [1] * len(r)} for p, r in zip(prompts, responses)]
+    return packing.collate_padded(examples, pad_id, device)
+
+
+def forward_logp(model, batch: dict, temperature: float, entropy: bool = False):
+    """Per-token log-probs (B, L) of the batch's tokens (position t: log p(x_t | x_<t)), and optionally entropies."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+    logits = logits[:, :-1]
+    logp = rl_math.logprobs_from_logits(logits, batch["input_ids"][:, 1:], temperature=temperature)
+    logp = torch.cat([torch.zeros_like(logp[:, :1]), logp], dim=1)
+    ent = None
+    if entropy:
+        ent = rl_math.entropy_from_logits(logits.float() / temperature)
+        ent = torch.cat([torch.zeros_like(ent[:, :1]), ent], dim=1)
+    return logp, ent
+
+
+@torch.no_grad()
+def evaluate(engines, tokenizer, eval_set: list[dict], reward_func, source: str, args: Args) -> dict:
+    """pass@1 (greedy) and pass@k (k samples at the rollout temperature), overall and per data source."""
+    prompts = [e["prompt_ids"] for e in eval_set]
+    greedy = engines.generate(prompts, n=1, max_new_tokens=args.rollout.max_new_tokens, temperature=0.0)
+    sampled = engines.generate(prompts, n=args.eval.k, max_new_tokens=args.rollout.max_new_tokens,
+                               temperature=args.rollout.temperature, seed=12345)  # fmt: skip
+
+    def correct(groups):
+        texts = [tokenizer.decode(s.token_ids, skip_special_tokens=True) for g in groups for s in g]
+        per = len(groups[0])
+        queries = [e["prompt"] + t for e, t in zip((e for e in eval_set for _ in range(per)), texts)]
+        labels = [e["label"] for e in eval_set for _ in range(per)]
+        r, _ = score(reward_func, source, queries, [e["prompt"] for e in eval_set for _ in range(per)], labels, -1)
+        return (r > 0.5).float().view(len(groups), per)
+
+    p1, pk = correct(greedy)[:, 0], correct(sampled).max(dim=1).values
+    out = {"eval/pass@1": p1.mean().item(), f"eval/pass@{args.eval.k}": pk.mean().item()}
+    sources = sorted({e["datasource"] for e in eval_set})
+    if len(sources) > 1:
+        for s in sources:
+            idx = torch.tensor([e["datasource"] == s for e in eval_set])
+            out[f"eval/{s}/pass@1"] = p1[idx].mean().item()
+    return out
+
+
+def forward_values(critic, batch: dict) -> torch.Tensor:
+    """Values (B, L) aligned with forward_logp: position t holds V(x_<t), the critic's value of the state before
+    token t is generated (the scalar head on hidden state t − 1); position 0 is 0."""
+    v = models.token_values(critic, batch["input_ids"], attention_mask=batch["attention_mask"])  # (B, L)
+    return torch.cat([torch.zeros_like(v[:, :1]), v[:, :-1]], dim=1)
+
+
+def ppo_update(actor, critic, seqs: dict, old_logp, old_values, advantages, returns, rollout_logp, args: Args,
+               step: int) -> dict:  # fmt: skip
+    """Minibatch updates of one rollout: a clipped value-loss step of the critic on every minibatch and, after the
+    critic warm-up (step ≥ --critic.warmup-steps), a clipped-surrogate step of the actor on the same minibatch.
+    seqs: right-padded batch (B, L) with its response mask `loss_mask`; the other tensors are (B, L). Returns stats."""
+    mask = seqs["loss_mask"]
+    B, mbs = mask.shape[0], args.train.micro_batch_size
+    train_actor = step >= args.critic.warmup_steps
+    order = list(range(B))  # rows are prompt-major; minibatches mix prompts
+    random.Random(args.train.seed + step).shuffle(order)
+    mb_size = max(1, math.ceil(B / args.train.minibatches))
+    out: dict[str, list] = {k: [] for k in ("policy", "value", "clipfrac", "vclipfrac", "ent", "norm", "vnorm")}
+    for _ in range(args.train.epochs):
+        for m0 in range(0, B, mb_size):
+            rows = order[m0 : m0 + mb_size]
+            agg = {"num_tokens": mask[rows].sum().item(), "num_seqs": len(rows), "max_len": mask.shape[1]}
+            if args.algo.loss_agg == "seq-mean-token-sum-norm":
+                agg["max_len"] = args.rollout.max_new_tokens
+            micro = [rows[i : i + mbs] for i in range(0, len(rows), mbs)]
+            # ALGO LOGIC: critic step, ½ max((V − R)², (V_clip − R)²) (rl_math.value_loss), on every step
+            out["value"].append(0.0)
+            for j, r in enumerate(micro):
+                mb = {k: v[r] for k, v in seqs.items()}
+                vloss, vstats = rl_math.value_loss(forward_values(critic, mb), old_values[r], returns[r],
+                                                   mb["loss_mask"], clip_eps=args.critic.value_clip,
+                                                   agg=args.algo.loss_agg, **agg)  # fmt: skip
+                if not torch.isfinite(vloss):
+                    raise FloatingPointError(f"NaN/inf value loss at step {step}: stopped before the optimizer step")
+                critic.set_gradient_accumulation_boundary(j == len(micro) - 1)
+                critic.backward(vloss)
+                out["value"][-1] += vloss.item()
+                out["vclipfrac"].append(vstats["clipfrac"].item())
+            critic.step()
+            out["vnorm"].append(float(critic.get_global_grad_norm() or 0.0))
+            if not train_actor:  # critic warm-up: the actor is not touched
+                continue
+            # ALGO LOGIC: actor step, the clipped surrogate with the GAE advantages
+            out["policy"].append(0.0)
+            for j, r in enumerate(micro):
+                mb = {k: v[r] for k, v in seqs.items()}
+                logp, ent = forward_logp(actor, mb, args.rollout.temperature, args.actor.entropy_coef > 0)
+                # DEVIATION(1): token-mean over the minibatch (the default --algo.loss-agg)
+                loss, pstats = rl_math.policy_loss(
+                    logp, old_logp[r], advantages[r], mb["loss_mask"], clip_low=args.actor.clip_low,
+                    clip_high=args.actor.clip_high, dual_clip=args.actor.dual_clip, level=args.actor.level,
+                    agg=args.algo.loss_agg, rollout_logp=rollout_logp[r], is_correction=args.algo.is_correction,
+                    is_threshold=args.algo.is_threshold, **agg,
+                )  # fmt: skip
+                # DEVIATION(3): no KL term in the loss; the penalty is in the reward (advantages)
+                if ent is not None:
+                    loss = loss - args.actor.entropy_coef * rl_math.aggregate_loss(ent, mb["loss_mask"],
+                                                                                   args.algo.loss_agg, **agg)  # fmt: skip
+                    out["ent"].append(rl_math.masked_mean(ent, mb["loss_mask"]).item())
+                if not torch.isfinite(loss):
+                    raise FloatingPointError(f"NaN/inf loss at step {step}: stopped before the optimizer step, "
+                                             f"weights untouched")  # fmt: skip
+                actor.set_gradient_accumulation_boundary(j == len(micro) - 1)
+                actor.backward(loss)
+                out["policy"][-1] += loss.item()
+                out["clipfrac"].append(pstats["clipfrac"].item())
+            actor.step()
+            out["norm"].append(float(actor.get_global_grad_norm() or 0.0))
+    stats = {"loss/value": float(np.mean(out["value"])), "critic/clipfrac": float(np.mean(out["vclipfrac"])),
+             "critic/grad_norm": float(np.mean(out["vnorm"])), "critic/lr": critic.lr_scheduler.get_last_lr()[0],
+             "critic/warmup": float(not train_actor), "train/tokens": float(mask.sum())}  # fmt: skip
+    if train_actor:
+        stats.update({"loss/policy": float(np.mean(out["policy"])), "loss/clipfrac": float(np.mean(out["clipfrac"])),
+                      "train/grad_norm": float(np.mean(out["norm"]))})  # fmt: skip
+    if out["ent"]:
+        stats["loss/entropy"] = float(np.mean(out["ent"]))
+    return stats
+
+
+def main(args: Args) -> dict:
+    # 1. setup ------------------------------------------------------------------------------------------------
+    if not 0 <= args.critic.warmup_steps < args.train.max_steps:
+        raise ValueError(f"--critic.warmup-steps {args.critic.warmup_steps} must be in [0, --train.max-steps "
+                         f"{args.train.max_steps}): the actor would never be trained")  # fmt: skip
+    # PLUMBING: one process holds the DeepSpeed actor and critic and an in-process vLLM engine (single-process mode).
+    rank, world, device = ds_engine.init_distributed(args.ds.backend, args.ds.timeout_s)
+    if world != 1:
+        raise ValueError("algos/ppo.py runs as one process (trainer + in-process vLLM); Ray placement is not wired into "
+                         "the RL scripts yet")  # fmt: skip
+    # Seeds: data order and sampling seeds are derived from (seed, step); RNGs seeded once for the rest (the critic's
+    # fresh scalar head is drawn from torch's RNG right after this).
+    random.seed(args.train.seed)
+    np.random.seed(args.train.seed)
+    torch.manual_seed(args.train.seed)
+    actor_path = embedded.resolve_model(args.actor.model.name_or_path)
+    args.actor.model.name_or_path = actor_path
+    tokenizer = models.load_tokenizer(args.actor.model.tokenizer or actor_path)
+    make = partial(data.prompt_example, tokenizer=tokenizer, cfg=args.data)
+    train_set = data.mix(data.build_examples(data.load_sources(args.data.path, args.data.split, args.data.max_samples),
+                                             make, args.data), args.data.probs, args.train.seed)  # fmt: skip
+    eval_sources = data.load_sources(args.data.eval_path or args.data.path, args.data.eval_split, args.eval.max_samples)
+    eval_set = [e for g in data.build_examples(eval_sources, make, args.data) for e in g]
+    reward_func, reward_source = load_reward_func(args.reward)
+
+    model = models.load_causal_lm(args.actor.model).to(device)
+    updates_per_step = args.train.minibatches * args.train.epochs
+    actor = ds_engine.make_engine(model, args.ds, args.actor.lr,
+                                  (args.train.max_steps - args.critic.warmup_steps) * updates_per_step,
+                                  args.actor.warmup_steps)  # fmt: skip
+    # PLUMBING: the critic, a causal LM body + scalar head, as a second DeepSpeed engine with its own optimizer
+    critic_path = embedded.resolve_model(args.critic.name_or_path or actor_path)
+    critic_model = models.load_scalar_model(critic_path, args.actor.model.dtype).to(device)
+    critic = ds_engine.make_engine(critic_model, args.ds, args.critic.lr, args.train.max_steps * updates_per_step,
+                                   args.critic.lr_warmup_steps)  # fmt: skip
+    ref = None
+    if args.algo.kl_coef > 0:  # PLUMBING: frozen reference (SFT) policy, only when the KL penalty is on
+        ref = models.load_causal_lm(ModelConfig(name_or_path=actor_path, dtype=args.actor.model.dtype)).to(device)
+        ref.eval().requires_grad_(False)
+    engines = rollout.create_engines(actor_path, args.vllm, seed=args.train.seed)
+
+    run_dir = Path(args.run_dir or Path(args.logger.run_root) / run_name(args.exp_name, args.train.seed))
+    ckpt_dir = Path(args.ckpt.dir or run_dir / "checkpoints")
+    start_step, client = 0, {}
+    if args.ckpt.resume and checkpoint.latest(ckpt_dir):
+        client = checkpoint.load({"actor": actor, "critic": critic}, checkpoint.latest(ckpt_dir))
+        start_step = client["step"] + 1
+        engines.update_weights(ds_engine.full_named_parameters(actor))  # engines start from the checkpoint's weights
+    logger = RunLogger(args.logger, run_dir, args, args.train.max_steps)
+    first_eval = client.get("first_eval") or evaluate(engines, tokenizer, eval_set, reward_func, reward_source, args)
+    logger.log(first_eval, start_step, shown=("eval/pass@1",))
+    logger.print(f"[ppo] {len(train_set)} prompts, eval pass@1 {first_eval['eval/pass@1']:.3f} at step {start_step}")
+
+    G = args.rollout.n_samples
+    mbs = args.train.micro_batch_size
+    for step in range(start_step, args.train.max_steps):
+        perf: dict = {}
+        # 2. rollout: G samples per prompt from the vLLM engine, token ids in, token ids + log-probs out
+        with timer(perf, "perf/gen_s"):
+            batch = [train_set[i] for i in data.batch_indices(len(train_set), args.rollout.batch_size, step,
+                                                               args.train.seed)]  # fmt: skip
+            groups = engines.generate([e["prompt_ids"] for e in batch], n=G, max_new_tokens=args.rollout.max_new_tokens,
+                                      temperature=args.rollout.temperature, top_p=args.rollout.top_p,
+                                      seed=args.train.seed * 1_000_003 + step * 10_007)  # fmt: skip
+        samples = [s for g in groups for s in g]  # prompt-major: sample j of prompt i at i*G + j
+        prompts = [e for e in batch for _ in range(G)]
+
+        # 3. rewards, then old log-probs (DEVIATION(4)), reference log-probs and values by the trainer, and GAE
+        texts = [tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in samples]
+        rewards, extra = score(reward_func, reward_source, [p["prompt"] + t for p, t in zip(prompts, texts)],
+                               [p["prompt"] for p in prompts], [p["label"] for p in prompts], step)  # fmt: skip
+        truncated = torch.tensor([s.truncated for s in samples])
+        if args.reward.stop_properly_penalty is not None:
+            rewards = torch.where(truncated, torch.tensor(args.reward.stop_properly_penalty), rewards)
+        rewards = rewards.clamp(-args.reward.clip, args.reward.clip)
+        stats = {
+            "rollout/reward_mean": rewards.mean().item(),
+            "rollout/response_len_mean": float(np.mean([len(s.token_ids) for s in samples])),
+            "rollout/truncated_frac": truncated.float().mean().item(),
+            **extra,
+        }
+        with timer(perf, "perf/train_s"):
+            seqs = sequences([p["prompt_ids"] for p in prompts], [s.token_ids for s in samples],
+                             tokenizer.pad_token_id, device)  # fmt: skip
+            mask = seqs["loss_mask"]
+            rollout_logp = torch.zeros(mask.shape)
+            for row, s in enumerate(samples):
+                rollout_logp[row, mask[row].nonzero().flatten()] = torch.tensor(s.logprobs)
+            chunks = [{k: v[i : i + mbs] for k, v in seqs.items()} for i in range(0, len(samples), mbs)]
+            with torch.no_grad():
+                old_logp = torch.cat([forward_logp(actor, c, args.rollout.temperature)[0] for c in chunks])
+                old_values = torch.cat([forward_values(critic, c) for c in chunks])  # (B, L) V_old(s_t)
+                kl = torch.zeros_like(old_logp)
+                if ref is not None:  # KL_t of the sampling policy to the reference, on the sampled tokens
+                    ref_logp = torch.cat([forward_logp(ref, c, args.rollout.temperature)[0] for c in chunks])
+                    kl = rl_math.approx_kl(old_logp, ref_logp, args.algo.kl_estimator, mask=mask)
+                    stats["loss/kl"] = rl_math.masked_mean(kl, mask).item()
+            # ALGO LOGIC: KL-shaped token rewards -> GAE with the rollout critic's values -> whitened advantages
+            advantages, returns = ppo_advantages(rewards.to(old_logp.device), kl, old_values, mask, args.algo.kl_coef,
+                                                 args.algo.gamma, args.algo.lam, args.algo.whiten_advantages)  # fmt: skip
+            stats.update({"critic/values_mean": rl_math.masked_mean(old_values, mask).item(),
+                          "critic/returns_mean": rl_math.masked_mean(returns, mask).item(),
+                          "critic/explained_variance": explained_variance(old_values, returns, mask).item()})  # fmt: skip
+
+            # 4. critic and policy update: minibatches of the clipped value loss and (after the warm-up) the surrogate
+            stats.update(ppo_update(actor, critic, seqs, old_logp, old_values, advantages, returns, rollout_logp, args,
+                                    step))  # fmt: skip
+
+        # 5. weight sync, eval, logging, checkpoint
+        with timer(perf, "perf/sync_s"):
+            if step >= args.critic.warmup_steps:  # during the critic warm-up vLLM already holds the actor's weights
+                stats.update(engines.update_weights(ds_engine.full_named_parameters(actor)))
+                if args.debug:
+                    rollout.check_weights(engines, actor.module, [prompts[i]["prompt_ids"] + samples[i].token_ids
+                                                                  for i in range(4)])  # fmt: skip
+        stats["train/lr"] = actor.lr_scheduler.get_last_lr()[0]
+        last = step == args.train.max_steps - 1
+        if args.eval.every and ((step + 1) % args.eval.every == 0 or last):
+            stats.update(evaluate(engines, tokenizer, eval_set, reward_func, reward_source, args))
+        n_tokens = sum(len(s.token_ids) for s in samples)
+        perf["perf/tokens_per_s"] = n_tokens / max(perf["perf/gen_s"], 1e-9)
+        logger.log({**stats, **perf}, step + 1, shown=("rollout/reward_mean", "eval/pass@1"))
+        if args.ckpt.every and ((step + 1) % args.ckpt.every == 0 or last):
+            checkpoint.save({"actor": actor, "critic": critic}, ckpt_dir, step,
+                            {"step": step, "first_eval": first_eval}, args.ckpt.keep_last)  # fmt: skip
+
+    # 6. export, learning curve and summary
+    ds_engine.export_hf(actor, tokenizer, run_dir / "hf")
+    plot_curve(logger.history, run_dir / "learning_curve.png")
+    summary = {"steps": args.train.max_steps, "eval_pass@1_first": first_eval["eval/pass@1"],
+               "eval_pass@1_last": logger.latest("eval/pass@1"), "reward_mean_last": logger.latest("rollout/reward_mean"),
+               "run_dir": str(run_dir)}  # fmt: skip
+    logger.close(summary)
+    return summary
+
+
+def plot_curve(history: list[dict], path: Path) -> None:
+    """Reward and eval pass@1 against step, saved as a PNG next to the run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for key in ("rollout/reward_mean", "eval/pass@1"):
+        pts = [(h["step"], h[key]) for h in history if key in h]
+        if pts:
+            ax.plot(*zip(*pts), marker="." if key.startswith("eval") else None, label=key)
+    ax.set_xlabel("step")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main(tyro.cli(Args))

@@ -1,0 +1,227 @@
+"""algos/ppo.py: KL-shaped GAE advantages and critic targets, explained variance, value alignment, the critic
+warm-up (actor untouched, critic trained), value clipping in the update, the CLI, a short learning run."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from algos.ppo import Args, explained_variance, forward_values, main, ppo_advantages, ppo_update, sequences
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def right_padded_mask(lengths: list[int], T: int) -> torch.Tensor:
+    return torch.arange(T)[None, :] < torch.tensor(lengths)[:, None]
+
+
+def test_hand_case_gae_with_kl():
+    # row 0: 2 tokens, reward 1, kl 0.1, 0.2, β = 0.5 -> r = −0.05, 0.9; V = 0.2, 0.5, then 0 after the last token.
+    # δ_1 = 0.9 + 0 − 0.5 = 0.4, δ_0 = −0.05 + 0.5 − 0.2 = 0.25; λ = 0.5, γ = 1: A_1 = 0.4, A_0 = 0.25 + 0.5·0.4 = 0.45
+    # R = A + V = 0.65, 0.9. Row 1: 1 token, reward 0, kl 0: δ_0 = 0 − 0.3 = −0.3 = A_0, R_0 = 0. Padding holds NaN.
+    nan = float("nan")
+    mask = right_padded_mask([2, 1], 3)
+    kl = torch.tensor([[0.1, 0.2, nan], [0.0, nan, nan]])
+    values = torch.tensor([[0.2, 0.5, nan], [0.3, nan, nan]])
+    adv, ret = ppo_advantages(torch.tensor([1.0, 0.0]), kl, values, mask, kl_coef=0.5, gamma=1.0, lam=0.5,
+                              whiten=False)  # fmt: skip
+    assert torch.allclose(adv, torch.tensor([[0.45, 0.4, 0.0], [-0.3, 0.0, 0.0]]), atol=1e-6)
+    assert torch.allclose(ret, torch.tensor([[0.65, 0.9, 0.0], [0.0, 0.0, 0.0]]), atol=1e-6)
+
+
+def test_lambda_one_gives_monte_carlo_returns_and_zero_values_reduce_to_reward_to_go():
+    g = torch.Generator().manual_seed(0)
+    B, T, beta = 5, 6, 0.3
+    mask = right_padded_mask([6, 1, 4, 3, 5], T)
+    r, kl, v = torch.randn(B, generator=g), torch.randn(B, T, generator=g), torch.randn(B, T, generator=g)
+    adv, ret = ppo_advantages(r, kl, v, mask, beta, gamma=1.0, lam=1.0, whiten=False)
+    mc = r[:, None] - beta * torch.where(mask, kl, 0.0).flip(1).cumsum(1).flip(1)  # r − β Σ_{k≥t} KL_k
+    assert torch.allclose(ret[mask], mc[mask], atol=1e-5)  # λ = 1: the critic's target ignores V
+    assert torch.allclose(adv[mask], (mc - v)[mask], atol=1e-5)  # and A = R − V
+    adv0, _ = ppo_advantages(r, kl, torch.zeros(B, T), mask, beta, gamma=1.0, lam=1.0, whiten=False)
+    assert torch.allclose(adv0[mask], mc[mask], atol=1e-5)
+
+
+def test_whitening_touches_advantages_only():
+    g = torch.Generator().manual_seed(1)
+    B, T = 8, 5
+    mask = right_padded_mask([5, 3, 1, 4, 5, 2, 3, 4], T)
+    r, kl, v = torch.randn(B, generator=g), torch.randn(B, T, generator=g), torch.randn(B, T, generator=g)
+    raw, ret_raw = ppo_advantages(r, kl, v, mask, 0.1, whiten=False)
+    adv, ret = ppo_advantages(r, kl, v, mask, 0.1)
+    assert torch.equal(ret, ret_raw)  # the critic's targets are never whitened
+    assert adv[mask].mean().abs() < 1e-5 and (adv[mask].pow(2).mean() - 1).abs() < 1e-4
+    vals = raw[mask]
+    assert torch.allclose(adv[mask], (vals - vals.mean()) / torch.sqrt(vals.var(unbiased=False) + 1e-8), atol=1e-5)
+    assert torch.equal(adv[~mask], torch.zeros_like(adv[~mask]))
+
+
+def test_rejects_bad_shapes():
+    mask = torch.ones(4, 3, dtype=torch.bool)
+    r, kl, v = torch.ones(4), torch.zeros(4, 3), torch.zeros(4, 3)
+    for bad in ((torch.ones(3), kl, v), (r, torch.zeros(4, 2), v), (r, kl, torch.zeros(4, 2)), (r, torch.zeros(4), v)):
+        with pytest.raises(ValueError, match="shapes"):
+            ppo_advantages(*bad, mask, 0.1)
+
+
+def test_explained_variance_hand_cases():
+    mask = right_padded_mask([3, 1], 3)
+    returns = torch.tensor([[1.0, 2.0, 3.0], [4.0, 99.0, 99.0]])  # valid: 1, 2, 3, 4; Var = 1.25
+    assert explained_variance(returns, returns, mask).item() == pytest.approx(1.0)
+    assert explained_variance(torch.full((2, 3), 2.5), returns, mask).item() == pytest.approx(0.0, abs=1e-6)
+    assert explained_variance(torch.zeros(2, 3), returns, mask).item() == pytest.approx(0.0, abs=1e-6)
+    # errors +1, −1, +1, −1: Var(R − V) = 1 -> 1 − 1/1.25 = 0.2; garbage at padded positions is ignored
+    values = returns + torch.tensor([[1.0, -1.0, 1.0], [-1.0, float("nan"), float("inf")]])
+    assert explained_variance(values, returns, mask).item() == pytest.approx(0.2, abs=1e-6)
+    # worse than the mean is negative: errors 2, −2, 2, −2 -> 1 − 4/1.25 = −2.2
+    values = returns + torch.tensor([[2.0, -2.0, 2.0], [-2.0, 0.0, 0.0]])
+    assert explained_variance(values, returns, mask).item() == pytest.approx(-2.2, abs=1e-6)
+    assert math.isnan(explained_variance(torch.zeros(2, 3), torch.ones(2, 3), mask).item())
+
+
+# ----------------------------------------------------------------------------------- engines on the tiny model
+@pytest.fixture(scope="module")
+def engines_and_batch(tiny_path, tokenizer):
+    """A DeepSpeed actor and critic on the random tiny model (fp32, one process) and a 4-row rollout batch."""
+    from core import engine as ds_engine
+    from core import models
+    from core.config import DSConfig, ModelConfig
+
+    ds_engine.init_distributed("gloo")
+    torch.manual_seed(0)
+    actor = ds_engine.make_engine(models.load_causal_lm(ModelConfig(name_or_path=str(tiny_path), dtype="fp32")),
+                                  DSConfig(), lr=1e-2, total_steps=100)  # fmt: skip
+    critic = ds_engine.make_engine(models.load_scalar_model(str(tiny_path), "fp32"), DSConfig(), lr=1e-2,
+                                   total_steps=100)  # fmt: skip
+    prompts = [tokenizer.encode(p) for p in ("12+34=", "5+6=", "70+8=", "1+1=")]
+    responses = [tokenizer.encode(a) for a in ("46", "11", "78", "3")]
+    seqs = sequences(prompts, responses, tokenizer.pad_token_id, torch.device("cpu"))
+    return actor, critic, seqs
+
+
+def _rollout_tensors(actor, critic, seqs):
+    from algos.ppo import forward_logp
+
+    mask = seqs["loss_mask"]
+    with torch.no_grad():
+        old_logp = forward_logp(actor, seqs, 1.0)[0]
+        old_values = forward_values(critic, seqs)
+    g = torch.Generator().manual_seed(0)
+    adv = torch.where(mask, torch.randn(mask.shape, generator=g), 0.0)
+    returns = torch.where(mask, old_values + 5.0, 0.0)  # targets far from the values: the critic has to move
+    return old_logp, old_values, adv, returns
+
+
+def _snapshot(engine):
+    return {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+
+
+def test_forward_values_are_the_state_values_before_each_token(engines_and_batch):
+    from core import models
+
+    _, critic, seqs = engines_and_batch
+    with torch.no_grad():
+        v = forward_values(critic, seqs)
+        raw = models.token_values(critic, seqs["input_ids"], attention_mask=seqs["attention_mask"])
+    assert v.shape == seqs["input_ids"].shape
+    assert torch.equal(v[:, 0], torch.zeros(v.shape[0]))
+    assert torch.equal(v[:, 1:], raw[:, :-1])  # V(s_t) reads the hidden state of token t − 1
+
+
+def test_critic_warmup_leaves_the_actor_untouched_then_the_actor_trains(engines_and_batch):
+    actor, critic, seqs = engines_and_batch
+    args = Args()
+    args.critic.warmup_steps, args.train.minibatches = 1, 2
+    old_logp, old_values, adv, returns = _rollout_tensors(actor, critic, seqs)
+    a0, c0 = _snapshot(actor), _snapshot(critic)
+    stats = ppo_update(actor, critic, seqs, old_logp, old_values, adv, returns, torch.zeros_like(old_logp), args,
+                       step=0)  # fmt: skip
+    a1, c1 = _snapshot(actor), _snapshot(critic)
+    assert all(torch.equal(a0[n], a1[n]) for n in a0), "the critic warm-up step changed an actor parameter"
+    # every critic parameter moved, except embedding rows of tokens absent from the batch (zero grad -> no Adam step)
+    for n in c0:
+        if "embed_tokens" in n:
+            used = seqs["input_ids"].unique()
+            assert not torch.equal(c0[n][used], c1[n][used]), n
+        else:
+            assert not torch.equal(c0[n], c1[n]), f"critic parameter {n} did not change"
+    assert stats["critic/warmup"] == 1.0 and "loss/policy" not in stats and stats["loss/value"] > 0
+    # the first step after the warm-up trains both
+    stats = ppo_update(actor, critic, seqs, old_logp, old_values, adv, returns, torch.zeros_like(old_logp), args,
+                       step=1)  # fmt: skip
+    a2, c2 = _snapshot(actor), _snapshot(critic)
+    assert any(not torch.equal(a1[n], a2[n]) for n in a1) and any(not torch.equal(c1[n], c2[n]) for n in c1)
+    assert stats["critic/warmup"] == 0.0 and math.isfinite(stats["loss/policy"])
+
+
+def test_value_clipping_is_applied_in_the_update(engines_and_batch):
+    # Two epochs over one minibatch: the first step moves the values towards the targets (+5), so in the second
+    # epoch a tight clip (1e-6) puts every token on the clipped branch; without clipping no token is clipped.
+    actor, critic, seqs = engines_and_batch
+    args = Args()
+    args.train.minibatches, args.train.epochs = 1, 2
+    old_logp, old_values, adv, returns = _rollout_tensors(actor, critic, seqs)
+    args.critic.value_clip = 1e-6
+    stats = ppo_update(actor, critic, seqs, old_logp, old_values, adv, returns, torch.zeros_like(old_logp), args, 0)
+    assert stats["critic/clipfrac"] == pytest.approx(0.5)  # epoch 1: 0 (V = V_old); epoch 2: every token clipped
+    args.critic.value_clip = None
+    stats = ppo_update(actor, critic, seqs, old_logp, old_values, adv, returns, torch.zeros_like(old_logp), args, 0)
+    assert stats["critic/clipfrac"] == 0.0
+
+
+# ---------------------------------------------------------------------------------------------- script surface
+def test_main_refuses_a_warmup_as_long_as_the_run_before_loading_anything():
+    args = Args()
+    args.train.max_steps, args.critic.warmup_steps = 5, 5
+    with pytest.raises(ValueError, match="--critic.warmup-steps 5 must be in"):
+        main(args)
+
+
+def test_import_has_no_side_effects_and_defaults():
+    args = Args()
+    assert args.exp_name == "ppo"
+    assert args.actor.model.name_or_path == "cleanrlhf/tiny-sft" and args.critic.name_or_path is None
+    assert args.algo.kl_coef > 0 and args.algo.kl_estimator == "k1" and args.algo.whiten_advantages
+    assert args.algo.gamma == 1.0 and 0 < args.algo.lam <= 1 and args.critic.value_clip is not None
+
+
+def test_help_lists_grouped_flags():
+    out = subprocess.run([sys.executable, str(REPO / "algos" / "ppo.py"), "--help"], capture_output=True, text=True,
+                         timeout=120)  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    for flag in ("--actor.lr", "--actor.clip-high", "--actor.model.name-or-path", "--critic.name-or-path",
+                 "--critic.lr", "--critic.value-clip", "--critic.warmup-steps", "--reward.func", "--rollout.n-samples",
+                 "--algo.kl-coef", "--algo.gamma", "--algo.lam", "--algo.whiten-advantages", "--vllm.sync-bucket-mb",
+                 "--ds.zero-stage", "--eval.k"):  # fmt: skip
+        assert flag in out.stdout, flag
+
+
+@pytest.mark.slow
+def test_ppo_raises_eval_pass_at_1_from_the_warm_start(tmp_path):
+    """A short run of the real loop (actor + critic + frozen reference + in-process vLLM + weight sync) learns."""
+    # Defaults except the length: 20 steps of 64 prompts x 8 samples, as tests/test_reinforce_pp.py.
+    args = Args()
+    args.train.max_steps = 20
+    args.eval.every = 20
+    args.logger.quiet, args.logger.tensorboard = True, False
+    args.run_dir = str(tmp_path / "run")
+    args.debug = True  # engine log-probs must equal the trainer's after every sync
+    summary = main(args)
+    assert summary["eval_pass@1_last"] >= summary["eval_pass@1_first"] + 0.1, summary
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    train_rows = [row for row in rows if "loss/value" in row]
+    assert len(train_rows) == 20
+    for key in ("loss/value", "loss/policy", "loss/kl", "critic/values_mean", "critic/explained_variance",
+                "critic/clipfrac", "rollout/reward_mean"):  # fmt: skip
+        assert all(math.isfinite(row[key]) for row in train_rows), key
+    assert train_rows[0]["loss/kl"] == pytest.approx(0.0, abs=1e-4)  # the first rollout's policy is the reference
+    # the critic tracks the reward level: over the last 5 steps its mean value is within 0.05 of the mean return
+    gaps = [abs(r["critic/values_mean"] - r["critic/returns_mean"]) for r in train_rows[-5:]]
+    assert sum(gaps) / 5 < 0.05, gaps
+    assert (tmp_path / "run" / "hf" / "config.json").exists()
