@@ -106,3 +106,43 @@ def test_grpo_raises_eval_pass_at_1_from_the_warm_start(tmp_path):
     assert summary["eval_pass@1_last"] >= summary["eval_pass@1_first"] + 0.1, summary
     assert (tmp_path / "run" / "learning_curve.png").stat().st_size > 1000
     assert (tmp_path / "run" / "hf" / "config.json").exists()
+
+
+@pytest.mark.slow
+def test_user_flow_own_dataset_and_reward_file_by_flags(tmp_path):
+    """What a user does: write a dataset (own keys) and a reward file the project does not ship, pass both by
+    flags to the unmodified script, and the reward rises. The task: answer with as many 7s as possible."""
+    import json
+    import os
+    import random
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    rng = random.Random(0)
+    folder = tmp_path / "sevens"
+    folder.mkdir()
+    for split, n in (("train", 400), ("test", 40)):
+        rows = [{"question": f"{rng.randrange(100):02d}+{rng.randrange(100):02d}=", "target": "7"} for _ in range(n)]
+        (folder / f"{split}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    reward_file = tmp_path / "sevens_reward.py"
+    reward_file.write_text(
+        "import torch\n\n\n"
+        "def reward_func(queries, prompts, labels):\n"
+        "    answers = [q[len(p):] for q, p in zip(queries, prompts)]\n"
+        "    share = [sum(c == t for c in a) / 3 for a, t in zip(answers, labels)]\n"
+        "    return {'rewards': torch.tensor(share), 'extra_logs': {'sevens': torch.tensor(share)}}\n"
+    )
+    script = Path(__file__).resolve().parent.parent / "algos" / "grpo.py"
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+    cmd = [sys.executable, str(script), "--data.path", str(folder), "--data.input-key", "question",
+           "--data.label-key", "target", "--reward.func", str(reward_file), "--train.max-steps", "12",
+           "--rollout.batch-size", "32", "--eval.every", "0", "--logger.quiet", "--logger.no-tensorboard",
+           "--run-dir", str(tmp_path / "run")]  # fmt: skip
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl") if "rollout/reward_mean" in line]
+    assert len(rows) == 12 and all("rollout/sevens" in r for r in rows)  # the file's extra_logs are logged
+    first = sum(r["rollout/reward_mean"] for r in rows[:3]) / 3
+    last = sum(r["rollout/reward_mean"] for r in rows[-3:]) / 3
+    assert last > first + 0.15, (first, last)
