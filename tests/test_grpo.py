@@ -96,9 +96,8 @@ def test_grpo_raises_eval_pass_at_1_from_the_warm_start(tmp_path):
     from algos.grpo import main
 
     args = Args()
-    args.train.max_steps = 12
-    args.rollout.batch_size = 32
-    args.eval.every, args.eval.max_samples = 12, 200
+    args.train.max_steps = 20  # 12 steps x 32 prompts was too noisy to test (rewards swung 0.12-0.41 per step)
+    args.eval.every, args.eval.max_samples = 20, 500
     args.logger.quiet, args.logger.tensorboard = True, False
     args.run_dir = str(tmp_path / "run")
     args.debug = True  # engine log-probs must equal the trainer's after every sync
