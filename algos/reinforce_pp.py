@@ -97,6 +97,11 @@ class RewardArgs:
     """rewards are clipped to [−clip, clip]."""
     stop_properly_penalty: float | None = None
     """reward given instead to responses truncated at max-new-tokens (None: keep their reward)."""
+    overlong_buffer: int = 0
+    """DAPO soft overlong punishment: responses within this many tokens of max-new-tokens lose reward linearly, up to
+    `overlong-penalty-factor` at the limit (`rl_math.overlong_penalty`); 0 disables."""
+    overlong_penalty_factor: float = 1.0
+    """the largest overlong penalty (at max-new-tokens)."""
 
 
 @dataclass
@@ -366,6 +371,11 @@ def main(args: Args) -> dict:
         truncated = torch.tensor([s.truncated for s in samples])
         if args.reward.stop_properly_penalty is not None:
             rewards = torch.where(truncated, torch.tensor(args.reward.stop_properly_penalty), rewards)
+        if args.reward.overlong_buffer:
+            lengths = torch.tensor([len(s.token_ids) for s in samples])
+            rewards = rewards + rl_math.overlong_penalty(lengths, args.rollout.max_new_tokens,
+                                                         args.reward.overlong_buffer,
+                                                         args.reward.overlong_penalty_factor)  # fmt: skip
         rewards = rewards.clamp(-args.reward.clip, args.reward.clip)
         keep = torch.ones(len(samples), dtype=torch.bool)
         if args.algo.filter_zero_variance:  # optional (off): drops whole groups whose rewards all agree

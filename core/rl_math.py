@@ -365,3 +365,19 @@ class FixedKLController:
 
     def load_state_dict(self, state: dict[str, float]) -> None:
         self.value = float(state["value"])
+
+
+def overlong_penalty(lengths: torch.Tensor, max_new_tokens: int, buffer: int, factor: float = 1.0) -> torch.Tensor:
+    """DAPO's soft overlong punishment (Yu et al. 2025, arXiv:2503.14476, Eq. 13), added to the reward.
+
+    With L = max_new_tokens and a buffer of B tokens:  0 for |y| ≤ L − B;  −factor · (|y| − (L − B)) / B inside the
+    buffer, reaching −factor at |y| = L, the length of a response cut at the limit.
+
+    lengths: (B,) response lengths in tokens -> (B,) penalties ≤ 0. buffer 0 disables it (all zeros)."""
+    lengths = lengths.float()
+    if buffer <= 0:
+        return torch.zeros_like(lengths)
+    if buffer > max_new_tokens:
+        raise ValueError(f"overlong buffer {buffer} > max_new_tokens {max_new_tokens}")
+    start = max_new_tokens - buffer
+    return -factor * ((lengths - start).clamp(min=0) / buffer).clamp(max=1.0)

@@ -145,3 +145,26 @@ def test_user_flow_own_dataset_and_reward_file_by_flags(tmp_path):
     first = sum(r["rollout/reward_mean"] for r in rows[:3]) / 3
     last = sum(r["rollout/reward_mean"] for r in rows[-3:]) / 3
     assert last > first + 0.15, (first, last)
+
+
+@pytest.mark.slow
+def test_overlong_penalty_lowers_the_logged_reward_by_its_exact_amount(tmp_path):
+    """One step with and without the DAPO overlong penalty: same weights and seed, so the same samples; with a buffer
+    as long as max-new-tokens every response of n tokens loses factor · n / buffer."""
+    import json
+
+    from algos.grpo import main
+
+    rows = {}
+    for name, buffer in (("off", 0), ("on", 8)):
+        args = Args()
+        args.train.max_steps, args.rollout.batch_size, args.eval.every = 1, 16, 0
+        args.reward.overlong_buffer, args.reward.overlong_penalty_factor = buffer, 0.5
+        args.logger.quiet, args.logger.tensorboard = True, False
+        args.run_dir = str(tmp_path / name)
+        main(args)
+        rows[name] = [json.loads(line) for line in open(tmp_path / name / "metrics.jsonl") if "rollout/" in line][0]
+    off, on = rows["off"], rows["on"]
+    assert on["rollout/response_len_mean"] == off["rollout/response_len_mean"]  # the same samples
+    expected = off["rollout/reward_mean"] - 0.5 * off["rollout/response_len_mean"] / 8
+    assert on["rollout/reward_mean"] == pytest.approx(expected, abs=1e-5)

@@ -20,6 +20,7 @@ from core.rl_math import (
     logprobs_from_logits,
     masked_mean,
     masked_whiten,
+    overlong_penalty,
     policy_loss,
     token_rewards,
     value_loss,
@@ -676,3 +677,21 @@ def test_logprobs_low_precision_close_and_fp32_out(dtype):
         assert torch.equal(logprobs_from_logits(low, labels, 0.7), out.detach())
     with pytest.raises(ValueError, match="temperature"):
         logprobs_from_logits(low, labels, temperature=0.0)
+
+
+# ------------------------------------------------------------------------------------------ overlong penalty
+def test_overlong_penalty_hand_cases():
+    lengths = torch.tensor([0, 12, 13, 14, 16, 20])
+    # L = 16, buffer 4: free up to 12, then −1/4 per token, −1 at the limit (and beyond)
+    out = overlong_penalty(lengths, max_new_tokens=16, buffer=4, factor=1.0)
+    torch.testing.assert_close(out, torch.tensor([0.0, 0.0, -0.25, -0.5, -1.0, -1.0]))
+    torch.testing.assert_close(overlong_penalty(lengths, 16, 4, factor=0.5), out * 0.5)
+    assert (overlong_penalty(lengths, 16, 0) == 0).all()  # buffer 0: off
+    with pytest.raises(ValueError, match="buffer 20 > max_new_tokens 16"):
+        overlong_penalty(lengths, 16, 20)
+
+
+def test_overlong_penalty_is_monotone_in_length():
+    lengths = torch.arange(0, 40)
+    out = overlong_penalty(lengths, 32, 8, 2.0)
+    assert (out[1:] <= out[:-1]).all() and out.max() == 0 and out.min() == -2.0
