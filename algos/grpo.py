@@ -134,6 +134,11 @@ class AlgoArgs:
     """Dr.GRPO: no std scaling and `seq-mean-token-sum-norm` aggregation (normaliser max-new-tokens)."""
     filter_zero_variance: bool = True
     """drop groups whose rewards are all equal (their advantages are 0)."""
+    dynamic_filter_range: tuple[float, float] | None = None
+    """DAPO dynamic sampling: keep only groups whose mean score lies strictly inside (LOW, HIGH) (e.g. `0 1`: not
+    all solved, not all failed) and refill the batch with more prompts; None disables."""
+    dynamic_filter_max_rounds: int = 3
+    """generation rounds per step at most when refilling; a batch still short after them trains on what it has."""
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
     """loss aggregation (see core/rl_math.aggregate_loss)."""
     kl_coef: float = 0.0
@@ -214,8 +219,10 @@ def load_reward_func(cfg: RewardArgs):
     return module.reward_func, path
 
 
-def score(reward_func, source: str, queries, prompts, labels, step: int) -> tuple[torch.Tensor, dict]:
-    """Call the reward function and check what it returned: one finite reward per query."""
+def score(reward_func, source: str, queries, prompts, labels,
+          step: int) -> tuple[torch.Tensor, dict, torch.Tensor]:  # fmt: skip
+    """Call the reward function and check what it returned: one finite reward per query. Returns (rewards, logs,
+    scores): `scores` are the function's optional 0-1 scores (for dynamic filtering), else the rewards."""
     try:
         out = reward_func(queries=queries, prompts=prompts, labels=labels)
     except Exception as e:
@@ -230,7 +237,19 @@ def score(reward_func, source: str, queries, prompts, labels, step: int) -> tupl
         raise ValueError(f"reward function {source} returned NaN/inf on batch {step} (queries {bad})")
     logs = {f"rollout/{k}": torch.as_tensor(v, dtype=torch.float32).mean().item()
             for k, v in (out.get("extra_logs", {}) if isinstance(out, dict) else {}).items()}  # fmt: skip
-    return rewards, logs
+    scores = out.get("scores") if isinstance(out, dict) else None
+    scores = rewards if scores is None else torch.as_tensor(scores, dtype=torch.float32).flatten()
+    if scores.shape != rewards.shape:
+        raise ValueError(f"reward function {source} returned {scores.numel()} scores for {len(queries)} queries "
+                         f"on batch {step}")  # fmt: skip
+    return rewards, logs, scores
+
+
+def groups_inside(scores: torch.Tensor, group_size: int, low: float, high: float) -> torch.Tensor:
+    """DAPO dynamic sampling: which groups have a mean score strictly inside (low, high), i.e. are neither all solved
+    nor all failed (with 0-1 scores and the range (0, 1)). scores: (B,) prompt-major -> (B / group_size,) bool."""
+    mean = scores.view(-1, group_size).mean(dim=1)
+    return (mean > low) & (mean < high)
 
 
 def sequences(prompts: list[list[int]], responses: list[list[int]], pad_id: int, device) -> dict:
@@ -265,7 +284,7 @@ def evaluate(engines, tokenizer, eval_set: list[dict], reward_func, source: str,
         per = len(groups[0])
         queries = [e["prompt"] + t for e, t in zip((e for e in eval_set for _ in range(per)), texts)]
         labels = [e["label"] for e in eval_set for _ in range(per)]
-        r, _ = score(reward_func, source, queries, [e["prompt"] for e in eval_set for _ in range(per)], labels, -1)
+        r, _, _ = score(reward_func, source, queries, [e["prompt"] for e in eval_set for _ in range(per)], labels, -1)
         return (r > 0.5).float().view(len(groups), per)
 
     p1, pk = correct(greedy)[:, 0], correct(sampled).max(dim=1).values
@@ -323,23 +342,54 @@ def main(args: Args) -> dict:
     logger.print(f"[grpo] {len(train_set)} prompts, eval pass@1 {first_eval['eval/pass@1']:.3f} at step {start_step}")
 
     G = args.rollout.n_samples
+
+    def generate_and_score(batch: list[dict], step: int, seed: int):
+        """G samples for each prompt of `batch`, and their rewards, scores and extra logs."""
+        groups = engines.generate([e["prompt_ids"] for e in batch], n=G, max_new_tokens=args.rollout.max_new_tokens,
+                                  temperature=args.rollout.temperature, top_p=args.rollout.top_p, seed=seed)  # fmt: skip
+        samples = [s for g in groups for s in g]  # prompt-major: sample j of prompt i at i*G + j
+        prompts = [e for e in batch for _ in range(G)]
+        texts = [tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in samples]
+        rewards, extra, scores = score(reward_func, reward_source, [p["prompt"] + t for p, t in zip(prompts, texts)],
+                                       [p["prompt"] for p in prompts], [p["label"] for p in prompts], step)  # fmt: skip
+        return samples, rewards, scores, extra
+
     for step in range(start_step, args.train.max_steps):
         perf: dict = {}
         # 2. rollout: G samples per prompt from the vLLM engine, token ids in, token ids + log-probs out
         with timer(perf, "perf/gen_s"):
             batch = [train_set[i] for i in data.batch_indices(len(train_set), args.rollout.batch_size, step,
                                                                args.train.seed)]  # fmt: skip
-            groups = engines.generate([e["prompt_ids"] for e in batch], n=G, max_new_tokens=args.rollout.max_new_tokens,
-                                      temperature=args.rollout.temperature, top_p=args.rollout.top_p,
-                                      seed=args.train.seed * 1_000_003 + step * 10_007)  # fmt: skip
-        samples = [s for g in groups for s in g]  # prompt-major: sample j of prompt i at i*G + j
-        prompts = [e for e in batch for _ in range(G)]
+            samples, rewards, scores, extra = generate_and_score(
+                batch, step, args.train.seed * 1_000_003 + step * 10_007
+            )
+            first_round_reward = rewards.mean().item()  # before filtering: what the policy does on fresh prompts
+            if args.algo.dynamic_filter_range is not None:  # DAPO dynamic sampling with refill
+                lo, hi = args.algo.dynamic_filter_range
+                pool, rounds = [], 0
+                while True:
+                    inside = groups_inside(scores, G, lo, hi).tolist()
+                    pool += [(batch[g], samples[g * G : (g + 1) * G], rewards[g * G : (g + 1) * G])
+                             for g in range(len(batch)) if inside[g]]  # fmt: skip
+                    rounds += 1
+                    if len(pool) >= args.rollout.batch_size or rounds >= args.algo.dynamic_filter_max_rounds:
+                        break
+                    refill = [train_set[i] for i in data.batch_indices(len(train_set), args.rollout.batch_size, step,
+                                                                        args.train.seed + 7919 * rounds)]  # fmt: skip
+                    batch = refill
+                    samples, rewards, scores, _ = generate_and_score(batch, step, args.train.seed * 1_000_003
+                                                                     + step * 10_007 + rounds)  # fmt: skip
+                pool = pool[: args.rollout.batch_size]
+                if pool:  # else train on the last round as it is (the zero-variance filter drops most of it)
+                    batch = [b for b, _, _ in pool]
+                    samples = [x for _, group, _ in pool for x in group]
+                    rewards = torch.cat([r for _, _, r in pool])
+                extra.update({"rollout/filter_rounds": rounds, "rollout/filter_groups": len(pool),
+                              "rollout/fresh_reward_mean": first_round_reward})  # fmt: skip
 
         # 3. rewards and advantages
-        texts = [tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in samples]
-        rewards, extra = score(reward_func, reward_source, [p["prompt"] + t for p, t in zip(prompts, texts)],
-                               [p["prompt"] for p in prompts], [p["label"] for p in prompts], step)  # fmt: skip
-        truncated = torch.tensor([s.truncated for s in samples])
+        prompts = [e for e in batch for _ in range(G)]
+        truncated = torch.tensor([s.truncated for s in samples], dtype=torch.bool)
         if args.reward.stop_properly_penalty is not None:
             rewards = torch.where(truncated, torch.tensor(args.reward.stop_properly_penalty), rewards)
         if args.reward.overlong_buffer:

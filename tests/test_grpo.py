@@ -65,12 +65,28 @@ def test_reward_checks_name_the_file_and_batch(tmp_path):
         score(fn, src, ["a"], ["a"], ["1"], step=0)
     with pytest.raises(ValueError, match="no such file"):
         load_reward_func(RewardArgs(func=str(tmp_path / "missing.py")))
+    scores = tmp_path / "scores_reward.py"
+    scores.write_text(
+        "def reward_func(queries, prompts, labels):\n    return {'rewards': [1.0, 2.0], 'scores': [1.0]}\n"
+    )
+    fn, src = load_reward_func(RewardArgs(func=str(scores)))
+    with pytest.raises(ValueError, match=r"scores_reward\.py returned 1 scores for 2 queries on batch 5"):
+        score(fn, src, ["a", "b"], ["a", "b"], ["1", "2"], step=5)
+
+
+def test_groups_inside_keeps_groups_neither_all_solved_nor_all_failed():
+    from algos.grpo import groups_inside
+
+    scores = torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 0.0, 0.5, 0.5])  # groups of 2: all solved, mixed, failed, 0.5
+    assert groups_inside(scores, 2, 0.0, 1.0).tolist() == [False, True, False, True]
+    assert groups_inside(scores, 2, 0.4, 0.6).tolist() == [False, True, False, True]
+    assert groups_inside(scores, 4, 0.0, 1.0).tolist() == [True, True]  # means 0.75 and 0.25
 
 
 def test_embedded_reward_scores_exact_match():
     fn, src = load_reward_func(RewardArgs())
-    r, logs = score(fn, src, ["1+2=3", "1+2=4", "1+2=x"], ["1+2="] * 3, ["3", "3", "3"], step=0)
-    assert r.tolist() == [1.0, 0.0, 0.0]
+    r, logs, scores = score(fn, src, ["1+2=3", "1+2=4", "1+2=x"], ["1+2="] * 3, ["3", "3", "3"], step=0)
+    assert r.tolist() == [1.0, 0.0, 0.0] and scores.tolist() == r.tolist()  # no `scores` returned: the rewards
     assert logs["rollout/format_ok"] == pytest.approx(2 / 3)
 
 
@@ -168,3 +184,26 @@ def test_overlong_penalty_lowers_the_logged_reward_by_its_exact_amount(tmp_path)
     assert on["rollout/response_len_mean"] == off["rollout/response_len_mean"]  # the same samples
     expected = off["rollout/reward_mean"] - 0.5 * off["rollout/response_len_mean"] / 8
     assert on["rollout/reward_mean"] == pytest.approx(expected, abs=1e-5)
+
+
+@pytest.mark.slow
+def test_dynamic_filtering_refills_the_batch_with_informative_groups(tmp_path):
+    """With the DAPO range (0, 1) every trained group is neither all solved nor all failed (so none is dropped by
+    the zero-variance filter), refills fetch more prompts, and the batch is full."""
+    import json
+
+    from algos.grpo import main
+
+    args = Args()
+    args.train.max_steps, args.rollout.batch_size, args.eval.every = 2, 16, 0
+    args.algo.dynamic_filter_range, args.algo.dynamic_filter_max_rounds = (0.0, 1.0), 4
+    args.logger.quiet, args.logger.tensorboard = True, False
+    args.run_dir = str(tmp_path / "run")
+    main(args)
+    rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl") if "rollout/" in line]
+    assert len(rows) == 2
+    for r in rows:
+        assert r["rollout/kept_frac"] == 1.0 and 1 <= r["rollout/filter_rounds"] <= 4
+        assert r["rollout/filter_groups"] == 16 or r["rollout/filter_rounds"] == 4
+        assert 0 < r["rollout/fresh_reward_mean"] < 1
+    assert any(r["rollout/filter_rounds"] > 1 for r in rows)  # the warm start solves some prompts every time: refills
