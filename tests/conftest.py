@@ -14,6 +14,16 @@ import torch  # noqa: E402
 torch.set_num_threads(1)  # OpenMP threads oversubscribe a busy 2-core machine badly; the models are tiny
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One torch thread for a whole module, restored after it: an earlier module (vLLM's CPU worker binds threads)
+    may have changed the count, and two spinning OpenMP threads on a busy 2-core machine make every op slower."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture(scope="session")
 def tiny_path():
     """Folder of the randomly initialised embedded model + tokenizer (`cleanrlhf/tiny`), built on first use."""

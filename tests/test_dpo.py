@@ -18,13 +18,7 @@ from core.config import DataConfig, LoggerConfig, ModelConfig
 F64 = torch.float64
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """One torch thread: on a busy 2-core machine, two spinning OpenMP threads make every op many times slower."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
 
 def logps(*xs):
