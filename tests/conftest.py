@@ -45,3 +45,18 @@ def tiny_model(tiny_path):
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.float32).eval()
+
+
+def short_rl_run(main, args, run_dir, steps: int = 20) -> tuple[dict, list[dict]]:
+    """The learning check every RL script's slow test makes: `steps` steps of the script's defaults (64 prompts x 8
+    samples; 12 x 32 was too noisy to test), eval at the start and end, and `--debug` so the engine's log-probs must
+    equal the trainer's after every sync. Returns the summary and the metrics.jsonl rows."""
+    import json
+
+    args.train.max_steps, args.eval.every = steps, steps
+    args.logger.quiet, args.logger.tensorboard = True, False
+    args.run_dir = str(run_dir)
+    args.debug = True
+    summary = main(args)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return summary, rows

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import short_rl_run
 
 from algos.grpo import Args, RewardArgs, group_advantages, load_reward_func, score
 
@@ -111,13 +112,7 @@ def test_grpo_raises_eval_pass_at_1_from_the_warm_start(tmp_path):
     """A short run of the real loop (DeepSpeed actor + in-process vLLM + weight sync every step) learns."""
     from algos.grpo import main
 
-    args = Args()
-    args.train.max_steps = 20  # 12 steps x 32 prompts was too noisy to test (rewards swung 0.12-0.41 per step)
-    args.eval.every, args.eval.max_samples = 20, 500
-    args.logger.quiet, args.logger.tensorboard = True, False
-    args.run_dir = str(tmp_path / "run")
-    args.debug = True  # engine log-probs must equal the trainer's after every sync
-    summary = main(args)
+    summary, _ = short_rl_run(main, Args(), tmp_path / "run")
     assert summary["eval_pass@1_last"] >= summary["eval_pass@1_first"] + 0.1, summary
     assert (tmp_path / "run" / "learning_curve.png").stat().st_size > 1000
     assert (tmp_path / "run" / "hf" / "config.json").exists()

@@ -3,7 +3,6 @@ warm-up (actor untouched, critic trained), value clipping in the update, the CLI
 
 from __future__ import annotations
 
-import json
 import math
 import subprocess
 import sys
@@ -11,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import short_rl_run
 
 from algos.ppo import Args, explained_variance, forward_values, main, ppo_advantages, ppo_update, sequences
 
@@ -205,16 +205,8 @@ def test_help_lists_grouped_flags():
 @pytest.mark.slow
 def test_ppo_raises_eval_pass_at_1_from_the_warm_start(tmp_path):
     """A short run of the real loop (actor + critic + frozen reference + in-process vLLM + weight sync) learns."""
-    # Defaults except the length: 20 steps of 64 prompts x 8 samples, as tests/test_reinforce_pp.py.
-    args = Args()
-    args.train.max_steps = 20
-    args.eval.every = 20
-    args.logger.quiet, args.logger.tensorboard = True, False
-    args.run_dir = str(tmp_path / "run")
-    args.debug = True  # engine log-probs must equal the trainer's after every sync
-    summary = main(args)
+    summary, rows = short_rl_run(main, Args(), tmp_path / "run")
     assert summary["eval_pass@1_last"] >= summary["eval_pass@1_first"] + 0.1, summary
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     train_rows = [row for row in rows if "loss/value" in row]
     assert len(train_rows) == 20
     for key in ("loss/value", "loss/policy", "loss/kl", "critic/values_mean", "critic/explained_variance",

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import subprocess
 import sys
@@ -10,6 +9,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import short_rl_run
 
 from algos.reinforce_pp import Args, main, reinforce_pp_advantages
 
@@ -179,17 +179,8 @@ def test_help_lists_grouped_flags():
 @pytest.mark.slow
 def test_reinforce_pp_raises_eval_pass_at_1_from_the_warm_start(tmp_path):
     """A short run of the real loop (actor + frozen reference + in-process vLLM + weight sync every step) learns."""
-    # Defaults except the length: 20 steps of 64 prompts x 8 samples (~1 min here). 12 steps of 32 prompts were too
-    # noisy to test (train-batch reward swings 0.12-0.41 between steps; GRPO itself ended below its start on seed 2).
-    args = Args()
-    args.train.max_steps = 20
-    args.eval.every = 20
-    args.logger.quiet, args.logger.tensorboard = True, False
-    args.run_dir = str(tmp_path / "run")
-    args.debug = True  # engine log-probs must equal the trainer's after every sync
-    summary = main(args)
+    summary, rows = short_rl_run(main, Args(), tmp_path / "run")
     assert summary["eval_pass@1_last"] >= summary["eval_pass@1_first"] + 0.1, summary
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     kls = [row["loss/kl"] for row in rows if "loss/kl" in row]
     assert len(kls) == 20, "the default kl_coef > 0 must load the reference model and log the KL every step"
     assert kls[0] == pytest.approx(0.0, abs=1e-4)  # the first rollout's policy is the reference

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+from conftest import short_rl_run
 
 from algos.rloo import Args, main, rloo_advantages
 
@@ -105,17 +105,8 @@ def test_help_lists_grouped_flags():
 @pytest.mark.slow
 def test_rloo_raises_eval_pass_at_1_from_the_warm_start(tmp_path):
     """A short run of the real loop (DeepSpeed actor + in-process vLLM + weight sync every step) learns."""
-    # Defaults except the length: 20 steps of 64 prompts x 8 samples (~1 min here). 12 steps of 32 prompts were too
-    # noisy to test (train-batch reward swings 0.12-0.41 between steps; GRPO itself ended below its start on seed 2).
-    args = Args()
-    args.train.max_steps = 20
-    args.eval.every = 20
-    args.logger.quiet, args.logger.tensorboard = True, False
-    args.run_dir = str(tmp_path / "run")
-    args.debug = True  # engine log-probs must equal the trainer's after every sync
-    summary = main(args)
+    summary, rows = short_rl_run(main, Args(), tmp_path / "run")
     assert summary["eval_pass@1_last"] >= summary["eval_pass@1_first"] + 0.1, summary
-    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     logged = set().union(*rows)
     for key in ("rollout/reward_mean", "rollout/kept_frac", "loss/policy", "loss/clipfrac", "train/grad_norm",
                 "train/lr", "perf/gen_s", "perf/train_s", "perf/sync_s", "eval/pass@1", "eval/pass@4"):  # fmt: skip
