@@ -42,6 +42,7 @@ import numpy as np
 import torch
 import tyro
 
+from agents.executor import Episode, Rollout, SingleTurnExecutor
 from core import checkpoint, data, embedded, models, packing, rl_math, rollout
 from core import engine as ds_engine
 from core.config import CkptConfig, DataConfig, DSConfig, LoggerConfig, ModelConfig
@@ -252,10 +253,16 @@ def groups_inside(scores: torch.Tensor, group_size: int, low: float, high: float
     return (mean > low) & (mean < high)
 
 
-def sequences(prompts: list[list[int]], responses: list[list[int]], pad_id: int, device) -> dict:
-    """Right-padded prompt+response batch (B, L) with the response mask (True on response tokens)."""
-    examples = [{"input_ids": p + r, "loss_mask": [0] * len(p) + [1] * len(r)} for p, r in zip(prompts, responses)]
-    return packing.collate_padded(examples, pad_id, device)
+def sequences(episodes: list[Episode], pad_id: int, device) -> dict:
+    """Right-padded prompt+response batch (B, L): the loss mask is True on the tokens the policy generated (the
+    episode's action mask), `rollout_logp` holds the engine's log-probs at the same positions."""
+    examples = [{"input_ids": e.prompt_ids + e.token_ids, "loss_mask": [0] * len(e.prompt_ids) + e.action_mask}
+                for e in episodes]  # fmt: skip
+    batch = packing.collate_padded(examples, pad_id, device)
+    batch["rollout_logp"] = torch.zeros(batch["loss_mask"].shape)
+    for row, e in enumerate(episodes):
+        batch["rollout_logp"][row, len(e.prompt_ids) : len(e.prompt_ids) + len(e.token_ids)] = torch.tensor(e.logprobs)
+    return batch
 
 
 def forward_logp(model, batch: dict, temperature: float, entropy: bool = False):
@@ -272,22 +279,13 @@ def forward_logp(model, batch: dict, temperature: float, entropy: bool = False):
 
 
 @torch.no_grad()
-def evaluate(engines, tokenizer, eval_set: list[dict], reward_func, source: str, args: Args) -> dict:
-    """pass@1 (greedy) and pass@k (k samples at the rollout temperature), overall and per data source."""
-    prompts = [e["prompt_ids"] for e in eval_set]
-    greedy = engines.generate(prompts, n=1, max_new_tokens=args.rollout.max_new_tokens, temperature=0.0)
-    sampled = engines.generate(prompts, n=args.eval.k, max_new_tokens=args.rollout.max_new_tokens,
-                               temperature=args.rollout.temperature, seed=12345)  # fmt: skip
-
-    def correct(groups):
-        texts = [tokenizer.decode(s.token_ids, skip_special_tokens=True) for g in groups for s in g]
-        per = len(groups[0])
-        queries = [e["prompt"] + t for e, t in zip((e for e in eval_set for _ in range(per)), texts)]
-        labels = [e["label"] for e in eval_set for _ in range(per)]
-        r, _, _ = score(reward_func, source, queries, [e["prompt"] for e in eval_set for _ in range(per)], labels, -1)
-        return (r > 0.5).float().view(len(groups), per)
-
-    p1, pk = correct(greedy)[:, 0], correct(sampled).max(dim=1).values
+def evaluate(executor: SingleTurnExecutor, eval_set: list[dict], args: Args) -> dict:
+    """pass@1 (greedy) and pass@k (k samples at the rollout temperature), overall and per data source; an answer is
+    correct when its reward is above 0.5."""
+    greedy = executor.run(eval_set, n=1, seed=None, step=-1, temperature=0.0)
+    sampled = executor.run(eval_set, n=args.eval.k, seed=12345, step=-1)
+    p1 = (greedy.rewards > 0.5).float()
+    pk = (sampled.rewards > 0.5).float().view(len(eval_set), args.eval.k).max(dim=1).values
     out = {"eval/pass@1": p1.mean().item(), f"eval/pass@{args.eval.k}": pk.mean().item()}
     sources = sorted({e["datasource"] for e in eval_set})
     if len(sources) > 1:
@@ -337,76 +335,61 @@ def main(args: Args) -> dict:
         start_step = client["step"] + 1
         engines.update_weights(ds_engine.full_named_parameters(actor))  # engines start from the checkpoint's weights
     logger = RunLogger(args.logger, run_dir, args, args.train.max_steps)
-    first_eval = client.get("first_eval") or evaluate(engines, tokenizer, eval_set, reward_func, reward_source, args)
+    # PLUMBING: the single-turn agent executor: prompt tokens -> vLLM generation -> checked reward
+    executor = SingleTurnExecutor(engines, tokenizer, partial(score, reward_func, reward_source),
+                                  args.rollout.max_new_tokens, args.rollout.temperature, args.rollout.top_p)  # fmt: skip
+    first_eval = client.get("first_eval") or evaluate(executor, eval_set, args)
     logger.log(first_eval, start_step, shown=("eval/pass@1",))
     logger.print(f"[grpo] {len(train_set)} prompts, eval pass@1 {first_eval['eval/pass@1']:.3f} at step {start_step}")
 
     G = args.rollout.n_samples
 
-    def generate_and_score(batch: list[dict], step: int, seed: int):
-        """G samples for each prompt of `batch`, and their rewards, scores and extra logs."""
-        groups = engines.generate([e["prompt_ids"] for e in batch], n=G, max_new_tokens=args.rollout.max_new_tokens,
-                                  temperature=args.rollout.temperature, top_p=args.rollout.top_p, seed=seed)  # fmt: skip
-        samples = [s for g in groups for s in g]  # prompt-major: sample j of prompt i at i*G + j
-        prompts = [e for e in batch for _ in range(G)]
-        texts = [tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in samples]
-        rewards, extra, scores = score(reward_func, reward_source, [p["prompt"] + t for p, t in zip(prompts, texts)],
-                                       [p["prompt"] for p in prompts], [p["label"] for p in prompts], step)  # fmt: skip
-        return samples, rewards, scores, extra
-
     for step in range(start_step, args.train.max_steps):
         perf: dict = {}
-        # 2. rollout: G samples per prompt from the vLLM engine, token ids in, token ids + log-probs out
+        # 2. rollout: G episodes per prompt through the agent executor, token ids in, token ids + log-probs out
         with timer(perf, "perf/gen_s"):
             batch = [train_set[i] for i in data.batch_indices(len(train_set), args.rollout.batch_size, step,
                                                                args.train.seed)]  # fmt: skip
-            samples, rewards, scores, extra = generate_and_score(
-                batch, step, args.train.seed * 1_000_003 + step * 10_007
-            )
-            first_round_reward = rewards.mean().item()  # before filtering: what the policy does on fresh prompts
+            ro = executor.run(batch, G, args.train.seed * 1_000_003 + step * 10_007, step)
+            extra = dict(ro.logs)
             if args.algo.dynamic_filter_range is not None:  # DAPO dynamic sampling with refill
                 lo, hi = args.algo.dynamic_filter_range
-                pool, rounds = [], 0
+                fresh_reward, parts, rounds = ro.rewards.mean().item(), [], 0
                 while True:
-                    inside = groups_inside(scores, G, lo, hi).tolist()
-                    pool += [(batch[g], samples[g * G : (g + 1) * G], rewards[g * G : (g + 1) * G])
-                             for g in range(len(batch)) if inside[g]]  # fmt: skip
+                    parts.append(ro.take_groups(groups_inside(ro.scores, G, lo, hi), G))
                     rounds += 1
-                    if len(pool) >= args.rollout.batch_size or rounds >= args.algo.dynamic_filter_max_rounds:
+                    full = sum(len(p.episodes) for p in parts) >= args.rollout.batch_size * G
+                    if full or rounds >= args.algo.dynamic_filter_max_rounds:
                         break
                     refill = [train_set[i] for i in data.batch_indices(len(train_set), args.rollout.batch_size, step,
                                                                         args.train.seed + 7919 * rounds)]  # fmt: skip
-                    batch = refill
-                    samples, rewards, scores, _ = generate_and_score(batch, step, args.train.seed * 1_000_003
-                                                                     + step * 10_007 + rounds)  # fmt: skip
-                pool = pool[: args.rollout.batch_size]
-                if pool:  # else train on the last round as it is (the zero-variance filter drops most of it)
-                    batch = [b for b, _, _ in pool]
-                    samples = [x for _, group, _ in pool for x in group]
-                    rewards = torch.cat([r for _, _, r in pool])
-                extra.update({"rollout/filter_rounds": rounds, "rollout/filter_groups": len(pool),
-                              "rollout/fresh_reward_mean": first_round_reward})  # fmt: skip
+                    ro = executor.run(refill, G, args.train.seed * 1_000_003 + step * 10_007 + rounds, step)
+                pool = Rollout.cat(parts)
+                if pool.episodes:  # else train on the last round as it is (the zero-variance filter drops most of it)
+                    ro = pool.take_groups(torch.arange(len(pool.episodes) // G) < args.rollout.batch_size, G)
+                extra.update({"rollout/filter_rounds": rounds, "rollout/filter_groups": len(ro.episodes) // G,
+                              "rollout/fresh_reward_mean": fresh_reward})  # fmt: skip
+            episodes, rewards = ro.episodes, ro.rewards
 
         # 3. rewards and advantages
-        prompts = [e for e in batch for _ in range(G)]
-        truncated = torch.tensor([s.truncated for s in samples], dtype=torch.bool)
+        truncated = torch.tensor([e.truncated for e in episodes], dtype=torch.bool)
         if args.reward.stop_properly_penalty is not None:
             rewards = torch.where(truncated, torch.tensor(args.reward.stop_properly_penalty), rewards)
         if args.reward.overlong_buffer:
-            lengths = torch.tensor([len(s.token_ids) for s in samples])
+            lengths = torch.tensor([len(e.token_ids) for e in episodes])
             rewards = rewards + rl_math.overlong_penalty(lengths, args.rollout.max_new_tokens,
                                                          args.reward.overlong_buffer,
                                                          args.reward.overlong_penalty_factor)  # fmt: skip
         rewards = rewards.clamp(-args.reward.clip, args.reward.clip)
         # ALGO LOGIC: group-relative advantage, one scalar per response, broadcast to its tokens
         adv = group_advantages(rewards, G, scale_by_std=args.algo.scale_by_std)
-        keep = torch.ones(len(samples), dtype=torch.bool)
+        keep = torch.ones(len(episodes), dtype=torch.bool)
         if args.algo.filter_zero_variance:  # DEVIATION(2): uninformative groups dropped
             keep = (rewards.view(-1, G).std(dim=1) > 0).repeat_interleave(G)
         kept = keep.nonzero().flatten().tolist()
         stats = {
             "rollout/reward_mean": rewards.mean().item(),
-            "rollout/response_len_mean": float(np.mean([len(s.token_ids) for s in samples])),
+            "rollout/response_len_mean": float(np.mean([len(e.token_ids) for e in episodes])),
             "rollout/truncated_frac": truncated.float().mean().item(),
             "rollout/kept_frac": keep.float().mean().item(),
             **extra,
@@ -416,13 +399,8 @@ def main(args: Args) -> dict:
         with timer(perf, "perf/train_s"):
             if kept:
                 random.Random(args.train.seed + step).shuffle(kept)
-                seqs = sequences([prompts[i]["prompt_ids"] for i in kept], [samples[i].token_ids for i in kept],
-                                 tokenizer.pad_token_id, device)  # fmt: skip
+                seqs = sequences([episodes[i] for i in kept], tokenizer.pad_token_id, device)
                 mask = seqs["loss_mask"]
-                rollout_logp = torch.zeros(mask.shape)
-                for row, i in enumerate(kept):
-                    resp = torch.tensor(samples[i].logprobs)
-                    rollout_logp[row, mask[row].nonzero().flatten()] = resp
                 adv_tok = adv[kept][:, None].expand_as(mask).float()
                 mb_size = max(1, math.ceil(len(kept) / args.train.minibatches))
                 with torch.no_grad():
@@ -451,7 +429,7 @@ def main(args: Args) -> dict:
                             loss, pstats = rl_math.policy_loss(
                                 logp, old_logp[r], adv_tok[r], mb["loss_mask"], clip_low=args.actor.clip_low,
                                 clip_high=args.actor.clip_high, dual_clip=args.actor.dual_clip, level=args.actor.level,
-                                agg=args.algo.loss_agg, rollout_logp=rollout_logp[r],
+                                agg=args.algo.loss_agg, rollout_logp=mb["rollout_logp"],
                                 is_correction=args.algo.is_correction, is_threshold=args.algo.is_threshold, **agg,
                             )  # fmt: skip
                             if ref_logp is not None:
@@ -485,13 +463,13 @@ def main(args: Args) -> dict:
             if kept:
                 stats.update(engines.update_weights(ds_engine.full_named_parameters(actor)))
                 if args.debug:
-                    rollout.check_weights(engines, actor.module, [prompts[i]["prompt_ids"] + samples[i].token_ids
+                    rollout.check_weights(engines, actor.module, [episodes[i].prompt_ids + episodes[i].token_ids
                                                                   for i in kept[:4]])  # fmt: skip
         stats["train/lr"] = actor.lr_scheduler.get_last_lr()[0]
         last = step == args.train.max_steps - 1
         if args.eval.every and ((step + 1) % args.eval.every == 0 or last):
-            stats.update(evaluate(engines, tokenizer, eval_set, reward_func, reward_source, args))
-        n_tokens = sum(len(s.token_ids) for s in samples)
+            stats.update(evaluate(executor, eval_set, args))
+        n_tokens = sum(len(e.token_ids) for e in episodes)
         perf["perf/tokens_per_s"] = n_tokens / max(perf["perf/gen_s"], 1e-9)
         logger.log({**stats, **perf}, step + 1, shown=("rollout/reward_mean", "eval/pass@1"))
         if args.ckpt.every and ((step + 1) % args.ckpt.every == 0 or last):

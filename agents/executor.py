@@ -1,0 +1,165 @@
+"""Agent executors: how a batch of prompts becomes scored, token-level trajectories for the RL scripts.
+
+Every RL script gets its training data from one call,
+
+    rollout = executor.run(batch, n=G, seed=s, step=step)      # batch: dataset rows with prompt_ids, prompt, label
+
+and trains on `rollout.episodes` (prompt-major: the G episodes of prompt i are i·G .. i·G+G−1), `rollout.rewards`
+and `rollout.scores`. What happens inside `run` is the executor's business:
+
+- `SingleTurnExecutor` (the default): prompt tokens → one generation by the vLLM engines → the reward function on
+  the decoded text. Token-in-token-out: the tokens trained on are exactly the tokens the engine sampled, never a
+  re-tokenisation of decoded text.
+- `MultiTurnExecutor`: the same API for an environment with `reset` / `step`; the environment's replies are appended
+  as tokens between the model's turns and masked out of the loss (`Episode.action_mask` 0), and the environment's
+  rewards are summed. A script switches executor without touching its loop.
+
+An `Episode` is everything a trainer needs for one trajectory: prompt tokens, response tokens (model and environment
+tokens interleaved), the engine's log-probs of them (for importance-sampling corrections), the action mask, and how
+the generation ended.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+
+@dataclass
+class Episode:
+    example: dict
+    """the dataset row the episode answers (prompt, prompt_ids, label, datasource, ...)."""
+    prompt_ids: list[int]
+    token_ids: list[int]
+    """the response: everything after the prompt, model and environment tokens interleaved."""
+    logprobs: list[float]
+    """one per `token_ids` entry: the engine's log-prob of the sampled token (0.0 on environment tokens)."""
+    action_mask: list[int]
+    """1 on tokens the policy generated (trained on), 0 on tokens the environment inserted."""
+    truncated: bool
+    """the last generation hit max-new-tokens (or the context) without an eos."""
+    finish_reason: str = "stop"
+
+
+@dataclass
+class Rollout:
+    episodes: list[Episode]
+    """prompt-major: episode j of prompt i at i·G + j."""
+    rewards: torch.Tensor
+    """(B,) float32, one reward per episode."""
+    scores: torch.Tensor
+    """(B,) float32 0-1 scores for dynamic filtering (the rewards when the reward function gives none)."""
+    logs: dict[str, float] = field(default_factory=dict)
+    """`rollout/*` extras from the reward function or environment, batch means."""
+
+    def take_groups(self, keep: torch.Tensor, group_size: int) -> Rollout:
+        """The groups where `keep` (B / G,) bool is True, in order."""
+        idx = [g * group_size + j for g in keep.nonzero().flatten().tolist() for j in range(group_size)]
+        return Rollout([self.episodes[i] for i in idx], self.rewards[idx], self.scores[idx], dict(self.logs))
+
+    @staticmethod
+    def cat(parts: list[Rollout]) -> Rollout:
+        """Concatenate rollouts (logs of the first)."""
+        return Rollout([e for p in parts for e in p.episodes], torch.cat([p.rewards for p in parts]),
+                       torch.cat([p.scores for p in parts]), dict(parts[0].logs) if parts else {})  # fmt: skip
+
+
+RewardFn = Callable[..., tuple[torch.Tensor, dict, torch.Tensor]]
+"""`reward_fn(queries, prompts, labels, step) -> (rewards (B,), logs, scores (B,))`, checked (the RL scripts' `score`
+wrapped around the user's `reward_func`)."""
+
+
+class SingleTurnExecutor:
+    """One generation per episode, scored by a batch reward function on prompt + decoded response."""
+
+    def __init__(self, engines, tokenizer, reward_fn: RewardFn, max_new_tokens: int, temperature: float = 1.0,
+                 top_p: float = 1.0):  # fmt: skip
+        self.engines, self.tokenizer, self.reward_fn = engines, tokenizer, reward_fn
+        self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
+
+    def run(self, batch: list[dict], n: int, seed: int | None, step: int, temperature: float | None = None) -> Rollout:
+        """n episodes per row of `batch`; sampling seeds derive from `seed` (see `RolloutEngines.generate`);
+        `temperature` overrides the executor's (0: greedy, for evaluation)."""
+        temperature = self.temperature if temperature is None else temperature
+        groups = self.engines.generate([e["prompt_ids"] for e in batch], n=n, max_new_tokens=self.max_new_tokens,
+                                       temperature=temperature, top_p=self.top_p, seed=seed)  # fmt: skip
+        episodes = [Episode(e, list(e["prompt_ids"]), s.token_ids, s.logprobs, [1] * len(s.token_ids), s.truncated,
+                            s.finish_reason) for e, g in zip(batch, groups) for s in g]  # fmt: skip
+        texts = [self.tokenizer.decode(ep.token_ids, skip_special_tokens=True) for ep in episodes]
+        prompts = [ep.example["prompt"] for ep in episodes]
+        rewards, logs, scores = self.reward_fn([p + t for p, t in zip(prompts, texts)], prompts,
+                                               [ep.example["label"] for ep in episodes], step)  # fmt: skip
+        return Rollout(episodes, rewards, scores, logs)
+
+
+class Environment(Protocol):
+    """One episode's environment for `MultiTurnExecutor`; a fresh instance per episode (`env_factory(example)`)."""
+
+    def reset(self, example: dict) -> str:
+        """Text appended to the prompt before the first turn ("" for none)."""
+        ...
+
+    def step(self, response: str) -> tuple[str, float, bool]:
+        """The model's latest turn (decoded) -> (feedback text appended as tokens, reward of this turn, done)."""
+        ...
+
+
+class MultiTurnExecutor:
+    """Turns of generation and environment feedback until the environment says done or `max_turns` is reached.
+
+    All episodes of a batch advance turn by turn together (one engine call per turn for the still-running ones).
+    The response grows by the model's tokens (action_mask 1) and the feedback's tokens (action_mask 0); the episode's
+    reward is the sum of its turns' rewards (its score: that reward clipped to [0, 1]). An episode that would exceed
+    `max_total_tokens` of response stops and is marked truncated."""
+
+    def __init__(self, engines, tokenizer, env_factory: Callable[[dict], Environment], max_new_tokens: int,
+                 max_turns: int = 4, max_total_tokens: int = 1024, temperature: float = 1.0,
+                 top_p: float = 1.0):  # fmt: skip
+        self.engines, self.tokenizer, self.env_factory = engines, tokenizer, env_factory
+        self.max_new_tokens, self.max_turns, self.max_total_tokens = max_new_tokens, max_turns, max_total_tokens
+        self.temperature, self.top_p = temperature, top_p
+
+    def _tokens(self, text: str) -> list[int]:
+        return self.tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+
+    def run(self, batch: list[dict], n: int, seed: int | None, step: int, temperature: float | None = None) -> Rollout:
+        temperature = self.temperature if temperature is None else temperature
+        rows = [e for e in batch for _ in range(n)]
+        envs = [self.env_factory(e) for e in rows]
+        episodes = []
+        for e, env in zip(rows, envs):
+            first = self._tokens(env.reset(e))
+            episodes.append(Episode(e, list(e["prompt_ids"]), first, [0.0] * len(first), [0] * len(first), False))
+        rewards = [0.0] * len(rows)
+        active = list(range(len(rows)))
+        for turn in range(self.max_turns):
+            if not active:
+                break
+            seeds = None if seed is None else [seed + 7_919 * turn + i for i in active]
+            outs = self.engines.generate([episodes[i].prompt_ids + episodes[i].token_ids for i in active], n=1,
+                                         max_new_tokens=self.max_new_tokens, temperature=temperature,
+                                         top_p=self.top_p, seed=seeds)  # fmt: skip
+            still = []
+            for i, (s,) in zip(active, outs):
+                ep = episodes[i]
+                ep.token_ids += s.token_ids
+                ep.logprobs += s.logprobs
+                ep.action_mask += [1] * len(s.token_ids)
+                ep.truncated, ep.finish_reason = s.truncated, s.finish_reason
+                feedback, r, done = envs[i].step(self.tokenizer.decode(s.token_ids, skip_special_tokens=True))
+                rewards[i] += float(r)
+                fb = self._tokens(feedback) if not done else []
+                if len(ep.token_ids) + len(fb) >= self.max_total_tokens:
+                    ep.truncated, done = True, True
+                if not done:
+                    ep.token_ids += fb
+                    ep.logprobs += [0.0] * len(fb)
+                    ep.action_mask += [0] * len(fb)
+                    still.append(i)
+            active = still
+        r = torch.tensor(rewards, dtype=torch.float32)
+        turns = [sum(1 for a, b in zip([0] + ep.action_mask, ep.action_mask) if b and not a) for ep in episodes]
+        return Rollout(episodes, r, r.clamp(0, 1), {"rollout/turns_mean": sum(turns) / max(len(turns), 1)})
