@@ -54,6 +54,7 @@ import numpy as np
 import torch
 import tyro
 
+from agents.executor import Episode, Rollout, SingleTurnExecutor
 from core import checkpoint, data, embedded, models, packing, rl_math, rollout
 from core import engine as ds_engine
 from core.config import CkptConfig, DataConfig, DSConfig, LoggerConfig, ModelConfig
@@ -153,6 +154,9 @@ class TrainArgs:
     """sequences per forward/backward (gradient accumulation covers the minibatch)."""
     seed: int = 1
     """seed of the prompt order, the sampling seeds and every RNG."""
+    halt_after: int | None = None
+    """stop this invocation after N steps with a checkpoint; the same command with `--run-dir <run>` resumes exactly
+    (for time-limited cluster jobs)."""
 
 
 @dataclass
@@ -163,6 +167,11 @@ class AlgoArgs:
     """GAE λ (Schulman et al. 2016): 1 uses the full Monte-Carlo return, 0 the one-step TD error."""
     whiten_advantages: bool = True
     """normalise the advantages over every valid token of the batch (mean 0, std 1); the critic's targets are not."""
+    dynamic_filter_range: tuple[float, float] | None = None
+    """DAPO dynamic sampling: keep only groups whose mean score lies strictly inside (LOW, HIGH) (e.g. `0 1`: not
+    all solved, not all failed) and refill the batch with more prompts; None disables."""
+    dynamic_filter_max_rounds: int = 3
+    """generation rounds per step at most when refilling; a batch still short after them trains on what it has."""
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
     """loss aggregation of the policy and value losses (see core/rl_math.aggregate_loss)."""
     kl_coef: float = 0.01  # DEVIATION(3): the only KL term; none in the loss
@@ -183,6 +192,8 @@ class EvalArgs:
     """eval prompts."""
     k: int = 4
     """pass@k uses k samples per prompt at the rollout temperature; pass@1 is greedy."""
+    best_metric: str | None = "eval/pass@1"
+    """export the model to `<run>/best` whenever this eval metric reaches a new maximum (None: off)."""
 
 
 @dataclass
@@ -275,8 +286,10 @@ def load_reward_func(cfg: RewardArgs):
     return module.reward_func, path
 
 
-def score(reward_func, source: str, queries, prompts, labels, step: int) -> tuple[torch.Tensor, dict]:
-    """Call the reward function and check what it returned: one finite reward per query."""
+def score(reward_func, source: str, queries, prompts, labels,
+          step: int) -> tuple[torch.Tensor, dict, torch.Tensor]:  # fmt: skip
+    """Call the reward function and check what it returned: one finite reward per query. Returns (rewards, logs,
+    scores): `scores` are the function's optional 0-1 scores (for dynamic filtering), else the rewards."""
     try:
         out = reward_func(queries=queries, prompts=prompts, labels=labels)
     except Exception as e:
@@ -291,13 +304,31 @@ def score(reward_func, source: str, queries, prompts, labels, step: int) -> tupl
         raise ValueError(f"reward function {source} returned NaN/inf on batch {step} (queries {bad})")
     logs = {f"rollout/{k}": torch.as_tensor(v, dtype=torch.float32).mean().item()
             for k, v in (out.get("extra_logs", {}) if isinstance(out, dict) else {}).items()}  # fmt: skip
-    return rewards, logs
+    scores = out.get("scores") if isinstance(out, dict) else None
+    scores = rewards if scores is None else torch.as_tensor(scores, dtype=torch.float32).flatten()
+    if scores.shape != rewards.shape:
+        raise ValueError(f"reward function {source} returned {scores.numel()} scores for {len(queries)} queries "
+                         f"on batch {step}")  # fmt: skip
+    return rewards, logs, scores
 
 
-def sequences(prompts: list[list[int]], responses: list[list[int]], pad_id: int, device) -> dict:
-    """Right-padded prompt+response batch (B, L) with the response mask (True on response tokens)."""
-    examples = [{"input_ids": p + r, "loss_mask": [0] * len(p) + [1] * len(r)} for p, r in zip(prompts, responses)]
-    return packing.collate_padded(examples, pad_id, device)
+def groups_inside(scores: torch.Tensor, group_size: int, low: float, high: float) -> torch.Tensor:
+    """DAPO dynamic sampling: which groups have a mean score strictly inside (low, high), i.e. are neither all solved
+    nor all failed (with 0-1 scores and the range (0, 1)). scores: (B,) prompt-major -> (B / group_size,) bool."""
+    mean = scores.view(-1, group_size).mean(dim=1)
+    return (mean > low) & (mean < high)
+
+
+def sequences(episodes: list[Episode], pad_id: int, device) -> dict:
+    """Right-padded prompt+response batch (B, L): the loss mask is True on the tokens the policy generated (the
+    episode's action mask), `rollout_logp` holds the engine's log-probs at the same positions."""
+    examples = [{"input_ids": e.prompt_ids + e.token_ids, "loss_mask": [0] * len(e.prompt_ids) + e.action_mask}
+                for e in episodes]  # fmt: skip
+    batch = packing.collate_padded(examples, pad_id, device)
+    batch["rollout_logp"] = torch.zeros(batch["loss_mask"].shape)
+    for row, e in enumerate(episodes):
+        batch["rollout_logp"][row, len(e.prompt_ids) : len(e.prompt_ids) + len(e.token_ids)] = torch.tensor(e.logprobs)
+    return batch
 
 
 def forward_logp(model, batch: dict, temperature: float, entropy: bool = False):
@@ -314,22 +345,13 @@ def forward_logp(model, batch: dict, temperature: float, entropy: bool = False):
 
 
 @torch.no_grad()
-def evaluate(engines, tokenizer, eval_set: list[dict], reward_func, source: str, args: Args) -> dict:
-    """pass@1 (greedy) and pass@k (k samples at the rollout temperature), overall and per data source."""
-    prompts = [e["prompt_ids"] for e in eval_set]
-    greedy = engines.generate(prompts, n=1, max_new_tokens=args.rollout.max_new_tokens, temperature=0.0)
-    sampled = engines.generate(prompts, n=args.eval.k, max_new_tokens=args.rollout.max_new_tokens,
-                               temperature=args.rollout.temperature, seed=12345)  # fmt: skip
-
-    def correct(groups):
-        texts = [tokenizer.decode(s.token_ids, skip_special_tokens=True) for g in groups for s in g]
-        per = len(groups[0])
-        queries = [e["prompt"] + t for e, t in zip((e for e in eval_set for _ in range(per)), texts)]
-        labels = [e["label"] for e in eval_set for _ in range(per)]
-        r, _ = score(reward_func, source, queries, [e["prompt"] for e in eval_set for _ in range(per)], labels, -1)
-        return (r > 0.5).float().view(len(groups), per)
-
-    p1, pk = correct(greedy)[:, 0], correct(sampled).max(dim=1).values
+def evaluate(executor: SingleTurnExecutor, eval_set: list[dict], args: Args) -> dict:
+    """pass@1 (greedy) and pass@k (k samples at the rollout temperature), overall and per data source; an answer is
+    correct when its reward is above 0.5."""
+    greedy = executor.run(eval_set, n=1, seed=None, step=-1, temperature=0.0)
+    sampled = executor.run(eval_set, n=args.eval.k, seed=12345, step=-1)
+    p1 = (greedy.rewards > 0.5).float()
+    pk = (sampled.rewards > 0.5).float().view(len(eval_set), args.eval.k).max(dim=1).values
     out = {"eval/pass@1": p1.mean().item(), f"eval/pass@{args.eval.k}": pk.mean().item()}
     sources = sorted({e["datasource"] for e in eval_set})
     if len(sources) > 1:
@@ -346,7 +368,7 @@ def forward_values(critic, batch: dict) -> torch.Tensor:
     return torch.cat([torch.zeros_like(v[:, :1]), v[:, :-1]], dim=1)
 
 
-def ppo_update(actor, critic, seqs: dict, old_logp, old_values, advantages, returns, rollout_logp, args: Args,
+def ppo_update(actor, critic, seqs: dict, old_logp, old_values, advantages, returns, args: Args,
                step: int) -> dict:  # fmt: skip
     """Minibatch updates of one rollout: a clipped value-loss step of the critic on every minibatch and, after the
     critic warm-up (step ≥ --critic.warmup-steps), a clipped-surrogate step of the actor on the same minibatch.
@@ -391,7 +413,7 @@ def ppo_update(actor, critic, seqs: dict, old_logp, old_values, advantages, retu
                 loss, pstats = rl_math.policy_loss(
                     logp, old_logp[r], advantages[r], mb["loss_mask"], clip_low=args.actor.clip_low,
                     clip_high=args.actor.clip_high, dual_clip=args.actor.dual_clip, level=args.actor.level,
-                    agg=args.algo.loss_agg, rollout_logp=rollout_logp[r], is_correction=args.algo.is_correction,
+                    agg=args.algo.loss_agg, rollout_logp=mb["rollout_logp"], is_correction=args.algo.is_correction,
                     is_threshold=args.algo.is_threshold, **agg,
                 )  # fmt: skip
                 # DEVIATION(3): no KL term in the loss; the penalty is in the reward (advantages)
@@ -468,7 +490,11 @@ def main(args: Args) -> dict:
         start_step = client["step"] + 1
         engines.update_weights(ds_engine.full_named_parameters(actor))  # engines start from the checkpoint's weights
     logger = RunLogger(args.logger, run_dir, args, args.train.max_steps)
-    first_eval = client.get("first_eval") or evaluate(engines, tokenizer, eval_set, reward_func, reward_source, args)
+    # PLUMBING: the single-turn agent executor: prompt tokens -> vLLM generation -> checked reward
+    executor = SingleTurnExecutor(engines, tokenizer, partial(score, reward_func, reward_source),
+                                  args.rollout.max_new_tokens, args.rollout.temperature, args.rollout.top_p)  # fmt: skip
+    first_eval = client.get("first_eval") or evaluate(executor, eval_set, args)
+    best = client.get("best", -math.inf)  # the best eval so far (`--eval.best-metric`), exported to <run>/best
     logger.log(first_eval, start_step, shown=("eval/pass@1",))
     logger.print(f"[ppo] {len(train_set)} prompts, eval pass@1 {first_eval['eval/pass@1']:.3f} at step {start_step}")
 
@@ -476,43 +502,51 @@ def main(args: Args) -> dict:
     mbs = args.train.micro_batch_size
     for step in range(start_step, args.train.max_steps):
         perf: dict = {}
-        # 2. rollout: G samples per prompt from the vLLM engine, token ids in, token ids + log-probs out
+        # 2. rollout: G episodes per prompt through the agent executor, token ids in, token ids + log-probs out
         with timer(perf, "perf/gen_s"):
             batch = [train_set[i] for i in data.batch_indices(len(train_set), args.rollout.batch_size, step,
                                                                args.train.seed)]  # fmt: skip
-            groups = engines.generate([e["prompt_ids"] for e in batch], n=G, max_new_tokens=args.rollout.max_new_tokens,
-                                      temperature=args.rollout.temperature, top_p=args.rollout.top_p,
-                                      seed=args.train.seed * 1_000_003 + step * 10_007)  # fmt: skip
-        samples = [s for g in groups for s in g]  # prompt-major: sample j of prompt i at i*G + j
-        prompts = [e for e in batch for _ in range(G)]
+            ro = executor.run(batch, G, args.train.seed * 1_000_003 + step * 10_007, step)
+            extra = dict(ro.logs)
+            if args.algo.dynamic_filter_range is not None:  # DAPO dynamic sampling with refill
+                lo, hi = args.algo.dynamic_filter_range
+                fresh_reward, parts, rounds = ro.rewards.mean().item(), [], 0
+                while True:
+                    parts.append(ro.take_groups(groups_inside(ro.scores, G, lo, hi), G))
+                    rounds += 1
+                    full = sum(len(p.episodes) for p in parts) >= args.rollout.batch_size * G
+                    if full or rounds >= args.algo.dynamic_filter_max_rounds:
+                        break
+                    refill = [train_set[i] for i in data.batch_indices(len(train_set), args.rollout.batch_size, step,
+                                                                        args.train.seed + 7919 * rounds)]  # fmt: skip
+                    ro = executor.run(refill, G, args.train.seed * 1_000_003 + step * 10_007 + rounds, step)
+                pool = Rollout.cat(parts)
+                if pool.episodes:  # else train on the last round as it is (the zero-variance filter drops most of it)
+                    ro = pool.take_groups(torch.arange(len(pool.episodes) // G) < args.rollout.batch_size, G)
+                extra.update({"rollout/filter_rounds": rounds, "rollout/filter_groups": len(ro.episodes) // G,
+                              "rollout/fresh_reward_mean": fresh_reward})  # fmt: skip
+            episodes, rewards = ro.episodes, ro.rewards
 
-        # 3. rewards, then old log-probs (DEVIATION(4)), reference log-probs and values by the trainer, and GAE
-        texts = [tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in samples]
-        rewards, extra = score(reward_func, reward_source, [p["prompt"] + t for p, t in zip(prompts, texts)],
-                               [p["prompt"] for p in prompts], [p["label"] for p in prompts], step)  # fmt: skip
-        truncated = torch.tensor([s.truncated for s in samples])
+        # 3. rewards and advantages
+        truncated = torch.tensor([e.truncated for e in episodes], dtype=torch.bool)
         if args.reward.stop_properly_penalty is not None:
             rewards = torch.where(truncated, torch.tensor(args.reward.stop_properly_penalty), rewards)
         if args.reward.overlong_buffer:
-            lengths = torch.tensor([len(s.token_ids) for s in samples])
+            lengths = torch.tensor([len(e.token_ids) for e in episodes])
             rewards = rewards + rl_math.overlong_penalty(lengths, args.rollout.max_new_tokens,
                                                          args.reward.overlong_buffer,
                                                          args.reward.overlong_penalty_factor)  # fmt: skip
         rewards = rewards.clamp(-args.reward.clip, args.reward.clip)
         stats = {
             "rollout/reward_mean": rewards.mean().item(),
-            "rollout/response_len_mean": float(np.mean([len(s.token_ids) for s in samples])),
+            "rollout/response_len_mean": float(np.mean([len(e.token_ids) for e in episodes])),
             "rollout/truncated_frac": truncated.float().mean().item(),
             **extra,
         }
         with timer(perf, "perf/train_s"):
-            seqs = sequences([p["prompt_ids"] for p in prompts], [s.token_ids for s in samples],
-                             tokenizer.pad_token_id, device)  # fmt: skip
+            seqs = sequences(episodes, tokenizer.pad_token_id, device)
             mask = seqs["loss_mask"]
-            rollout_logp = torch.zeros(mask.shape)
-            for row, s in enumerate(samples):
-                rollout_logp[row, mask[row].nonzero().flatten()] = torch.tensor(s.logprobs)
-            chunks = [{k: v[i : i + mbs] for k, v in seqs.items()} for i in range(0, len(samples), mbs)]
+            chunks = [{k: v[i : i + mbs] for k, v in seqs.items()} for i in range(0, len(episodes), mbs)]
             with torch.no_grad():
                 old_logp = torch.cat([forward_logp(actor, c, args.rollout.temperature)[0] for c in chunks])
                 old_values = torch.cat([forward_values(critic, c) for c in chunks])  # (B, L) V_old(s_t)
@@ -529,7 +563,7 @@ def main(args: Args) -> dict:
                           "critic/explained_variance": explained_variance(old_values, returns, mask).item()})  # fmt: skip
 
             # 4. critic and policy update: minibatches of the clipped value loss and (after the warm-up) the surrogate
-            stats.update(ppo_update(actor, critic, seqs, old_logp, old_values, advantages, returns, rollout_logp, args,
+            stats.update(ppo_update(actor, critic, seqs, old_logp, old_values, advantages, returns, args,
                                     step))  # fmt: skip
 
         # 5. weight sync, eval, logging, checkpoint
@@ -537,18 +571,26 @@ def main(args: Args) -> dict:
             if step >= args.critic.warmup_steps:  # during the critic warm-up vLLM already holds the actor's weights
                 stats.update(engines.update_weights(ds_engine.full_named_parameters(actor)))
                 if args.debug:
-                    rollout.check_weights(engines, actor.module, [prompts[i]["prompt_ids"] + samples[i].token_ids
+                    rollout.check_weights(engines, actor.module, [episodes[i].prompt_ids + episodes[i].token_ids
                                                                   for i in range(4)])  # fmt: skip
         stats["train/lr"] = actor.lr_scheduler.get_last_lr()[0]
         last = step == args.train.max_steps - 1
         if args.eval.every and ((step + 1) % args.eval.every == 0 or last):
-            stats.update(evaluate(engines, tokenizer, eval_set, reward_func, reward_source, args))
-        n_tokens = sum(len(s.token_ids) for s in samples)
+            stats.update(evaluate(executor, eval_set, args))
+            if args.eval.best_metric and stats.get(args.eval.best_metric, -math.inf) > best:
+                best = stats[args.eval.best_metric]
+                ds_engine.export_hf(actor, tokenizer, run_dir / "best")
+        n_tokens = sum(len(e.token_ids) for e in episodes)
         perf["perf/tokens_per_s"] = n_tokens / max(perf["perf/gen_s"], 1e-9)
         logger.log({**stats, **perf}, step + 1, shown=("rollout/reward_mean", "eval/pass@1"))
-        if args.ckpt.every and ((step + 1) % args.ckpt.every == 0 or last):
+        halted = args.train.halt_after is not None and step + 1 - start_step >= args.train.halt_after and not last
+        if halted or (args.ckpt.every and ((step + 1) % args.ckpt.every == 0 or last)):
             checkpoint.save({"actor": actor, "critic": critic}, ckpt_dir, step,
-                            {"step": step, "first_eval": first_eval}, args.ckpt.keep_last)  # fmt: skip
+                            {"step": step, "first_eval": first_eval, "best": best}, args.ckpt.keep_last)  # fmt: skip
+        if halted:
+            logger.print(f"[ppo] halted after {args.train.halt_after} steps; resume with --run-dir {run_dir}")
+            logger.close({"steps": step + 1, "halted": True})
+            return {"steps": step + 1, "halted": True, "run_dir": str(run_dir)}
 
     # 6. export, learning curve and summary
     ds_engine.export_hf(actor, tokenizer, run_dir / "hf")

@@ -48,6 +48,7 @@ import numpy as np
 import torch
 import tyro
 
+from agents.executor import Episode, Rollout, SingleTurnExecutor
 from core import checkpoint, data, embedded, models, packing, rl_math, rollout
 from core import engine as ds_engine
 from core.config import CkptConfig, DataConfig, DSConfig, LoggerConfig, ModelConfig
@@ -130,6 +131,9 @@ class TrainArgs:
     """sequences per forward/backward (gradient accumulation covers the minibatch)."""
     seed: int = 1
     """seed of the prompt order, the sampling seeds and every RNG."""
+    halt_after: int | None = None
+    """stop this invocation after N steps with a checkpoint; the same command with `--run-dir <run>` resumes exactly
+    (for time-limited cluster jobs)."""
 
 
 @dataclass
@@ -141,6 +145,11 @@ class AlgoArgs:
     filter_zero_variance: bool = False
     """drop groups whose rewards are all equal. Off: under global normalisation an all-correct group still gets a
     positive advantage (without a baseline), so these groups carry signal."""
+    dynamic_filter_range: tuple[float, float] | None = None
+    """DAPO dynamic sampling: keep only groups whose mean score lies strictly inside (LOW, HIGH) (e.g. `0 1`: not
+    all solved, not all failed) and refill the batch with more prompts; None disables."""
+    dynamic_filter_max_rounds: int = 3
+    """generation rounds per step at most when refilling; a batch still short after them trains on what it has."""
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
     """loss aggregation (see core/rl_math.aggregate_loss)."""
     kl_coef: float = 0.01  # DEVIATION(3): the only KL term; none in the loss
@@ -161,6 +170,8 @@ class EvalArgs:
     """eval prompts."""
     k: int = 4
     """pass@k uses k samples per prompt at the rollout temperature; pass@1 is greedy."""
+    best_metric: str | None = "eval/pass@1"
+    """export the model to `<run>/best` whenever this eval metric reaches a new maximum (None: off)."""
 
 
 @dataclass
@@ -241,8 +252,10 @@ def load_reward_func(cfg: RewardArgs):
     return module.reward_func, path
 
 
-def score(reward_func, source: str, queries, prompts, labels, step: int) -> tuple[torch.Tensor, dict]:
-    """Call the reward function and check what it returned: one finite reward per query."""
+def score(reward_func, source: str, queries, prompts, labels,
+          step: int) -> tuple[torch.Tensor, dict, torch.Tensor]:  # fmt: skip
+    """Call the reward function and check what it returned: one finite reward per query. Returns (rewards, logs,
+    scores): `scores` are the function's optional 0-1 scores (for dynamic filtering), else the rewards."""
     try:
         out = reward_func(queries=queries, prompts=prompts, labels=labels)
     except Exception as e:
@@ -257,13 +270,31 @@ def score(reward_func, source: str, queries, prompts, labels, step: int) -> tupl
         raise ValueError(f"reward function {source} returned NaN/inf on batch {step} (queries {bad})")
     logs = {f"rollout/{k}": torch.as_tensor(v, dtype=torch.float32).mean().item()
             for k, v in (out.get("extra_logs", {}) if isinstance(out, dict) else {}).items()}  # fmt: skip
-    return rewards, logs
+    scores = out.get("scores") if isinstance(out, dict) else None
+    scores = rewards if scores is None else torch.as_tensor(scores, dtype=torch.float32).flatten()
+    if scores.shape != rewards.shape:
+        raise ValueError(f"reward function {source} returned {scores.numel()} scores for {len(queries)} queries "
+                         f"on batch {step}")  # fmt: skip
+    return rewards, logs, scores
 
 
-def sequences(prompts: list[list[int]], responses: list[list[int]], pad_id: int, device) -> dict:
-    """Right-padded prompt+response batch (B, L) with the response mask (True on response tokens)."""
-    examples = [{"input_ids": p + r, "loss_mask": [0] * len(p) + [1] * len(r)} for p, r in zip(prompts, responses)]
-    return packing.collate_padded(examples, pad_id, device)
+def groups_inside(scores: torch.Tensor, group_size: int, low: float, high: float) -> torch.Tensor:
+    """DAPO dynamic sampling: which groups have a mean score strictly inside (low, high), i.e. are neither all solved
+    nor all failed (with 0-1 scores and the range (0, 1)). scores: (B,) prompt-major -> (B / group_size,) bool."""
+    mean = scores.view(-1, group_size).mean(dim=1)
+    return (mean > low) & (mean < high)
+
+
+def sequences(episodes: list[Episode], pad_id: int, device) -> dict:
+    """Right-padded prompt+response batch (B, L): the loss mask is True on the tokens the policy generated (the
+    episode's action mask), `rollout_logp` holds the engine's log-probs at the same positions."""
+    examples = [{"input_ids": e.prompt_ids + e.token_ids, "loss_mask": [0] * len(e.prompt_ids) + e.action_mask}
+                for e in episodes]  # fmt: skip
+    batch = packing.collate_padded(examples, pad_id, device)
+    batch["rollout_logp"] = torch.zeros(batch["loss_mask"].shape)
+    for row, e in enumerate(episodes):
+        batch["rollout_logp"][row, len(e.prompt_ids) : len(e.prompt_ids) + len(e.token_ids)] = torch.tensor(e.logprobs)
+    return batch
 
 
 def forward_logp(model, batch: dict, temperature: float, entropy: bool = False):
@@ -280,22 +311,13 @@ def forward_logp(model, batch: dict, temperature: float, entropy: bool = False):
 
 
 @torch.no_grad()
-def evaluate(engines, tokenizer, eval_set: list[dict], reward_func, source: str, args: Args) -> dict:
-    """pass@1 (greedy) and pass@k (k samples at the rollout temperature), overall and per data source."""
-    prompts = [e["prompt_ids"] for e in eval_set]
-    greedy = engines.generate(prompts, n=1, max_new_tokens=args.rollout.max_new_tokens, temperature=0.0)
-    sampled = engines.generate(prompts, n=args.eval.k, max_new_tokens=args.rollout.max_new_tokens,
-                               temperature=args.rollout.temperature, seed=12345)  # fmt: skip
-
-    def correct(groups):
-        texts = [tokenizer.decode(s.token_ids, skip_special_tokens=True) for g in groups for s in g]
-        per = len(groups[0])
-        queries = [e["prompt"] + t for e, t in zip((e for e in eval_set for _ in range(per)), texts)]
-        labels = [e["label"] for e in eval_set for _ in range(per)]
-        r, _ = score(reward_func, source, queries, [e["prompt"] for e in eval_set for _ in range(per)], labels, -1)
-        return (r > 0.5).float().view(len(groups), per)
-
-    p1, pk = correct(greedy)[:, 0], correct(sampled).max(dim=1).values
+def evaluate(executor: SingleTurnExecutor, eval_set: list[dict], args: Args) -> dict:
+    """pass@1 (greedy) and pass@k (k samples at the rollout temperature), overall and per data source; an answer is
+    correct when its reward is above 0.5."""
+    greedy = executor.run(eval_set, n=1, seed=None, step=-1, temperature=0.0)
+    sampled = executor.run(eval_set, n=args.eval.k, seed=12345, step=-1)
+    p1 = (greedy.rewards > 0.5).float()
+    pk = (sampled.rewards > 0.5).float().view(len(eval_set), args.eval.k).max(dim=1).values
     out = {"eval/pass@1": p1.mean().item(), f"eval/pass@{args.eval.k}": pk.mean().item()}
     sources = sorted({e["datasource"] for e in eval_set})
     if len(sources) > 1:
@@ -345,7 +367,11 @@ def main(args: Args) -> dict:
         start_step = client["step"] + 1
         engines.update_weights(ds_engine.full_named_parameters(actor))  # engines start from the checkpoint's weights
     logger = RunLogger(args.logger, run_dir, args, args.train.max_steps)
-    first_eval = client.get("first_eval") or evaluate(engines, tokenizer, eval_set, reward_func, reward_source, args)
+    # PLUMBING: the single-turn agent executor: prompt tokens -> vLLM generation -> checked reward
+    executor = SingleTurnExecutor(engines, tokenizer, partial(score, reward_func, reward_source),
+                                  args.rollout.max_new_tokens, args.rollout.temperature, args.rollout.top_p)  # fmt: skip
+    first_eval = client.get("first_eval") or evaluate(executor, eval_set, args)
+    best = client.get("best", -math.inf)  # the best eval so far (`--eval.best-metric`), exported to <run>/best
     logger.log(first_eval, start_step, shown=("eval/pass@1",))
     logger.print(
         f"[reinforce_pp] {len(train_set)} prompts, eval pass@1 {first_eval['eval/pass@1']:.3f} at step {start_step}"
@@ -354,36 +380,48 @@ def main(args: Args) -> dict:
     G = args.rollout.n_samples
     for step in range(start_step, args.train.max_steps):
         perf: dict = {}
-        # 2. rollout: G samples per prompt from the vLLM engine, token ids in, token ids + log-probs out
+        # 2. rollout: G episodes per prompt through the agent executor, token ids in, token ids + log-probs out
         with timer(perf, "perf/gen_s"):
             batch = [train_set[i] for i in data.batch_indices(len(train_set), args.rollout.batch_size, step,
                                                                args.train.seed)]  # fmt: skip
-            groups = engines.generate([e["prompt_ids"] for e in batch], n=G, max_new_tokens=args.rollout.max_new_tokens,
-                                      temperature=args.rollout.temperature, top_p=args.rollout.top_p,
-                                      seed=args.train.seed * 1_000_003 + step * 10_007)  # fmt: skip
-        samples = [s for g in groups for s in g]  # prompt-major: sample j of prompt i at i*G + j
-        prompts = [e for e in batch for _ in range(G)]
+            ro = executor.run(batch, G, args.train.seed * 1_000_003 + step * 10_007, step)
+            extra = dict(ro.logs)
+            if args.algo.dynamic_filter_range is not None:  # DAPO dynamic sampling with refill
+                lo, hi = args.algo.dynamic_filter_range
+                fresh_reward, parts, rounds = ro.rewards.mean().item(), [], 0
+                while True:
+                    parts.append(ro.take_groups(groups_inside(ro.scores, G, lo, hi), G))
+                    rounds += 1
+                    full = sum(len(p.episodes) for p in parts) >= args.rollout.batch_size * G
+                    if full or rounds >= args.algo.dynamic_filter_max_rounds:
+                        break
+                    refill = [train_set[i] for i in data.batch_indices(len(train_set), args.rollout.batch_size, step,
+                                                                        args.train.seed + 7919 * rounds)]  # fmt: skip
+                    ro = executor.run(refill, G, args.train.seed * 1_000_003 + step * 10_007 + rounds, step)
+                pool = Rollout.cat(parts)
+                if pool.episodes:  # else train on the last round as it is (the zero-variance filter drops most of it)
+                    ro = pool.take_groups(torch.arange(len(pool.episodes) // G) < args.rollout.batch_size, G)
+                extra.update({"rollout/filter_rounds": rounds, "rollout/filter_groups": len(ro.episodes) // G,
+                              "rollout/fresh_reward_mean": fresh_reward})  # fmt: skip
+            episodes, rewards = ro.episodes, ro.rewards
 
-        # 3. rewards (the advantages need the trainer's log-probs for the KL shaping, so they are made in 4.)
-        texts = [tokenizer.decode(s.token_ids, skip_special_tokens=True) for s in samples]
-        rewards, extra = score(reward_func, reward_source, [p["prompt"] + t for p, t in zip(prompts, texts)],
-                               [p["prompt"] for p in prompts], [p["label"] for p in prompts], step)  # fmt: skip
-        truncated = torch.tensor([s.truncated for s in samples])
+        # 3. rewards and advantages
+        truncated = torch.tensor([e.truncated for e in episodes], dtype=torch.bool)
         if args.reward.stop_properly_penalty is not None:
             rewards = torch.where(truncated, torch.tensor(args.reward.stop_properly_penalty), rewards)
         if args.reward.overlong_buffer:
-            lengths = torch.tensor([len(s.token_ids) for s in samples])
+            lengths = torch.tensor([len(e.token_ids) for e in episodes])
             rewards = rewards + rl_math.overlong_penalty(lengths, args.rollout.max_new_tokens,
                                                          args.reward.overlong_buffer,
                                                          args.reward.overlong_penalty_factor)  # fmt: skip
         rewards = rewards.clamp(-args.reward.clip, args.reward.clip)
-        keep = torch.ones(len(samples), dtype=torch.bool)
+        keep = torch.ones(len(episodes), dtype=torch.bool)
         if args.algo.filter_zero_variance:  # optional (off): drops whole groups whose rewards all agree
             keep = (rewards.view(-1, G).std(dim=1) > 0).repeat_interleave(G)
         kept = keep.nonzero().flatten().tolist()  # prompt-major, whole groups: the order the group baseline needs
         stats = {
             "rollout/reward_mean": rewards.mean().item(),
-            "rollout/response_len_mean": float(np.mean([len(s.token_ids) for s in samples])),
+            "rollout/response_len_mean": float(np.mean([len(e.token_ids) for e in episodes])),
             "rollout/truncated_frac": truncated.float().mean().item(),
             "rollout/kept_frac": keep.float().mean().item(),
             **extra,
@@ -393,13 +431,8 @@ def main(args: Args) -> dict:
         #    whitened advantages, then minibatches of the PPO-clipped loss
         with timer(perf, "perf/train_s"):
             if kept:
-                seqs = sequences([prompts[i]["prompt_ids"] for i in kept], [samples[i].token_ids for i in kept],
-                                 tokenizer.pad_token_id, device)  # fmt: skip
+                seqs = sequences([episodes[i] for i in kept], tokenizer.pad_token_id, device)
                 mask = seqs["loss_mask"]
-                rollout_logp = torch.zeros(mask.shape)
-                for row, i in enumerate(kept):
-                    resp = torch.tensor(samples[i].logprobs)
-                    rollout_logp[row, mask[row].nonzero().flatten()] = resp
                 mb_size = max(1, math.ceil(len(kept) / args.train.minibatches))
                 with torch.no_grad():
                     old_logp = torch.cat([forward_logp(actor, {k: v[i : i + args.train.micro_batch_size]
@@ -437,7 +470,7 @@ def main(args: Args) -> dict:
                             loss, pstats = rl_math.policy_loss(
                                 logp, old_logp[r], adv_tok[r], mb["loss_mask"], clip_low=args.actor.clip_low,
                                 clip_high=args.actor.clip_high, dual_clip=args.actor.dual_clip, level=args.actor.level,
-                                agg=args.algo.loss_agg, rollout_logp=rollout_logp[r],
+                                agg=args.algo.loss_agg, rollout_logp=mb["rollout_logp"],
                                 is_correction=args.algo.is_correction, is_threshold=args.algo.is_threshold, **agg,
                             )  # fmt: skip
                             # DEVIATION(3): no KL term in the loss; the penalty is in the reward (adv_tok)
@@ -465,18 +498,26 @@ def main(args: Args) -> dict:
             if kept:
                 stats.update(engines.update_weights(ds_engine.full_named_parameters(actor)))
                 if args.debug:
-                    rollout.check_weights(engines, actor.module, [prompts[i]["prompt_ids"] + samples[i].token_ids
+                    rollout.check_weights(engines, actor.module, [episodes[i].prompt_ids + episodes[i].token_ids
                                                                   for i in kept[:4]])  # fmt: skip
         stats["train/lr"] = actor.lr_scheduler.get_last_lr()[0]
         last = step == args.train.max_steps - 1
         if args.eval.every and ((step + 1) % args.eval.every == 0 or last):
-            stats.update(evaluate(engines, tokenizer, eval_set, reward_func, reward_source, args))
-        n_tokens = sum(len(s.token_ids) for s in samples)
+            stats.update(evaluate(executor, eval_set, args))
+            if args.eval.best_metric and stats.get(args.eval.best_metric, -math.inf) > best:
+                best = stats[args.eval.best_metric]
+                ds_engine.export_hf(actor, tokenizer, run_dir / "best")
+        n_tokens = sum(len(e.token_ids) for e in episodes)
         perf["perf/tokens_per_s"] = n_tokens / max(perf["perf/gen_s"], 1e-9)
         logger.log({**stats, **perf}, step + 1, shown=("rollout/reward_mean", "eval/pass@1"))
-        if args.ckpt.every and ((step + 1) % args.ckpt.every == 0 or last):
-            checkpoint.save({"actor": actor}, ckpt_dir, step, {"step": step, "first_eval": first_eval},
+        halted = args.train.halt_after is not None and step + 1 - start_step >= args.train.halt_after and not last
+        if halted or (args.ckpt.every and ((step + 1) % args.ckpt.every == 0 or last)):
+            checkpoint.save({"actor": actor}, ckpt_dir, step, {"step": step, "first_eval": first_eval, "best": best},
                             args.ckpt.keep_last)  # fmt: skip
+        if halted:
+            logger.print(f"[reinforce_pp] halted after {args.train.halt_after} steps; resume with --run-dir {run_dir}")
+            logger.close({"steps": step + 1, "halted": True})
+            return {"steps": step + 1, "halted": True, "run_dir": str(run_dir)}
 
     # 6. export, learning curve and summary
     ds_engine.export_hf(actor, tokenizer, run_dir / "hf")

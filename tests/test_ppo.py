@@ -12,6 +12,7 @@ import pytest
 import torch
 from conftest import short_rl_run
 
+from agents.executor import Episode
 from algos.ppo import Args, explained_variance, forward_values, main, ppo_advantages, ppo_update, sequences
 
 REPO = Path(__file__).resolve().parent.parent
@@ -101,7 +102,8 @@ def engines_and_batch(tiny_path, tokenizer):
                                    total_steps=100)  # fmt: skip
     prompts = [tokenizer.encode(p) for p in ("12+34=", "5+6=", "70+8=", "1+1=")]
     responses = [tokenizer.encode(a) for a in ("46", "11", "78", "3")]
-    seqs = sequences(prompts, responses, tokenizer.pad_token_id, torch.device("cpu"))
+    episodes = [Episode({}, p, r, [0.0] * len(r), [1] * len(r), False) for p, r in zip(prompts, responses)]
+    seqs = sequences(episodes, tokenizer.pad_token_id, torch.device("cpu"))
     return actor, critic, seqs
 
 
@@ -140,7 +142,7 @@ def test_critic_warmup_leaves_the_actor_untouched_then_the_actor_trains(engines_
     args.critic.warmup_steps, args.train.minibatches = 1, 2
     old_logp, old_values, adv, returns = _rollout_tensors(actor, critic, seqs)
     a0, c0 = _snapshot(actor), _snapshot(critic)
-    stats = ppo_update(actor, critic, seqs, old_logp, old_values, adv, returns, torch.zeros_like(old_logp), args,
+    stats = ppo_update(actor, critic, seqs, old_logp, old_values, adv, returns, args,
                        step=0)  # fmt: skip
     a1, c1 = _snapshot(actor), _snapshot(critic)
     assert all(torch.equal(a0[n], a1[n]) for n in a0), "the critic warm-up step changed an actor parameter"
@@ -153,7 +155,7 @@ def test_critic_warmup_leaves_the_actor_untouched_then_the_actor_trains(engines_
             assert not torch.equal(c0[n], c1[n]), f"critic parameter {n} did not change"
     assert stats["critic/warmup"] == 1.0 and "loss/policy" not in stats and stats["loss/value"] > 0
     # the first step after the warm-up trains both
-    stats = ppo_update(actor, critic, seqs, old_logp, old_values, adv, returns, torch.zeros_like(old_logp), args,
+    stats = ppo_update(actor, critic, seqs, old_logp, old_values, adv, returns, args,
                        step=1)  # fmt: skip
     a2, c2 = _snapshot(actor), _snapshot(critic)
     assert any(not torch.equal(a1[n], a2[n]) for n in a1) and any(not torch.equal(c1[n], c2[n]) for n in c1)
@@ -168,10 +170,10 @@ def test_value_clipping_is_applied_in_the_update(engines_and_batch):
     args.train.minibatches, args.train.epochs = 1, 2
     old_logp, old_values, adv, returns = _rollout_tensors(actor, critic, seqs)
     args.critic.value_clip = 1e-6
-    stats = ppo_update(actor, critic, seqs, old_logp, old_values, adv, returns, torch.zeros_like(old_logp), args, 0)
+    stats = ppo_update(actor, critic, seqs, old_logp, old_values, adv, returns, args, 0)
     assert stats["critic/clipfrac"] == pytest.approx(0.5)  # epoch 1: 0 (V = V_old); epoch 2: every token clipped
     args.critic.value_clip = None
-    stats = ppo_update(actor, critic, seqs, old_logp, old_values, adv, returns, torch.zeros_like(old_logp), args, 0)
+    stats = ppo_update(actor, critic, seqs, old_logp, old_values, adv, returns, args, 0)
     assert stats["critic/clipfrac"] == 0.0
 
 
