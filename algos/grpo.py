@@ -125,6 +125,9 @@ class TrainArgs:
     """sequences per forward/backward (gradient accumulation covers the minibatch)."""
     seed: int = 1
     """seed of the prompt order, the sampling seeds and every RNG."""
+    halt_after: int | None = None
+    """stop this invocation after N steps with a checkpoint; the same command with `--run-dir <run>` resumes exactly
+    (for time-limited cluster jobs)."""
 
 
 @dataclass
@@ -160,6 +163,8 @@ class EvalArgs:
     """eval prompts."""
     k: int = 4
     """pass@k uses k samples per prompt at the rollout temperature; pass@1 is greedy."""
+    best_metric: str | None = "eval/pass@1"
+    """export the model to `<run>/best` whenever this eval metric reaches a new maximum (None: off)."""
 
 
 @dataclass
@@ -339,6 +344,7 @@ def main(args: Args) -> dict:
     executor = SingleTurnExecutor(engines, tokenizer, partial(score, reward_func, reward_source),
                                   args.rollout.max_new_tokens, args.rollout.temperature, args.rollout.top_p)  # fmt: skip
     first_eval = client.get("first_eval") or evaluate(executor, eval_set, args)
+    best = client.get("best", -math.inf)  # the best eval so far (`--eval.best-metric`), exported to <run>/best
     logger.log(first_eval, start_step, shown=("eval/pass@1",))
     logger.print(f"[grpo] {len(train_set)} prompts, eval pass@1 {first_eval['eval/pass@1']:.3f} at step {start_step}")
 
@@ -469,12 +475,20 @@ def main(args: Args) -> dict:
         last = step == args.train.max_steps - 1
         if args.eval.every and ((step + 1) % args.eval.every == 0 or last):
             stats.update(evaluate(executor, eval_set, args))
+            if args.eval.best_metric and stats.get(args.eval.best_metric, -math.inf) > best:
+                best = stats[args.eval.best_metric]
+                ds_engine.export_hf(actor, tokenizer, run_dir / "best")
         n_tokens = sum(len(e.token_ids) for e in episodes)
         perf["perf/tokens_per_s"] = n_tokens / max(perf["perf/gen_s"], 1e-9)
         logger.log({**stats, **perf}, step + 1, shown=("rollout/reward_mean", "eval/pass@1"))
-        if args.ckpt.every and ((step + 1) % args.ckpt.every == 0 or last):
-            checkpoint.save({"actor": actor}, ckpt_dir, step, {"step": step, "first_eval": first_eval},
+        halted = args.train.halt_after is not None and step + 1 - start_step >= args.train.halt_after and not last
+        if halted or (args.ckpt.every and ((step + 1) % args.ckpt.every == 0 or last)):
+            checkpoint.save({"actor": actor}, ckpt_dir, step, {"step": step, "first_eval": first_eval, "best": best},
                             args.ckpt.keep_last)  # fmt: skip
+        if halted:
+            logger.print(f"[grpo] halted after {args.train.halt_after} steps; resume with --run-dir {run_dir}")
+            logger.close({"steps": step + 1, "halted": True})
+            return {"steps": step + 1, "halted": True, "run_dir": str(run_dir)}
 
     # 6. export, learning curve and summary
     ds_engine.export_hf(actor, tokenizer, run_dir / "hf")

@@ -1,0 +1,73 @@
+"""Behaviour every RL script shares, checked on each of them: exact resume after `--train.halt-after`, the best-eval
+export, and DAPO dynamic filtering with refill (grpo.py has its own, stricter filtering test in test_grpo.py)."""
+
+from __future__ import annotations
+
+import importlib
+import json
+
+import pytest
+
+
+def _rows(run_dir) -> dict[int, dict]:
+    """metrics.jsonl rows by step (a resumed run appends to the same file)."""
+    rows: dict[int, dict] = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        rows.setdefault(row["step"], {}).update(row)
+    return rows
+
+
+def _small(module: str, run_dir, steps: int):
+    mod = importlib.import_module(f"algos.{module}")
+    args = mod.Args()
+    args.train.max_steps, args.rollout.batch_size, args.train.micro_batch_size = steps, 16, 64
+    args.eval.every, args.eval.max_samples = 2, 64
+    args.logger.quiet, args.logger.tensorboard = True, False
+    args.run_dir = str(run_dir)
+    return mod, args
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("module", ["grpo", "ppo"])
+def test_halt_and_resume_reproduces_the_uninterrupted_run(module, tmp_path, one_thread):
+    """4 steps straight vs 2 steps, halt (checkpoint), then the same command resumes for steps 3-4: rewards, losses
+    and eval are equal, because the data position, sampling seeds, RNGs, optimizer (and critic) state are restored
+    and the engine gets the checkpoint's weights. The best eval so far is exported to <run>/best."""
+    mod, straight = _small(module, tmp_path / "straight", 4)
+    mod.main(straight)
+    _, part = _small(module, tmp_path / "part", 4)
+    part.train.halt_after = 2
+    assert mod.main(part)["halted"]
+    part.train.halt_after = None
+    mod.main(part)
+    expected, resumed = _rows(tmp_path / "straight"), _rows(tmp_path / "part")
+    trained = [json.loads(line)["step"] for line in (tmp_path / "part" / "metrics.jsonl").read_text().splitlines()
+               if "loss/policy" in line]  # fmt: skip
+    assert trained == [1, 2, 3, 4]  # the second invocation resumed at step 3 instead of starting over
+    keys = ["rollout/reward_mean", "loss/policy", "eval/pass@1"] + (["loss/value"] if module == "ppo" else [])
+    for step in (3, 4):
+        for key in keys:
+            if key in expected[step]:
+                assert resumed[step][key] == pytest.approx(expected[step][key], rel=1e-5, abs=1e-6), (step, key)
+    assert "loss/policy" in expected[4] and "eval/pass@1" in expected[4]
+    assert (tmp_path / "part" / "best" / "config.json").is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("module", ["rloo", "reinforce_pp", "ppo"])
+def test_dynamic_filtering_in_every_fork(module, tmp_path, one_thread):
+    """`--algo.dynamic-filter-range 0 1`: the trained batch holds only groups neither all solved nor all failed, so
+    its reward mean is strictly between 0 and 1 while refills keep it full (or hit the round limit)."""
+    mod, args = _small(module, tmp_path / "run", 1)
+    args.eval.every = 0
+    args.algo.dynamic_filter_range, args.algo.dynamic_filter_max_rounds = (0.0, 1.0), 4
+    if hasattr(args.algo, "filter_zero_variance"):
+        args.algo.filter_zero_variance = True
+    mod.main(args)
+    row = _rows(tmp_path / "run")[1]
+    assert 1 <= row["rollout/filter_rounds"] <= 4
+    assert row["rollout/filter_groups"] == 16 or row["rollout/filter_rounds"] == 4
+    assert 0 < row["rollout/reward_mean"] < 1
+    if "rollout/kept_frac" in row:
+        assert row["rollout/kept_frac"] == 1.0  # no group left for the zero-variance filter to drop
