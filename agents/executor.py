@@ -112,8 +112,8 @@ class MultiTurnExecutor:
 
     All episodes of a batch advance turn by turn together (one engine call per turn for the still-running ones).
     The response grows by the model's tokens (action_mask 1) and the feedback's tokens (action_mask 0); the episode's
-    reward is the sum of its turns' rewards (its score: that reward clipped to [0, 1]). An episode that would exceed
-    `max_total_tokens` of response stops and is marked truncated."""
+    reward is the sum of its turns' rewards (its score: that reward clipped to [0, 1]). An episode whose response
+    plus the next feedback would reach `max_total_tokens` stops there and is marked truncated."""
 
     def __init__(self, engines, tokenizer, env_factory: Callable[[dict], Environment], max_new_tokens: int,
                  max_turns: int = 4, max_total_tokens: int = 1024, temperature: float = 1.0,
