@@ -409,10 +409,14 @@ def main(args: Args) -> dict:
                 mask = seqs["loss_mask"]
                 adv_tok = adv[kept][:, None].expand_as(mask).float()
                 mb_size = max(1, math.ceil(len(kept) / args.train.minibatches))
+                # one optimizer step per rollout: the policy is still the sampling policy when the loss is taken,
+                # so old log-probs = the live ones detached (ratio 1) and their extra forward pass is skipped
+                on_policy = args.train.minibatches == 1 and args.train.epochs == 1
                 with torch.no_grad():
-                    old_logp = torch.cat([forward_logp(actor, {k: v[i : i + args.train.micro_batch_size]
-                                                               for k, v in seqs.items()}, args.rollout.temperature)[0]
-                                          for i in range(0, len(kept), args.train.micro_batch_size)])  # fmt: skip
+                    old_logp = None if on_policy else torch.cat([
+                        forward_logp(actor, {k: v[i : i + args.train.micro_batch_size] for k, v in seqs.items()},
+                                     args.rollout.temperature)[0]
+                        for i in range(0, len(kept), args.train.micro_batch_size)])  # fmt: skip
                     ref_logp = None
                     if ref is not None:
                         ref_logp = torch.cat([forward_logp(ref, {k: v[i : i + args.train.micro_batch_size]
@@ -432,8 +436,9 @@ def main(args: Args) -> dict:
                             agg = {"num_tokens": n_tok, "num_seqs": len(rows), "max_len": mask.shape[1]}
                             if args.algo.loss_agg == "seq-mean-token-sum-norm":
                                 agg["max_len"] = args.rollout.max_new_tokens
+                            old = logp.detach() if on_policy else old_logp[r]
                             loss, pstats = rl_math.policy_loss(
-                                logp, old_logp[r], adv_tok[r], mb["loss_mask"], clip_low=args.actor.clip_low,
+                                logp, old, adv_tok[r], mb["loss_mask"], clip_low=args.actor.clip_low,
                                 clip_high=args.actor.clip_high, dual_clip=args.actor.dual_clip, level=args.actor.level,
                                 agg=args.algo.loss_agg, rollout_logp=mb["rollout_logp"],
                                 is_correction=args.algo.is_correction, is_threshold=args.algo.is_threshold, **agg,

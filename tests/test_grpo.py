@@ -121,7 +121,8 @@ def test_grpo_raises_eval_pass_at_1_from_the_warm_start(tmp_path):
 @pytest.mark.slow
 def test_user_flow_own_dataset_and_reward_file_by_flags(tmp_path):
     """What a user does: write a dataset (own keys) and a reward file the project does not ship, pass both by
-    flags to the unmodified script, and the reward rises. The task: answer with as many 7s as possible."""
+    flags to the unmodified script, and the reward rises. The task: answer with as many 7s as possible. One minibatch
+    per rollout, so this also covers the on-policy path (old log-probs = the live ones, detached)."""
     import json
     import os
     import random
@@ -147,7 +148,7 @@ def test_user_flow_own_dataset_and_reward_file_by_flags(tmp_path):
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
     cmd = [sys.executable, str(script), "--data.path", str(folder), "--data.input-key", "question",
            "--data.label-key", "target", "--reward.func", str(reward_file), "--train.max-steps", "12",
-           "--rollout.batch-size", "32", "--eval.every", "0", "--logger.quiet", "--logger.no-tensorboard",
+           "--rollout.batch-size", "32", "--train.minibatches", "1", "--eval.every", "0", "--logger.quiet", "--logger.no-tensorboard",
            "--run-dir", str(tmp_path / "run")]  # fmt: skip
     out = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=900)
     assert out.returncode == 0, out.stderr[-3000:]
