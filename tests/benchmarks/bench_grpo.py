@@ -1,0 +1,151 @@
+"""GRPO throughput: algos/grpo.py against TRL's GRPOTrainer, same model, prompts, batch and reward, one run.
+
+    .venv/bin/pip install --no-deps trl==1.16.0       # the peer (not a project dependency)
+    .venv/bin/python tests/benchmarks/bench_grpo.py --steps 10              # --threads 1 when the cores are shared
+
+Each step on both sides: 8 prompts of the embedded task `cleanrlhf/add2` x 4 samples (the group) x exactly 64 new
+tokens at temperature 1.0 from the SFT warm start `cleanrlhf/tiny-sft`, rewards/arithmetic.py as the reward, then one
+AdamW step (lr 3e-4, grad clip 1.0) on all 32 samples: no KL, no reference model, no zero-variance filtering, fp32, no
+gradient checkpointing, eval off. Each side runs in its own subprocess with `--threads` torch threads and is timed
+over the same steps after a few warm-up steps. s/step is the wall time between step ends (everything included).
+
+64 tokens are forced because the warm start stops after ~4: grpo.py's engine calls get `ignore_eos=True` (eos may be
+sampled, it does not stop), TRL gets `min_new_tokens=64` (eos is masked until then). The split: ours is grpo.py's
+`perf/gen_s` (vLLM generation, decoding, reward), `perf/train_s` (old log-probs, loss, backward, optimizer) and
+`perf/sync_s` (weights to vLLM); TRL's generation is its HF `model.generate` calls, training the rest of the step
+(reward, loss, backward, optimizer), and it has no sync. Not aligned, as it does not change the work: the lr schedule
+(ours cosine to 0.1 lr, TRL constant) and the order of the prompts. Before its first step grpo.py scores 8 eval
+prompts once (untimed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+PROMPTS, GROUP, TOKENS, LR = 8, 4, 64, 3e-4
+
+
+def run_ours(steps: int, warmup: int, out: Path) -> dict:
+    sys.argv = [sys.argv[0]]
+    import torch
+
+    import algos.grpo as grpo
+    from core import rollout
+
+    generate, log, ends = rollout.RolloutEngines.generate, grpo.RunLogger.log, []
+    rollout.RolloutEngines.generate = lambda self, *a, **k: generate(self, *a, **{**k, "ignore_eos": True})
+
+    def timed_log(self, *a, **k):  # called once for the first eval, then once at the end of every step
+        log(self, *a, **k)
+        ends.append(time.perf_counter())
+
+    grpo.RunLogger.log = timed_log
+    shutil.rmtree(out / "ours", ignore_errors=True)  # metrics.jsonl appends; a stale run would mix into the timing
+    args = grpo.Args()
+    args.rollout.batch_size, args.rollout.n_samples, args.rollout.max_new_tokens = PROMPTS, GROUP, TOKENS
+    args.rollout.temperature, args.actor.lr, args.algo.kl_coef, args.algo.filter_zero_variance = 1.0, LR, 0.0, False
+    args.train.max_steps, args.train.minibatches = warmup + steps, 1
+    args.eval.every, args.eval.max_samples = 0, 8
+    args.logger.quiet, args.logger.tensorboard = True, False
+    args.run_dir = str(out / "ours")
+    grpo.main(args)
+    rows = [json.loads(line) for line in open(out / "ours" / "metrics.jsonl") if '"perf/gen_s"' in line][warmup:]
+    res = {k: sum(r[f"perf/{k}"] for r in rows) / steps for k in ("gen_s", "train_s", "sync_s")}
+    res["tokens"] = sum(r["rollout/response_len_mean"] for r in rows) / steps
+    return {**res, "step_s": (ends[-1] - ends[warmup]) / steps, "threads": torch.get_num_threads()}
+
+
+def run_trl(steps: int, warmup: int, out: Path) -> dict:
+    import torch
+    from datasets import Dataset
+    from transformers import AutoModelForCausalLM, TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+
+    from core import embedded, models
+    from rewards.arithmetic import reward_func
+
+    path = embedded.resolve_model("cleanrlhf/tiny-sft")
+    tokenizer = models.load_tokenizer(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    rows = [json.loads(line) for line in open(Path(embedded.resolve_data("cleanrlhf/add2")) / "train.jsonl")]
+    ds = Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in rows])
+    gens, ends, lens = [], [], []
+    generate = model.generate  # TRL calls the unwrapped model's generate: this very object on one CPU process
+
+    def timed_generate(*a, **k):
+        t0 = time.perf_counter()
+        result = generate(*a, **k)
+        gens.append((t0, time.perf_counter()))
+        return result
+
+    model.generate = timed_generate
+
+    def reward(prompts, completions, completion_ids, answer, **_):
+        lens.append(sum(map(len, completion_ids)) / len(completion_ids))
+        return reward_func([p + c for p, c in zip(prompts, completions)], prompts, answer)["rewards"].tolist()
+
+    class Clock(TrainerCallback):
+        def on_step_end(self, *a, **k):
+            ends.append(time.perf_counter())
+
+    cfg = GRPOConfig(
+        output_dir=str(out / "trl"), per_device_train_batch_size=PROMPTS * GROUP, num_generations=GROUP,
+        generation_batch_size=PROMPTS * GROUP, max_completion_length=TOKENS, generation_kwargs={"min_new_tokens": TOKENS},
+        temperature=1.0, beta=0.0, learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, adam_beta2=0.95,
+        max_grad_norm=1.0, max_steps=warmup + steps, use_cpu=True, bf16=False, report_to="none", logging_steps=10**6,
+        save_strategy="no", gradient_checkpointing=False, dataloader_num_workers=0, seed=1,
+    )  # fmt: skip
+    trainer = GRPOTrainer(model=model, reward_funcs=reward, args=cfg, train_dataset=ds, processing_class=tokenizer,
+                          callbacks=[Clock()])  # fmt: skip
+    trainer.train()
+    step_s = (ends[-1] - ends[warmup - 1]) / steps
+    gen_s = sum(t1 - t0 for t0, t1 in gens if t0 > ends[warmup - 1]) / steps
+    return {"step_s": step_s, "gen_s": gen_s, "train_s": step_s - gen_s, "sync_s": 0.0, "tokens": lens[-1],
+            "threads": torch.get_num_threads()}  # fmt: skip
+
+
+def main() -> None:
+    p = argparse.ArgumentParser()
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--threads", type=int, default=2, help="torch threads on each side")
+    p.add_argument("--side", choices=["ours", "trl"], default=None, help=argparse.SUPPRESS)
+    p.add_argument("--out", default="/tmp/cleanrlhf-bench-grpo")
+    a = p.parse_args()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if a.side:
+        import torch
+
+        torch.set_num_threads(a.threads)
+        res = (run_ours if a.side == "ours" else run_trl)(a.steps, max(1, a.warmup), out)
+        (out / f"{a.side}.json").write_text(json.dumps(res))
+        return
+    env = {**os.environ, "OMP_NUM_THREADS": str(a.threads), "TOKENIZERS_PARALLELISM": "false"}
+    for side in ("ours", "trl"):
+        (out / f"{side}.json").unlink(missing_ok=True)
+        cmd = [sys.executable, __file__, "--side", side, "--steps", str(a.steps), "--warmup", str(a.warmup),
+               "--threads", str(a.threads), "--out", str(out)]  # fmt: skip
+        subprocess.run(cmd, check=True, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    ours, trl = (json.loads((out / f"{side}.json").read_text()) for side in ("ours", "trl"))
+    print(f"GRPO, cleanrlhf/tiny-sft on cleanrlhf/add2, {PROMPTS} prompts x {GROUP} samples x {TOKENS} tokens per step, "
+          f"{a.steps} timed steps, torch threads {ours['threads']} / {trl['threads']}, fp32")  # fmt: skip
+    print(f"{'':16}{'s/step':>9}{'gen s':>9}{'train s':>9}{'sync s':>9}{'tokens':>8}{'tokens/s':>10}")
+    for name, r in (("CleanRLHF", ours), ("TRL GRPOTrainer", trl)):
+        sync = f"{r['sync_s']:>9.4f}" if name == "CleanRLHF" else f"{'n/a':>9}"
+        print(f"{name:16}{r['step_s']:>9.4f}{r['gen_s']:>9.4f}{r['train_s']:>9.4f}{sync}{r['tokens']:>8.1f}"
+              f"{PROMPTS * GROUP * r['tokens'] / r['step_s']:>10.0f}")  # fmt: skip
+    print(f"speed-up {trl['step_s'] / ours['step_s']:.2f}x (generation {trl['gen_s'] / ours['gen_s']:.2f}x, "
+          f"training {trl['train_s'] / ours['train_s']:.2f}x)")  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
