@@ -147,6 +147,11 @@ class AlgoArgs:
     """loss aggregation (see core/rl_math.aggregate_loss)."""
     kl_coef: float = 0.0
     """β of the k3 KL penalty in the loss; 0 loads no reference model."""
+    kl_target: float | None = None
+    """adaptive KL (Ziegler et al. 2019): β starts at kl-coef and is moved toward this per-token KL
+    (`rl_math.AdaptiveKLController`, saved in checkpoints); None keeps β fixed."""
+    kl_horizon: int = 10000
+    """adaptive KL horizon in samples: β changes by at most 20 % per this many samples."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     """KL estimator for the penalty."""
     is_correction: Literal["tis", "icepop", "seq-mask-tis"] | None = None
@@ -339,6 +344,9 @@ def main(args: Args) -> dict:
         client = checkpoint.load({"actor": actor}, checkpoint.latest(ckpt_dir))
         start_step = client["step"] + 1
         engines.update_weights(ds_engine.full_named_parameters(actor))  # engines start from the checkpoint's weights
+    kl_ctl = (rl_math.AdaptiveKLController(args.algo.kl_coef, args.algo.kl_target, args.algo.kl_horizon)
+              if args.algo.kl_target else rl_math.FixedKLController(args.algo.kl_coef))  # fmt: skip
+    kl_ctl.load_state_dict(client.get("kl_ctl", kl_ctl.state_dict()))
     logger = RunLogger(args.logger, run_dir, args, args.train.max_steps)
     # PLUMBING: the single-turn agent executor: prompt tokens -> vLLM generation -> checked reward
     executor = SingleTurnExecutor(engines, tokenizer, partial(score, reward_func, reward_source),
@@ -446,7 +454,7 @@ def main(args: Args) -> dict:
                             if ref_logp is not None:
                                 kl = rl_math.approx_kl(logp, ref_logp[r], args.algo.kl_estimator, mask=mb["loss_mask"])
                                 kl_loss = rl_math.aggregate_loss(kl, mb["loss_mask"], args.algo.loss_agg, **agg)
-                                loss = loss + args.algo.kl_coef * kl_loss
+                                loss = loss + kl_ctl.value * kl_loss
                                 kls.append(rl_math.masked_mean(kl, mb["loss_mask"]).item())
                             if ent is not None:
                                 ent_mean = rl_math.aggregate_loss(ent, mb["loss_mask"], args.algo.loss_agg, **agg)
@@ -466,6 +474,7 @@ def main(args: Args) -> dict:
                               "train/tokens": float(mask.sum())})  # fmt: skip
                 if kls:
                     stats["loss/kl"] = float(np.mean(kls))
+                    kl_ctl.update(stats["loss/kl"], len(kept))
                 if ents:
                     stats["loss/entropy"] = float(np.mean(ents))
 
@@ -477,6 +486,7 @@ def main(args: Args) -> dict:
                     rollout.check_weights(engines, actor.module, [episodes[i].prompt_ids + episodes[i].token_ids
                                                                   for i in kept[:4]])  # fmt: skip
         stats["train/lr"] = actor.lr_scheduler.get_last_lr()[0]
+        stats["train/kl_coef"] = kl_ctl.value
         last = step == args.train.max_steps - 1
         if args.eval.every and ((step + 1) % args.eval.every == 0 or last):
             stats.update(evaluate(executor, eval_set, args))
@@ -488,8 +498,8 @@ def main(args: Args) -> dict:
         logger.log({**stats, **perf}, step + 1, shown=("rollout/reward_mean", "eval/pass@1"))
         halted = args.train.halt_after is not None and step + 1 - start_step >= args.train.halt_after and not last
         if halted or (args.ckpt.every and ((step + 1) % args.ckpt.every == 0 or last)):
-            checkpoint.save({"actor": actor}, ckpt_dir, step, {"step": step, "first_eval": first_eval, "best": best},
-                            args.ckpt.keep_last)  # fmt: skip
+            state = {"step": step, "first_eval": first_eval, "best": best, "kl_ctl": kl_ctl.state_dict()}
+            checkpoint.save({"actor": actor}, ckpt_dir, step, state, args.ckpt.keep_last)
         if halted:
             logger.print(f"[grpo] halted after {args.train.halt_after} steps; resume with --run-dir {run_dir}")
             logger.close({"steps": step + 1, "halted": True})

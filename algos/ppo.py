@@ -176,6 +176,11 @@ class AlgoArgs:
     """loss aggregation of the policy and value losses (see core/rl_math.aggregate_loss)."""
     kl_coef: float = 0.01  # DEVIATION(3): the only KL term; none in the loss
     """β of the per-token KL penalty in the reward (Ziegler et al. 2019); 0 loads no reference model."""
+    kl_target: float | None = None
+    """adaptive KL (Ziegler et al. 2019): β starts at kl-coef and is moved toward this per-token KL
+    (`rl_math.AdaptiveKLController`, saved in checkpoints); None keeps β fixed."""
+    kl_horizon: int = 10000
+    """adaptive KL horizon in samples: β changes by at most 20 % per this many samples."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k1"
     """KL estimator for the reward penalty (k1 = log π_old/π_ref, InstructGPT's)."""
     is_correction: Literal["tis", "icepop", "seq-mask-tis"] | None = None
@@ -489,6 +494,9 @@ def main(args: Args) -> dict:
         client = checkpoint.load({"actor": actor, "critic": critic}, checkpoint.latest(ckpt_dir))
         start_step = client["step"] + 1
         engines.update_weights(ds_engine.full_named_parameters(actor))  # engines start from the checkpoint's weights
+    kl_ctl = (rl_math.AdaptiveKLController(args.algo.kl_coef, args.algo.kl_target, args.algo.kl_horizon)
+              if args.algo.kl_target else rl_math.FixedKLController(args.algo.kl_coef))  # fmt: skip
+    kl_ctl.load_state_dict(client.get("kl_ctl", kl_ctl.state_dict()))
     logger = RunLogger(args.logger, run_dir, args, args.train.max_steps)
     # PLUMBING: the single-turn agent executor: prompt tokens -> vLLM generation -> checked reward
     executor = SingleTurnExecutor(engines, tokenizer, partial(score, reward_func, reward_source),
@@ -556,8 +564,10 @@ def main(args: Args) -> dict:
                     kl = rl_math.approx_kl(old_logp, ref_logp, args.algo.kl_estimator, mask=mask)
                     stats["loss/kl"] = rl_math.masked_mean(kl, mask).item()
             # ALGO LOGIC: KL-shaped token rewards -> GAE with the rollout critic's values -> whitened advantages
-            advantages, returns = ppo_advantages(rewards.to(old_logp.device), kl, old_values, mask, args.algo.kl_coef,
+            advantages, returns = ppo_advantages(rewards.to(old_logp.device), kl, old_values, mask, kl_ctl.value,
                                                  args.algo.gamma, args.algo.lam, args.algo.whiten_advantages)  # fmt: skip
+            if "loss/kl" in stats:  # β for the next rollout
+                kl_ctl.update(stats["loss/kl"], mask.shape[0])
             stats.update({"critic/values_mean": rl_math.masked_mean(old_values, mask).item(),
                           "critic/returns_mean": rl_math.masked_mean(returns, mask).item(),
                           "critic/explained_variance": explained_variance(old_values, returns, mask).item()})  # fmt: skip
@@ -574,6 +584,7 @@ def main(args: Args) -> dict:
                     rollout.check_weights(engines, actor.module, [episodes[i].prompt_ids + episodes[i].token_ids
                                                                   for i in range(4)])  # fmt: skip
         stats["train/lr"] = actor.lr_scheduler.get_last_lr()[0]
+        stats["train/kl_coef"] = kl_ctl.value
         last = step == args.train.max_steps - 1
         if args.eval.every and ((step + 1) % args.eval.every == 0 or last):
             stats.update(evaluate(executor, eval_set, args))
@@ -585,8 +596,8 @@ def main(args: Args) -> dict:
         logger.log({**stats, **perf}, step + 1, shown=("rollout/reward_mean", "eval/pass@1"))
         halted = args.train.halt_after is not None and step + 1 - start_step >= args.train.halt_after and not last
         if halted or (args.ckpt.every and ((step + 1) % args.ckpt.every == 0 or last)):
-            checkpoint.save({"actor": actor, "critic": critic}, ckpt_dir, step,
-                            {"step": step, "first_eval": first_eval, "best": best}, args.ckpt.keep_last)  # fmt: skip
+            state = {"step": step, "first_eval": first_eval, "best": best, "kl_ctl": kl_ctl.state_dict()}
+            checkpoint.save({"actor": actor, "critic": critic}, ckpt_dir, step, state, args.ckpt.keep_last)
         if halted:
             logger.print(f"[ppo] halted after {args.train.halt_after} steps; resume with --run-dir {run_dir}")
             logger.close({"steps": step + 1, "halted": True})

@@ -33,10 +33,13 @@ def _small(module: str, run_dir, steps: int):
 def test_halt_and_resume_reproduces_the_uninterrupted_run(module, tmp_path, one_thread):
     """4 steps straight vs 2 steps, halt (checkpoint), then the same command resumes for steps 3-4: rewards, losses
     and eval are equal, because the data position, sampling seeds, RNGs, optimizer (and critic) state are restored
-    and the engine gets the checkpoint's weights. The best eval so far is exported to <run>/best."""
+    and the engine gets the checkpoint's weights (and PPO's adaptive KL coefficient its β). The best eval so far is
+    exported to <run>/best."""
     mod, straight = _small(module, tmp_path / "straight", 4)
-    mod.main(straight)
     _, part = _small(module, tmp_path / "part", 4)
+    if module == "ppo":  # PPO with its KL in the reward, under the adaptive controller: its β is state to restore
+        straight.algo.kl_target = part.algo.kl_target = 1e-3
+    mod.main(straight)
     part.train.halt_after = 2
     assert mod.main(part)["halted"]
     part.train.halt_after = None
@@ -45,12 +48,15 @@ def test_halt_and_resume_reproduces_the_uninterrupted_run(module, tmp_path, one_
     trained = [json.loads(line)["step"] for line in (tmp_path / "part" / "metrics.jsonl").read_text().splitlines()
                if "loss/policy" in line]  # fmt: skip
     assert trained == [1, 2, 3, 4]  # the second invocation resumed at step 3 instead of starting over
-    keys = ["rollout/reward_mean", "loss/policy", "eval/pass@1"] + (["loss/value"] if module == "ppo" else [])
+    keys = ["rollout/reward_mean", "loss/policy", "eval/pass@1", "train/kl_coef"]
+    keys += ["loss/value", "loss/kl"] if module == "ppo" else []
     for step in (3, 4):
         for key in keys:
             if key in expected[step]:
                 assert resumed[step][key] == pytest.approx(expected[step][key], rel=1e-5, abs=1e-6), (step, key)
     assert "loss/policy" in expected[4] and "eval/pass@1" in expected[4]
+    if module == "ppo":
+        assert expected[2]["train/kl_coef"] != expected[4]["train/kl_coef"] != straight.algo.kl_coef  # β moved
     assert (tmp_path / "part" / "best" / "config.json").is_file()
 
 
