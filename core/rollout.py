@@ -380,6 +380,20 @@ class RolloutEngines:
             )
         self._group = None  # the broadcast group, made by `init_broadcast`
 
+    def __getstate__(self) -> dict:
+        """Ray-actor engines can be handed to another process (e.g. the ranks of a `core.placement.ModelGroup`, whose
+        rank 0 then sends the weights): the actor handles travel, the lock and the broadcast group do not (the
+        receiver forms its own with `init_broadcast`). In-process engines cannot leave their process."""
+        if not self.actors:
+            raise TypeError(f"vLLM engines {self.names} run in this process: only Ray-actor engines can be pickled")
+        state = dict(self.__dict__)
+        state["_lock"], state["_group"] = None, None
+        return state
+
+    def __setstate__(self, state: dict) -> None:
+        self.__dict__.update(state)
+        self._lock = threading.Lock()
+
     def init_broadcast(self) -> None:
         """Form the weight-broadcast group: this process is rank 0, engine i rank i + 1 (nccl with CUDA, else gloo)."""
         import ray
@@ -569,15 +583,16 @@ class RolloutEngines:
         self.engines = []
 
 
-def create_engines(model_path: str, cfg: VLLMConfig, seed: int = 0,
-                   actor_options: list[dict] | None = None) -> RolloutEngines:  # fmt: skip
+def create_engines(model_path: str, cfg: VLLMConfig, seed: int = 0, actor_options: list[dict] | None = None,
+                   init_broadcast: bool = True) -> RolloutEngines:  # fmt: skip
     """Start `cfg.num_engines` engines on `model_path` (an HF folder), in this process or as Ray actors, and wait
     until they are ready (within `cfg.timeout_s`). Engine i samples with base seed `seed + i`.
 
     Ray actors (Ray must be initialised) get 1 CPU, `OMP_NUM_THREADS=1` and, with CUDA, `tensor_parallel_size` GPUs;
     `actor_options[i]` is merged into engine i's `.options(...)` (replacing keys it names), e.g. a placement-group
     scheduling strategy or fractional `num_gpus` for colocation. With `--vllm.sync-backend broadcast` the weight group
-    is formed here too."""
+    is formed here too, with this process as the sender, unless `init_broadcast=False` (the sender is elsewhere, e.g.
+    rank 0 of a `core.placement.ModelGroup`, which calls `init_broadcast` itself)."""
     cuda = torch.cuda.is_available()
     in_process = cfg.in_process if cfg.in_process is not None else (cfg.num_engines == 1 and not cuda)
     if in_process and cfg.num_engines != 1:
@@ -606,7 +621,7 @@ def create_engines(model_path: str, cfg: VLLMConfig, seed: int = 0,
         actors.append(actor_cls.options(**options).remote(model_path, cfg, seed + i, name))
     engines = RolloutEngines(actors, names, cfg, actors=True, dtype=dtype)
     engines._all("ready")
-    if engines.backend == "broadcast":
+    if engines.backend == "broadcast" and init_broadcast:
         engines.init_broadcast()
     return engines
 

