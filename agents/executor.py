@@ -80,8 +80,10 @@ class SingleTurnExecutor:
         self.engines, self.tokenizer, self.reward_fn = engines, tokenizer, reward_fn
         self.max_new_tokens, self.temperature, self.top_p = max_new_tokens, temperature, top_p
 
-    def run(self, batch: list[dict], n: int, seed: int | None, step: int, temperature: float | None = None) -> Rollout:
-        """n episodes per row of `batch`; sampling seeds derive from `seed` (see `RolloutEngines.generate`);
+    def run(self, batch: list[dict], n: int, seed: int | list[int] | None, step: int,
+            temperature: float | None = None) -> Rollout:  # fmt: skip
+        """n episodes per row of `batch`; sampling seeds derive from `seed`, an int or one per row (see
+        `RolloutEngines.generate`);
         `temperature` overrides the executor's (0: greedy, for evaluation)."""
         temperature = self.temperature if temperature is None else temperature
         groups = self.engines.generate([e["prompt_ids"] for e in batch], n=n, max_new_tokens=self.max_new_tokens,
@@ -125,7 +127,8 @@ class MultiTurnExecutor:
     def _tokens(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
 
-    def run(self, batch: list[dict], n: int, seed: int | None, step: int, temperature: float | None = None) -> Rollout:
+    def run(self, batch: list[dict], n: int, seed: int | list[int] | None, step: int,
+            temperature: float | None = None) -> Rollout:  # fmt: skip
         temperature = self.temperature if temperature is None else temperature
         rows = [e for e in batch for _ in range(n)]
         envs = [self.env_factory(e) for e in rows]
@@ -138,7 +141,8 @@ class MultiTurnExecutor:
         for turn in range(self.max_turns):
             if not active:
                 break
-            seeds = None if seed is None else [seed + 7_919 * turn + i for i in active]
+            seeds = None if seed is None else [(seed[i // n] + i % n if isinstance(seed, list) else seed + i)
+                                               + 7_919 * turn for i in active]  # fmt: skip
             outs = self.engines.generate([episodes[i].prompt_ids + episodes[i].token_ids for i in active], n=1,
                                          max_new_tokens=self.max_new_tokens, temperature=temperature,
                                          top_p=self.top_p, seed=seeds)  # fmt: skip
