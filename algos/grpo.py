@@ -478,6 +478,8 @@ def main(args: Args, engines: rollout.RolloutEngines | None = None) -> dict:
                 parts = [None] * world
                 torch.distributed.all_gather_object(parts, ro)
                 ro, extra = Rollout.cat(parts), all_ranks(extra, world, reduce=True)
+            if args.vllm.enable_sleep and rank == 0:  # hybrid engine: the engines' GPU memory goes to training
+                engines.sleep()
             episodes, rewards = ro.episodes, ro.rewards
 
         # 3. rewards and advantages
@@ -580,11 +582,15 @@ def main(args: Args, engines: rollout.RolloutEngines | None = None) -> dict:
 
         # 5. weight sync, eval, logging, checkpoint
         with timer(perf, "perf/sync_s"):
+            if args.vllm.enable_sleep and rank == 0:  # weights back first, new weights in, then the KV cache
+                engines.wake_up(["weights"])
             if kept:
                 stats.update(sync_weights(engines, actor, rank))
-                if args.debug:  # on every rank: under ZeRO-3 the trainer's forward is a collective
-                    rollout.check_weights(engines, actor.module, [episodes[i].prompt_ids + episodes[i].token_ids
-                                                                  for i in kept[:4]])  # fmt: skip
+            if args.vllm.enable_sleep and rank == 0:
+                engines.wake_up(["kv_cache"])
+            if kept and args.debug:  # on every rank: under ZeRO-3 the trainer's forward is a collective
+                rollout.check_weights(engines, actor.module, [episodes[i].prompt_ids + episodes[i].token_ids
+                                                              for i in kept[:4]])  # fmt: skip
         stats["train/lr"] = actor.lr_scheduler.get_last_lr()[0]
         stats["train/kl_coef"] = kl_ctl.value
         last = step == args.train.max_steps - 1

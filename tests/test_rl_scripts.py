@@ -77,3 +77,35 @@ def test_dynamic_filtering_in_every_fork(module, tmp_path, one_thread):
     assert 0 < row["rollout/reward_mean"] < 1
     if "rollout/kept_frac" in row:
         assert row["rollout/kept_frac"] == 1.0  # no group left for the zero-variance filter to drop
+
+
+@pytest.mark.slow
+def test_hybrid_engine_sleeps_while_training_and_wakes_before_the_sync(tmp_path, monkeypatch, one_thread):
+    """`--vllm.enable-sleep`: after each rollout the engine sleeps (its GPU memory would go to training), its weights
+    wake before the sync, its KV cache after it, and nothing is generated while it sleeps; generation still works
+    and the `--debug` check passes after every sync. (On CPU vLLM's sleep frees nothing, but the calls are real.)"""
+    from core import rollout
+
+    calls = []
+
+    def record(name):
+        original = getattr(rollout.RolloutEngines, name)
+
+        def wrapper(self, *a, **k):
+            calls.append((name, tuple(a[0]) if name == "wake_up" and a else None))
+            return original(self, *a, **k)
+
+        monkeypatch.setattr(rollout.RolloutEngines, name, wrapper)
+
+    for name in ("sleep", "wake_up", "update_weights", "generate"):
+        record(name)
+    mod, args = _small("grpo", tmp_path / "run", 2)
+    args.eval.every, args.vllm.enable_sleep, args.debug = 0, True, True
+    mod.main(args)
+    events = [c for c in calls if c[0] != "generate"]
+    step = [("sleep", None), ("wake_up", ("weights",)), ("update_weights", None), ("wake_up", ("kv_cache",))]
+    assert events == step * 2
+    asleep = False
+    for name, tags in calls:
+        asleep = True if name == "sleep" else (False if tags == ("kv_cache",) else asleep)
+        assert not (name == "generate" and asleep)
