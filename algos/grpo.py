@@ -339,17 +339,6 @@ def all_ranks(obj, world: int, reduce: bool = False):
     return {k: float(np.mean([p[k] for p in parts if k in p])) for k in dict.fromkeys(k for p in parts for k in p)}
 
 
-def sync_weights(engines, actor, rank: int) -> dict:
-    """Trainer weights -> vLLM engines: every rank walks the parameters (gathering ZeRO-3 shards is a collective),
-    rank 0 sends them."""
-    named = ds_engine.full_named_parameters(actor)
-    if rank == 0:
-        return engines.update_weights(named)
-    for _ in named:
-        pass
-    return {}
-
-
 def launch(args: Args) -> dict:
     """`--train.ranks N`: start Ray, the vLLM engine actors and N trainer ranks (one DeepSpeed world) on one placement
     group, and run `main` on every rank, as torchrun would; returns rank 0's summary."""
@@ -429,7 +418,7 @@ def main(args: Args, engines: rollout.RolloutEngines | None = None) -> dict:
     if args.ckpt.resume and checkpoint.latest(ckpt_dir):
         client = checkpoint.load({"actor": actor}, checkpoint.latest(ckpt_dir))
         start_step = client["step"] + 1
-        sync_weights(engines, actor, rank)  # the engines start from the checkpoint's weights
+        placement.sync_weights(engines, actor, rank)  # the engines start from the checkpoint's weights
     kl_ctl = (rl_math.AdaptiveKLController(args.algo.kl_coef, args.algo.kl_target, args.algo.kl_horizon)
               if args.algo.kl_target else rl_math.FixedKLController(args.algo.kl_coef))  # fmt: skip
     kl_ctl.load_state_dict(client.get("kl_ctl", kl_ctl.state_dict()))
@@ -585,7 +574,7 @@ def main(args: Args, engines: rollout.RolloutEngines | None = None) -> dict:
             if args.vllm.enable_sleep and rank == 0:  # weights back first, new weights in, then the KV cache
                 engines.wake_up(["weights"])
             if kept:
-                stats.update(sync_weights(engines, actor, rank))
+                stats.update(placement.sync_weights(engines, actor, rank))
             if args.vllm.enable_sleep and rank == 0:
                 engines.wake_up(["kv_cache"])
             if kept and args.debug:  # on every rank: under ZeRO-3 the trainer's forward is a collective

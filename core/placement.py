@@ -143,6 +143,19 @@ def split_contiguous(items: list, n: int) -> list[list]:
     return [items[bounds[i] : bounds[i + 1]] for i in range(n)]
 
 
+def sync_weights(engines, engine, rank: int) -> dict[str, float]:
+    """A DeepSpeed engine's weights -> vLLM engines. Collective: every rank walks the parameters (gathered one by one
+    under ZeRO-3), rank 0 sends them. Returns rank 0's sync stats, {} on other ranks."""
+    from core.engine import full_named_parameters
+
+    named = full_named_parameters(engine)
+    if rank == 0:
+        return engines.update_weights(named)
+    for _ in named:  # follow rank 0 through every gather
+        pass
+    return {}
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # One rank
 
@@ -198,15 +211,8 @@ class Worker:
     def sync_weights(self) -> dict[str, float]:
         """Send `self.engine`'s parameters to the connected engines. Collective: every rank iterates the parameters
         (gathered one by one under ZeRO-3), rank 0 sends them. Returns rank 0's sync stats, {} on other ranks."""
-        from core.engine import full_named_parameters
-
         assert self.rollout_engines is not None, "call connect_engines(engines) first"
-        named = full_named_parameters(self.engine)
-        if self.rank == 0:
-            return self.rollout_engines.update_weights(named)
-        for _ in named:  # follow rank 0 through every gather
-            pass
-        return {}
+        return sync_weights(self.rollout_engines, self.engine, self.rank)
 
     def check_weights(self, token_ids: list[list[int]], atol: float | None = None) -> float:
         """`rollout.check_weights` against this group's model: the engines' log-probs of `token_ids` equal the
