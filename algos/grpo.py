@@ -426,6 +426,8 @@ def main(args: Args, engines: rollout.RolloutEngines | None = None) -> dict:
     # PLUMBING: the single-turn agent executor: prompt tokens -> vLLM generation -> checked reward
     executor = SingleTurnExecutor(engines, tokenizer, partial(score, reward_func, reward_source),
                                   args.rollout.max_new_tokens, args.rollout.temperature, args.rollout.top_p)  # fmt: skip
+    if args.vllm.enable_sleep:  # hybrid engine: DeepSpeed states stay off the GPU while the engines generate
+        placement.offload_states(actor)
     first_eval = client.get("first_eval") or all_ranks(evaluate(executor, eval_set, args) if rank == 0 else None, world)
     best = client.get("best", -math.inf)  # the best eval so far (`--eval.best-metric`), exported to <run>/best
     logger.log(first_eval, start_step, shown=("eval/pass@1",))
@@ -467,8 +469,10 @@ def main(args: Args, engines: rollout.RolloutEngines | None = None) -> dict:
                 parts = [None] * world
                 torch.distributed.all_gather_object(parts, ro)
                 ro, extra = Rollout.cat(parts), all_ranks(extra, world, reduce=True)
-            if args.vllm.enable_sleep and rank == 0:  # hybrid engine: the engines' GPU memory goes to training
-                engines.sleep()
+            if args.vllm.enable_sleep:  # hybrid engine: the engines' GPU memory goes to training
+                if rank == 0:
+                    engines.sleep()
+                placement.reload_states(actor)  # DeepSpeed states back on the GPU (no-op on CPU)
             episodes, rewards = ro.episodes, ro.rewards
 
         # 3. rewards and advantages
@@ -595,6 +599,8 @@ def main(args: Args, engines: rollout.RolloutEngines | None = None) -> dict:
         if halted or (args.ckpt.every and ((step + 1) % args.ckpt.every == 0 or last)):
             state = {"step": step, "first_eval": first_eval, "best": best, "kl_ctl": kl_ctl.state_dict()}
             checkpoint.save({"actor": actor}, ckpt_dir, step, state, args.ckpt.keep_last)
+        if args.vllm.enable_sleep and not (last or halted):  # DeepSpeed states off the GPU while the engines generate
+            placement.offload_states(actor)
         if halted:
             logger.print(f"[grpo] halted after {args.train.halt_after} steps; resume with --run-dir {run_dir}")
             logger.close({"steps": step + 1, "halted": True})

@@ -232,30 +232,40 @@ class Worker:
         return 0.0
 
     # -- hybrid engine ------------------------------------------------------------------------------------------
-    def _states_movable(self) -> bool:
-        """DeepSpeed (0.19.8) moves ZeRO-1/2/3 states (`engine.offload_states`); not stage 0, not a model without an
-        optimizer, not states already offloaded by --ds.offload-*. On CPU they live in CPU memory already."""
-        eng = self.engine
-        return (
-            torch.cuda.is_available()
-            and eng is not None
-            and hasattr(eng.optimizer, "offload_states")
-            and not eng.zero_offload_param()
-            and not eng.zero_offload_optimizer()
-        )
-
     def offload_states(self) -> None:
-        """Hybrid engine: move this rank's DeepSpeed states (parameters, gradients, fp32 master weights, Adam moments)
-        to CPU memory after training, so the vLLM engines can wake up into the GPU memory. A no-op where nothing can
-        or need move (see `_states_movable`); on CPU, the only place this was run, it is always a no-op."""
-        if self._states_movable():
-            self.engine.offload_states()
-            torch.cuda.empty_cache()
+        """`offload_states(self.engine)` on this rank."""
+        offload_states(self.engine)
 
     def reload_states(self) -> None:
-        """Hybrid engine: bring what `offload_states` moved back to the GPU before training (no-op on CPU)."""
-        if self._states_movable():
-            self.engine.reload_states()
+        """`reload_states(self.engine)` on this rank."""
+        reload_states(self.engine)
+
+
+def states_movable(engine) -> bool:
+    """DeepSpeed (0.19.8) moves ZeRO-1/2/3 states (`engine.offload_states`); not stage 0, not a model without an
+    optimizer, not states already offloaded by --ds.offload-*. On CPU they live in CPU memory already."""
+    return (
+        torch.cuda.is_available()
+        and engine is not None
+        and hasattr(engine.optimizer, "offload_states")
+        and not engine.zero_offload_param()
+        and not engine.zero_offload_optimizer()
+    )
+
+
+def offload_states(engine) -> None:
+    """Hybrid engine: move a DeepSpeed engine's states (parameters, gradients, fp32 master weights, Adam moments) to
+    CPU memory after training, so the vLLM engines can wake up into the GPU memory. A no-op where nothing can or need
+    move (see `states_movable`), e.g. always on CPU. Tested on CUDA (H200, ZeRO-2/3): tests/test_gpu.py."""
+    if states_movable(engine):
+        engine.offload_states()
+        torch.cuda.empty_cache()
+
+
+def reload_states(engine) -> None:
+    """Hybrid engine: bring what `offload_states` moved back to the GPU before training (no-op where it was)."""
+    if states_movable(engine):
+        engine.reload_states()
 
 
 # ---------------------------------------------------------------------------------------------------------------

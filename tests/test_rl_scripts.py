@@ -83,7 +83,8 @@ def test_dynamic_filtering_in_every_fork(module, tmp_path, one_thread):
 def test_hybrid_engine_sleeps_while_training_and_wakes_before_the_sync(tmp_path, monkeypatch, one_thread):
     """`--vllm.enable-sleep`: after each rollout the engine sleeps (its GPU memory would go to training), its weights
     wake before the sync, its KV cache after it, and nothing is generated while it sleeps; generation still works
-    and the `--debug` check passes after every sync. (On CPU vLLM's sleep frees nothing, but the calls are real.)"""
+    and the `--debug` check passes after every sync. DeepSpeed's states go off the GPU before each rollout and come
+    back after it. (On CPU neither frees anything, but the calls are real; tests/test_gpu.py moves states on CUDA.)"""
     from core import rollout
 
     calls = []
@@ -99,13 +100,21 @@ def test_hybrid_engine_sleeps_while_training_and_wakes_before_the_sync(tmp_path,
 
     for name in ("sleep", "wake_up", "update_weights", "generate"):
         record(name)
+    from core import placement
+
+    for name in ("offload_states", "reload_states"):  # the DeepSpeed side (moves states on CUDA; no-op on CPU)
+        monkeypatch.setattr(placement, name, lambda engine, _n=name, _f=getattr(placement, name):
+                            (calls.append((_n, None)), _f(engine))[1])  # fmt: skip
     mod, args = _small("grpo", tmp_path / "run", 2)
     args.eval.every, args.vllm.enable_sleep, args.debug = 0, True, True
     mod.main(args)
     events = [c for c in calls if c[0] != "generate"]
-    step = [("sleep", None), ("wake_up", ("weights",)), ("update_weights", None), ("wake_up", ("kv_cache",))]
-    assert events == step * 2
-    asleep = False
+    step = [("sleep", None), ("reload_states", None), ("wake_up", ("weights",)), ("update_weights", None),
+            ("wake_up", ("kv_cache",))]  # fmt: skip
+    assert events == [("offload_states", None), *step, ("offload_states", None), *step]
+    asleep, offloaded = False, False
     for name, tags in calls:
         asleep = True if name == "sleep" else (False if tags == ("kv_cache",) else asleep)
+        offloaded = True if name == "offload_states" else (False if name == "reload_states" else offloaded)
         assert not (name == "generate" and asleep)
+        assert not (name == "update_weights" and offloaded)  # the sync reads the trainer's weights on the GPU
