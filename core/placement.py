@@ -258,7 +258,13 @@ def offload_states(engine) -> None:
     CPU memory after training, so the vLLM engines can wake up into the GPU memory. A no-op where nothing can or need
     move (see `states_movable`), e.g. always on CPU. Tested on CUDA (H200, ZeRO-2/3): tests/test_gpu.py."""
     if states_movable(engine):
-        engine.offload_states()
+        include = None  # everything
+        if engine.zero_optimization_stage() == 3 and type(engine.optimizer.optimizer).__name__ != "FusedAdam":
+            from deepspeed.runtime.zero.offload_config import OffloadStateTypeEnum as S
+
+            # DeepSpeed 0.19.8 moves ZeRO-3 optimizer states of its FusedAdam only (core.engine uses it on CUDA)
+            include = [S.lp_params, S.lp_grads, S.contiguous_grad_buffer]
+        engine.offload_states(include=include)
         torch.cuda.empty_cache()
 
 

@@ -163,6 +163,7 @@ def init_weight_group(backend: str, addr: str, port: int, rank: int, world: int,
 
 def flatten_bucket(bucket: Named, dtype: torch.dtype, device: torch.device) -> tuple[Meta, list[torch.Tensor]]:
     """Metadata and one flat buffer per dtype (floating tensors cast to `dtype`), in order of first appearance."""
+    bucket = [(name, t.detach()) for name, t in bucket]  # data only (live parameters require grad)
     tensors = [t.to(dtype) if t.is_floating_point() else t for _, t in bucket]
     meta = [(name, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for (name, _), t in zip(bucket, tensors)]
     order = list(dict.fromkeys(t.dtype for t in tensors))

@@ -102,9 +102,17 @@ def test_hybrid_engine_sleeps_while_training_and_wakes_before_the_sync(tmp_path,
         record(name)
     from core import placement
 
-    for name in ("offload_states", "reload_states"):  # the DeepSpeed side (moves states on CUDA; no-op on CPU)
-        monkeypatch.setattr(placement, name, lambda engine, _n=name, _f=getattr(placement, name):
-                            (calls.append((_n, None)), _f(engine))[1])  # fmt: skip
+    def record_states(name):  # the DeepSpeed side (moves states on CUDA; no-op on CPU)
+        original = getattr(placement, name)
+
+        def wrapper(engine):
+            calls.append((name, None))
+            return original(engine)
+
+        monkeypatch.setattr(placement, name, wrapper)
+
+    for name in ("offload_states", "reload_states"):
+        record_states(name)
     mod, args = _small("grpo", tmp_path / "run", 2)
     args.eval.every, args.vllm.enable_sleep, args.debug = 0, True, True
     mod.main(args)

@@ -6,6 +6,7 @@
 #
 #   bash results/gpu/run.sh tests    # GPU tests (tests/test_gpu.py) and the weight-transport benchmark
 #   bash results/gpu/run.sh bench    # SFT and DPO against TRL on the GPU (tests/benchmarks/bench_{sft,dpo}.py)
+#   bash results/gpu/run.sh all      # both, in one call (what produced the committed files)
 set -uo pipefail
 OUT=${OUT:-/tmp/cleanrlhf-gpu}
 mkdir -p "$OUT"
@@ -18,15 +19,13 @@ export PYTHONPATH=/tmp/site:$PWD CLEANRLHF_HOME=$PWD/.gpu_home PYTHONUNBUFFERED=
 'cuda', torch.version.cuda, 'nccl', torch.cuda.nccl.version(), 'transformers', transformers.__version__,
 'deepspeed', deepspeed.__version__)"
 } 2>&1 | tee "$OUT/env.txt"
-case "${1:-tests}" in
-tests)
-    timeout 420 python3 -m pytest -v -rs -s -p no:cacheprovider --durations=0 tests/test_gpu.py 2>&1 |
+if [[ "${1:-tests}" == tests || "${1:-}" == all ]]; then
+    timeout 280 python3 -m pytest -v -rs -s -p no:cacheprovider --durations=0 tests/test_gpu.py 2>&1 |
         tee "$OUT/test_gpu.txt"
-    timeout 150 python3 tests/benchmarks/bench_sync_gpu.py --out "$OUT/bench_sync_gpu.json" 2>&1 |
+    timeout 80 python3 tests/benchmarks/bench_sync_gpu.py --out "$OUT/bench_sync_gpu.json" 2>&1 |
         tee "$OUT/bench_sync_gpu.txt"
-    ;;
-bench)
-    timeout 280 python3 tests/benchmarks/bench_sft.py --steps 40 2>&1 | tee "$OUT/bench_sft_gpu.txt"
-    timeout 280 python3 tests/benchmarks/bench_dpo.py 2>&1 | tee "$OUT/bench_dpo_gpu.txt"
-    ;;
-esac
+fi
+if [[ "${1:-tests}" == bench || "${1:-}" == all ]]; then
+    timeout 150 python3 tests/benchmarks/bench_sft.py --steps 40 2>&1 | tee "$OUT/bench_sft_gpu.txt"
+    timeout 150 python3 tests/benchmarks/bench_dpo.py 2>&1 | tee "$OUT/bench_dpo_gpu.txt"
+fi
