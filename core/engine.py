@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import shutil
 import socket
 from datetime import timedelta
@@ -92,6 +93,26 @@ def lr_lambda(warmup_steps: int, total_steps: int, min_lr_ratio: float):
     return f
 
 
+def fused_adam(params, lr: float, betas: tuple[float, float], weight_decay: float):
+    """DeepSpeed's FusedAdam in AdamW mode on CUDA, or None (with the reason printed) where it cannot be built. It is
+    JIT-built on first use by ninja + nvcc (cached under ~/.cache/torch_extensions) and is the only optimizer whose
+    ZeRO-3 states DeepSpeed can move off the GPU (the hybrid engine, `core.placement.offload_states`)."""
+    # DeepSpeed 0.19.8 cannot parse arch names with a suffix (e.g. "10.0a", seen in a CUDA 13 image's
+    # TORCH_CUDA_ARCH_LIST): build for the GPUs present instead
+    archs = os.environ.get("TORCH_CUDA_ARCH_LIST", "").replace(" ", ";").split(";")
+    if any(a and not re.fullmatch(r"\d+\.\d+(\+PTX)?", a) for a in archs):
+        caps = sorted({torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())})
+        os.environ["TORCH_CUDA_ARCH_LIST"] = ";".join(f"{m}.{n}" for m, n in caps)
+    try:
+        from deepspeed.ops.adam import FusedAdam
+
+        return FusedAdam(params, lr=lr, betas=betas, weight_decay=weight_decay, adam_w_mode=True)
+    except Exception as e:  # noqa: BLE001  (no nvcc, a failed build: train with torch AdamW instead, and say so)
+        print(f"[core.engine] DeepSpeed FusedAdam unavailable ({type(e).__name__}: {e}); using torch AdamW, whose "
+              "ZeRO-3 optimizer states the hybrid engine cannot offload")  # fmt: skip
+        return None
+
+
 def make_engine(model, ds: DSConfig, lr: float, total_steps: int, warmup_steps: int = 0, min_lr_ratio: float = 0.1,
                 weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.95)):  # fmt: skip
     """Wrap `model` in a DeepSpeed engine with AdamW over its trainable parameters (DeepSpeed's FusedAdam on CUDA,
@@ -100,13 +121,10 @@ def make_engine(model, ds: DSConfig, lr: float, total_steps: int, warmup_steps: 
 
     dtype = next(model.parameters()).dtype
     params = [p for p in model.parameters() if p.requires_grad]
-    if torch.cuda.is_available() and not ds.offload_optimizer:
-        # DeepSpeed's FusedAdam (AdamW mode), built on first use by ninja + nvcc (~1 min, cached): one kernel for all
-        # parameters, and the only optimizer whose ZeRO-3 states DeepSpeed can move off the GPU (hybrid engine)
-        from deepspeed.ops.adam import FusedAdam
-
-        optimizer = FusedAdam(params, lr=lr, betas=betas, weight_decay=weight_decay, adam_w_mode=True)
-    else:  # CPU: torch AdamW (no 2-4 min CPUAdam compile; the models that train on CPU are small)
+    optimizer = (
+        fused_adam(params, lr, betas, weight_decay) if torch.cuda.is_available() and not ds.offload_optimizer else None
+    )
+    if optimizer is None:  # CPU: torch AdamW (no 2-4 min CPUAdam compile; the models that train on CPU are small)
         optimizer = torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(warmup_steps, total_steps, min_lr_ratio))
     engine, *_ = deepspeed.initialize(
