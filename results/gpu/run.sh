@@ -26,6 +26,11 @@ if [[ "${1:-tests}" == tests || "${1:-}" == all ]]; then
         tee "$OUT/bench_sync_gpu.txt"
 fi
 if [[ "${1:-tests}" == bench || "${1:-}" == all ]]; then
-    timeout 150 python3 tests/benchmarks/bench_sft.py --steps 40 2>&1 | tee "$OUT/bench_sft_gpu.txt"
-    timeout 150 python3 tests/benchmarks/bench_dpo.py 2>&1 | tee "$OUT/bench_dpo_gpu.txt"
+    # the tiny model (fp32, as on CPU), then a Qwen2-0.5B-shaped one in bf16, where the GPU has work to do
+    { timeout 120 python3 tests/benchmarks/bench_sft.py --steps 40
+      timeout 150 python3 tests/benchmarks/bench_sft.py --steps 20 --workload mixed --model qwen2-0.5b-shaped --bf16
+    } 2>&1 | tee "$OUT/bench_sft_gpu.txt"
+    { timeout 100 python3 tests/benchmarks/bench_dpo.py
+      timeout 150 python3 tests/benchmarks/bench_dpo.py --steps 10 --batch 8 64 --model qwen2-0.5b-shaped --bf16
+    } 2>&1 | tee "$OUT/bench_dpo_gpu.txt"
 fi

@@ -35,7 +35,15 @@ def pool() -> list[dict]:
     return [json.loads(line) for line in open(Path(path) / "train.jsonl")][:4000]
 
 
-def run_ours(steps: int, warmup: int, batch: int, out: Path) -> dict:
+def model_path(name: str, out: Path) -> str:
+    from bench_sft import shaped_model  # tests/benchmarks/ is sys.path[0] when run as a script
+
+    from core import embedded
+
+    return shaped_model(out) if name == "qwen2-0.5b-shaped" else embedded.resolve_model(name)
+
+
+def run_ours(steps: int, warmup: int, batch: int, out: Path, model: str, bf16: bool) -> dict:
     sys.argv = [sys.argv[0]]
     from algos.dpo import Args, main
 
@@ -43,6 +51,7 @@ def run_ours(steps: int, warmup: int, batch: int, out: Path) -> dict:
     data_file.write_text("".join(json.dumps(r) + "\n" for r in pool()))
     shutil.rmtree(out / "ours", ignore_errors=True)  # metrics.jsonl appends; a stale run would mix into the timing
     args = Args()
+    args.model.name_or_path, args.model.dtype = model_path(model, out), ("bf16" if bf16 else "fp32")
     args.data.path, args.data.eval_path, args.eval.max_samples = str(data_file), "cleanrlhf/add2-pref", 8
     args.train.max_steps, args.train.batch_size, args.train.lr, args.train.beta = warmup + steps, batch, LR, BETA
     args.train.warmup_steps = 0
@@ -57,17 +66,17 @@ def run_ours(steps: int, warmup: int, batch: int, out: Path) -> dict:
     return {"step_s": timed / steps, "ref_s": summary["ref_s"]}
 
 
-def run_trl(steps: int, warmup: int, batch: int, out: Path) -> dict:
+def run_trl(steps: int, warmup: int, batch: int, out: Path, model: str, bf16: bool) -> dict:
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, TrainerCallback
     from trl import DPOConfig, DPOTrainer
 
-    from core import embedded, models
+    from core import models
 
-    path = embedded.ensure_sft_warm_start()
+    path = model_path(model, out)
     tokenizer = models.load_tokenizer(str(path))
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)  # bf16: autocast over fp32 weights (TRL's way)
     ds = Dataset.from_list([{"prompt": r["prompt"], "chosen": r["chosen"], "rejected": r["rejected"]} for r in pool()])
     times: list[float] = []
 
@@ -77,11 +86,12 @@ def run_trl(steps: int, warmup: int, batch: int, out: Path) -> dict:
 
     cfg = DPOConfig(
         output_dir=str(out / "trl"), per_device_train_batch_size=batch, max_steps=warmup + steps, learning_rate=LR,
-        beta=BETA, lr_scheduler_type="constant", warmup_steps=0, use_cpu=True, bf16=False, report_to="none",
+        beta=BETA, lr_scheduler_type="constant", warmup_steps=0, use_cpu=not torch.cuda.is_available(), bf16=bf16,
+        report_to="none",
         logging_steps=10**6, save_strategy="no", gradient_checkpointing=False, dataloader_num_workers=0, seed=1,
         max_length=64,
     )  # fmt: skip
-    trainer = DPOTrainer(model=model, args=cfg, train_dataset=ds, processing_class=tokenizer, callbacks=[Clock()])
+    trainer = DPOTrainer(model=lm, args=cfg, train_dataset=ds, processing_class=tokenizer, callbacks=[Clock()])
     trainer.train()
     return {"step_s": (times[-1] - times[warmup - 1]) / steps}
 
@@ -91,24 +101,30 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--batch", type=int, nargs="+", default=[8, 64], help="pairs per step (one row per value)")
+    p.add_argument("--model", default="cleanrlhf/tiny-sft", help="a model path or name, or qwen2-0.5b-shaped")
+    p.add_argument("--bf16", action="store_true", help="bf16 (ours: bf16 weights; TRL: autocast); default fp32")
     p.add_argument("--side", choices=["ours", "trl"], default=None, help=argparse.SUPPRESS)
     p.add_argument("--out", default="/tmp/cleanrlhf-bench-dpo")
     a = p.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     if a.side:
-        res = (run_ours if a.side == "ours" else run_trl)(a.steps, a.warmup, a.batch[0], out)
+        res = (run_ours if a.side == "ours" else run_trl)(a.steps, a.warmup, a.batch[0], out, a.model, a.bf16)
         (out / f"{a.side}.json").write_text(json.dumps(res))
         return
     threads = os.environ.get("OMP_NUM_THREADS", str(os.cpu_count()))
     env = {**os.environ, "OMP_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "false"}
-    print(f"DPO, cleanrlhf/tiny-sft on cleanrlhf/add2-pref, {a.steps} timed steps, {threads} threads, fp32")
+    import torch
+
+    where = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU, {threads} threads"
+    print(f"DPO, {a.model} on cleanrlhf/add2-pref, {a.steps} timed steps, {where}, {'bf16' if a.bf16 else 'fp32'}")
     print(f"{'pairs':>5}  {'':16}{'s/step':>10}{'s/step incl. ref':>18}{'pairs/s':>10}")
     for batch in a.batch:
         for side in ("ours", "trl"):
             (out / f"{side}.json").unlink(missing_ok=True)
             cmd = [sys.executable, __file__, "--side", side, "--steps", str(a.steps), "--warmup", str(a.warmup),
-                   "--batch", str(batch), "--out", str(out)]  # fmt: skip
+                   "--batch", str(batch), "--out", str(out), "--model", a.model,
+                   *(["--bf16"] if a.bf16 else [])]  # fmt: skip
             subprocess.run(cmd, check=True, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         ours, trl = (json.loads((out / f"{side}.json").read_text()) for side in ("ours", "trl"))
         with_ref = ours["step_s"] + ours["ref_s"] / (a.steps + a.warmup)

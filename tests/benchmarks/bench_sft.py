@@ -43,7 +43,35 @@ def tokens_per_sample(rows: list[dict]) -> float:
     return sum(len(tokenizer(r["prompt"] + r["answer"])["input_ids"]) + 1 for r in rows) / len(rows)
 
 
-def run_ours(steps: int, warmup: int, batch: int, out: Path, workload: str) -> dict:
+def shaped_model(out: Path) -> str:
+    """`--model qwen2-0.5b-shaped`: a randomly initialised Qwen2-0.5B-shaped model (24 layers, hidden 896, MLP 4864;
+    358 M parameters with the embedded 100-token vocabulary), built once under `out`: the step times of a model whose
+    compute matters, with the embedded data. Timing only; nothing is learned from it."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from core import models
+
+    path = out / "qwen2-0.5b-shaped"
+    if not (path / "config.json").exists():
+        tokenizer = models.load_tokenizer("cleanrlhf/tiny")
+        config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+                             num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=512,
+                             tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id,
+                             bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)  # fmt: skip
+        torch.manual_seed(0)
+        Qwen2ForCausalLM(config).save_pretrained(path)
+        tokenizer.save_pretrained(path)
+    return str(path)
+
+
+def model_path(name: str, out: Path) -> str:
+    from core import embedded
+
+    return shaped_model(out) if name == "qwen2-0.5b-shaped" else embedded.resolve_model(name)
+
+
+def run_ours(steps: int, warmup: int, batch: int, out: Path, workload: str, model: str, bf16: bool) -> dict:
     sys.argv = [sys.argv[0]]
     from algos.sft import Args, main
 
@@ -51,7 +79,7 @@ def run_ours(steps: int, warmup: int, batch: int, out: Path, workload: str) -> d
     data_file.write_text("".join(json.dumps(r) + "\n" for r in pool(workload)))
     shutil.rmtree(out / "ours", ignore_errors=True)  # metrics.jsonl appends; a stale run would mix into the timing
     args = Args()
-    args.model.name_or_path = "cleanrlhf/tiny"
+    args.model.name_or_path, args.model.dtype = model_path(model, out), ("bf16" if bf16 else "fp32")
     args.data.path, args.data.eval_path, args.eval.max_samples, args.eval.generate = (
         str(data_file),
         "cleanrlhf/add2",
@@ -68,17 +96,17 @@ def run_ours(steps: int, warmup: int, batch: int, out: Path, workload: str) -> d
     return {"step_s": sum(timed) / len(timed)}
 
 
-def run_trl(steps: int, warmup: int, batch: int, out: Path, workload: str) -> dict:
+def run_trl(steps: int, warmup: int, batch: int, out: Path, workload: str, model: str, bf16: bool) -> dict:
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, TrainerCallback
     from trl import SFTConfig, SFTTrainer
 
-    from core import embedded, models
+    from core import models
 
-    path = embedded.ensure_tiny_base()
+    path = model_path(model, out)
     tokenizer = models.load_tokenizer(str(path))
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)  # bf16: autocast over fp32 weights (TRL's way)
     rows = pool(workload)
     ds = Dataset.from_list([{"prompt": r["prompt"], "completion": r["answer"]} for r in rows])
     times: list[float] = []
@@ -89,11 +117,12 @@ def run_trl(steps: int, warmup: int, batch: int, out: Path, workload: str) -> di
 
     cfg = SFTConfig(
         output_dir=str(out / "trl"), per_device_train_batch_size=batch, max_steps=warmup + steps, learning_rate=3e-3,
-        lr_scheduler_type="constant", warmup_steps=0, use_cpu=True, bf16=False, report_to="none", logging_steps=10**6,
+        lr_scheduler_type="constant", warmup_steps=0, use_cpu=not torch.cuda.is_available(), bf16=bf16, report_to="none",
+        logging_steps=10**6,
         save_strategy="no", gradient_checkpointing=False, completion_only_loss=True, packing=False,
         dataloader_num_workers=0, seed=1, max_length=64,
     )  # fmt: skip
-    trainer = SFTTrainer(model=model, args=cfg, train_dataset=ds, processing_class=tokenizer, callbacks=[Clock()])
+    trainer = SFTTrainer(model=lm, args=cfg, train_dataset=ds, processing_class=tokenizer, callbacks=[Clock()])
     trainer.train()
     timed = times[-1] - times[warmup - 1]
     return {"step_s": timed / steps}
@@ -105,6 +134,8 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=5)
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--workload", choices=["add2", "mixed", "both"], default="both")
+    p.add_argument("--model", default="cleanrlhf/tiny", help="a model path or name, or qwen2-0.5b-shaped")
+    p.add_argument("--bf16", action="store_true", help="bf16 (ours: bf16 weights; TRL: autocast); default fp32")
     p.add_argument("--side", choices=["ours", "trl"], default=None, help=argparse.SUPPRESS)
     p.add_argument("--out", default="/tmp/cleanrlhf-bench-sft")
     a = p.parse_args()
@@ -112,19 +143,23 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     if a.side:
         t0 = time.perf_counter()
-        res = (run_ours if a.side == "ours" else run_trl)(a.steps, a.warmup, a.batch, out, a.workload)
+        res = (run_ours if a.side == "ours" else run_trl)(a.steps, a.warmup, a.batch, out, a.workload, a.model, a.bf16)
         res["wall_s"] = time.perf_counter() - t0
         (out / f"{a.side}.json").write_text(json.dumps(res))
         return
     threads = os.environ.get("OMP_NUM_THREADS", str(os.cpu_count()))
     env = {**os.environ, "OMP_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "false"}
-    print(f"SFT, cleanrlhf/tiny, batch {a.batch}, {a.steps} timed steps, {threads} threads, fp32")
+    import torch
+
+    where = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU, {threads} threads"
+    print(f"SFT, {a.model}, batch {a.batch}, {a.steps} timed steps, {where}, {'bf16' if a.bf16 else 'fp32'}")
     print(f"{'workload':10}{'':16}{'s/step':>10}{'tokens/s':>12}")
     for workload in ["add2", "mixed"] if a.workload == "both" else [a.workload]:
         for side in ("ours", "trl"):
             (out / f"{side}.json").unlink(missing_ok=True)
             cmd = [sys.executable, __file__, "--side", side, "--steps", str(a.steps), "--warmup", str(a.warmup),
-                   "--batch", str(a.batch), "--out", str(out), "--workload", workload]  # fmt: skip
+                   "--batch", str(a.batch), "--out", str(out), "--workload", workload, "--model", a.model,
+                   *(["--bf16"] if a.bf16 else [])]  # fmt: skip
             subprocess.run(cmd, check=True, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         ours, trl = (json.loads((out / f"{side}.json").read_text())["step_s"] for side in ("ours", "trl"))
         per_sample = tokens_per_sample(pool(workload))
