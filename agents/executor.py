@@ -167,3 +167,21 @@ class MultiTurnExecutor:
         r = torch.tensor(rewards, dtype=torch.float32)
         turns = [sum(1 for a, b in zip([0] + ep.action_mask, ep.action_mask) if b and not a) for ep in episodes]
         return Rollout(episodes, r, r.clamp(0, 1), {"rollout/turns_mean": sum(turns) / max(len(turns), 1)})
+
+
+def load_env_factory(path: str) -> Callable[[dict], Environment]:
+    """`make_env` from a Python file (`--rollout.env-file`): `make_env(example) -> Environment`, called once per
+    episode with the dataset row. Errors name the file."""
+    import importlib.util
+    from pathlib import Path
+
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise FileNotFoundError(f"--rollout.env-file {path}: no such file")
+    spec = importlib.util.spec_from_file_location(f"cleanrlhf_env_{file.stem}", file)
+    module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    make_env = getattr(module, "make_env", None)
+    if not callable(make_env):
+        raise AttributeError(f"--rollout.env-file {path}: defines no function `make_env(example) -> Environment`")
+    return make_env

@@ -4,6 +4,9 @@ puts every engine log-prob at its token's position."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
 import torch
 
 from agents.executor import Episode, MultiTurnExecutor, Rollout, SingleTurnExecutor
@@ -108,3 +111,17 @@ def test_rl_batch_masks_environment_tokens_and_aligns_engine_logprobs():
     assert b["rollout_logp"][0].tolist() == [0, 0, 0, -0.25, 0, 0, -0.5]
     assert b["loss_mask"][1].tolist() == [False, True] + [False] * 5
     assert b["rollout_logp"][1, 1].item() == torch.tensor(-0.7).item()
+
+
+def test_env_file_errors_name_the_file(tmp_path):
+    from agents.executor import load_env_factory
+
+    with pytest.raises(FileNotFoundError, match="nope.py"):
+        load_env_factory(str(tmp_path / "nope.py"))
+    bad = tmp_path / "no_make_env.py"
+    bad.write_text("def other():\n    pass\n")
+    with pytest.raises(AttributeError, match="no_make_env.py.*make_env"):
+        load_env_factory(str(bad))
+    good = load_env_factory(str(Path(__file__).resolve().parents[1] / "agents" / "retry_env.py"))
+    env = good({"prompt": "1+2=", "label": "3"})
+    assert env.reset({}) == "" and env.step("4") == ("\n1+2=", 0.0, False) and env.step("3") == ("", 0.5, True)

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import importlib
 import json
+import math
+from pathlib import Path
 
 import pytest
+import torch
 
 
 def _rows(run_dir) -> dict[int, dict]:
@@ -126,3 +129,35 @@ def test_hybrid_engine_sleeps_while_training_and_wakes_before_the_sync(tmp_path,
         offloaded = True if name == "offload_states" else (False if name == "reload_states" else offloaded)
         assert not (name == "generate" and asleep)
         assert not (name == "update_weights" and offloaded)  # the sync reads the trainer's weights on the GPU
+
+
+@pytest.mark.slow
+def test_multi_turn_environment_flag(tmp_path, monkeypatch, one_thread):
+    """`--rollout.env-file agents/retry_env.py` selects the multi-turn executor without touching the loop: wrong first
+    answers get the prompt again as feedback (tokens masked out of the loss) and a second try worth 0.5, so rewards
+    are in {0, 0.5, 1}, some episodes take two turns, and training runs on them."""
+    from agents import executor as agent_executor
+
+    seen = []
+    original = agent_executor.MultiTurnExecutor.run
+
+    def spy(self, *a, **k):
+        ro = original(self, *a, **k)
+        seen.append(ro)
+        return ro
+
+    monkeypatch.setattr(agent_executor.MultiTurnExecutor, "run", spy)
+    mod, args = _small("grpo", tmp_path / "run", 2)
+    args.rollout.env_file = str(Path(mod.__file__).resolve().parents[1] / "agents" / "retry_env.py")
+    summary = mod.main(args)
+    train = [ro for ro in seen if len(ro.episodes) == args.rollout.batch_size * args.rollout.n_samples]
+    assert train, "the multi-turn executor did not produce the training rollouts"
+    rewards = torch.cat([ro.rewards for ro in train])
+    assert set(rewards.tolist()) <= {0.0, 0.5, 1.0} and (rewards == 1.0).any()
+    two_turns = [e for ro in train for e in ro.episodes if 0 in e.action_mask]
+    assert two_turns, "no episode got feedback"
+    for e in two_turns:  # model tokens, then the masked feedback (the prompt again), then the model's second try
+        first_feedback = e.action_mask.index(0)
+        assert e.action_mask[:first_feedback] == [1] * first_feedback and e.action_mask[-1] == 1
+    rows = [json.loads(line) for line in open(Path(summary["run_dir"]) / "metrics.jsonl")]
+    assert 1.0 < rows[-1]["rollout/turns_mean"] <= 2.0 and math.isfinite(rows[-1]["loss/policy"])
