@@ -49,10 +49,11 @@ import torch
 import tyro
 
 from agents.executor import Episode, Rollout, SingleTurnExecutor
-from core import checkpoint, data, embedded, models, packing, rl_math, rollout
+from core import checkpoint, data, embedded, models, packing, placement, rl_math, rollout
 from core import engine as ds_engine
 from core.config import CkptConfig, DataConfig, DSConfig, LoggerConfig, ModelConfig
 from core.logger import RunLogger, run_name, timer
+from core.placement import RayConfig
 from core.rollout import VLLMConfig
 from rewards.remote import ModelReward, RemoteReward
 
@@ -131,6 +132,14 @@ class TrainArgs:
     """sequences per forward/backward (gradient accumulation covers the minibatch)."""
     seed: int = 1
     """seed of the prompt order, the sampling seeds and every RNG."""
+    ranks: int = 1
+    """data-parallel trainer ranks. 1: this process trains (with an in-process vLLM engine on CPU). N > 1: N Ray
+    actors forming one DeepSpeed world on a placement group (`--ray.*`), the vLLM engines as Ray actors
+    (`--vllm.num-engines`), weights sent to them from rank 0."""
+    colocate: bool = True
+    """with ranks > 1: each vLLM engine shares a placement-group bundle (GPU, or CPU) with a trainer rank, half of it
+    each (OpenRLHF's colocate-all; `--vllm.enable-sleep` frees the engine's GPU memory while training); off: the
+    engines get bundles of their own."""
     halt_after: int | None = None
     """stop this invocation after N steps with a checkpoint; the same command with `--run-dir <run>` resumes exactly
     (for time-limited cluster jobs)."""
@@ -194,6 +203,7 @@ class Args:
     ds: DSConfig = field(default_factory=DSConfig)
     ckpt: CkptConfig = field(default_factory=CkptConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
     run_dir: str | None = None
     """run folder; default `<logger.run-root>/<exp_name>__<seed>__<time>`. An existing one resumes."""
     debug: bool = False
@@ -332,15 +342,77 @@ def evaluate(executor: SingleTurnExecutor, eval_set: list[dict], args: Args) -> 
     return out
 
 
-def main(args: Args) -> dict:
+def shard_minibatch(rows: list[int], rank: int, world: int, micro_size: int) -> list[tuple[list[int], bool]]:
+    """This rank's micro-batches of one minibatch (row indices): its contiguous share of `rows`, cut into as many
+    micro-batches as the largest share needs, so every rank runs the same number of passes (under ZeRO-3 each forward
+    is a collective). A micro-batch left without rows is ([rows[0]], False): a pass whose loss is multiplied by 0."""
+    share = placement.split_contiguous(rows, world)[rank]
+    n = math.ceil(math.ceil(len(rows) / world) / micro_size)
+    return [(c, True) if c else ([rows[0]], False) for c in placement.split_contiguous(share, n)]
+
+
+def all_ranks(obj, world: int, reduce: bool = False):
+    """Rank 0's `obj` on every rank, or (reduce=True) a dict of floats averaged over the ranks that have each key."""
+    import torch.distributed as dist
+
+    if world == 1:
+        return obj
+    if not reduce:
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+    parts: list = [None] * world
+    dist.all_gather_object(parts, obj)
+    return {k: float(np.mean([p[k] for p in parts if k in p])) for k in dict.fromkeys(k for p in parts for k in p)}
+
+
+def launch(args: Args) -> dict:
+    """`--train.ranks N`: start Ray, the vLLM engine actors and N trainer ranks (one DeepSpeed world) on one placement
+    group, and run `main` on every rank, as torchrun would; returns rank 0's summary."""
+    resources = placement.init_ray(args.ray)
+    gpu, n, n_engines = resources.get("GPU", 0) > 0, args.train.ranks, args.vllm.num_engines
+    pg = placement.make_placement_group(n if args.train.colocate else n + n_engines, strategy=args.ray.strategy,
+                                        timeout_s=args.ray.timeout_s)  # fmt: skip
+    share = 0.5 if args.train.colocate else 1.0  # of a bundle's CPU (and GPU) per trainer rank
+    engine_share = share / math.ceil(n_engines / n) if args.train.colocate else 1.0
+    engine_options = [placement.bundle_options(pg, i % n if args.train.colocate else n + i, engine_share,
+                                               engine_share if gpu else 0) for i in range(n_engines)]  # fmt: skip
+    # resolved once here: the ranks must agree on the model, the run folder and the engines
+    args.actor.model.name_or_path = embedded.resolve_model(args.actor.model.name_or_path)
+    args.run_dir = str(Path(args.run_dir or Path(args.logger.run_root) / run_name(args.exp_name, args.train.seed)))
+    args.vllm.in_process = False
+    engines = rollout.create_engines(args.actor.model.name_or_path, args.vllm, seed=args.train.seed,
+                                     actor_options=engine_options, init_broadcast=False)  # fmt: skip
+    group = None
+    try:
+        group = placement.ModelGroup(placement.Worker, n, "actor", pg=pg, num_cpus_per_rank=share,
+                                     num_gpus_per_rank=share if gpu else 0, timeout_s=args.ray.timeout_s,
+                                     backend=args.ds.backend)  # fmt: skip
+        group.timeout_s = 10 * 365 * 86400.0  # the whole run is one call; a rank that dies still ends it at once
+        return group.run(_run_rank, args, engines, os.getcwd())[0]
+    finally:
+        if group is not None:
+            group.shutdown()
+        engines.shutdown()
+
+
+def _run_rank(worker, args: Args, engines, cwd: str) -> dict:
+    os.chdir(cwd)  # relative paths of the command line mean what they meant to the driver
+    return main(args, engines)
+
+
+def main(args: Args, engines: rollout.RolloutEngines | None = None) -> dict:
     # 1. setup ------------------------------------------------------------------------------------------------
     if args.algo.baseline == "group" and args.rollout.n_samples < 2:
         raise ValueError(f"--algo.baseline group needs --rollout.n-samples >= 2, got {args.rollout.n_samples}")
-    # PLUMBING: one process holds the DeepSpeed actor and an in-process vLLM engine (single-process mode).
+    # PLUMBING: `--train.ranks 1`: this process holds the DeepSpeed actor and an in-process vLLM engine. N > 1: the
+    # driver starts Ray, the engine actors and N ranks, each of which runs this function with the engines given.
+    if args.train.ranks > 1 and engines is None:
+        return launch(args)
     rank, world, device = ds_engine.init_distributed(args.ds.backend, args.ds.timeout_s)
-    if world != 1:
-        raise ValueError("algos/reinforce_pp.py runs as one process (trainer + in-process vLLM); Ray placement is not "
-                         "wired into the RL scripts yet")  # fmt: skip
+    if world > 1 and engines is None:
+        raise ValueError("several trainer ranks: use --train.ranks N (Ray placement, shared vLLM engine actors), "
+                         "not torchrun")  # fmt: skip
     # Seeds: data order and sampling seeds are derived from (seed, step); RNGs seeded once for the rest.
     random.seed(args.train.seed)
     np.random.seed(args.train.seed)
@@ -362,7 +434,10 @@ def main(args: Args) -> dict:
     if args.algo.kl_coef > 0:  # PLUMBING: frozen reference (SFT) policy, only when the KL penalty is on
         ref = models.load_causal_lm(ModelConfig(name_or_path=actor_path, dtype=args.actor.model.dtype)).to(device)
         ref.eval().requires_grad_(False)
-    engines = rollout.create_engines(actor_path, args.vllm, seed=args.train.seed)
+    if engines is None:
+        engines = rollout.create_engines(actor_path, args.vllm, seed=args.train.seed)
+    elif rank == 0 and engines.backend == "broadcast":
+        engines.init_broadcast()  # this rank sends the weights to the engine actors
 
     run_dir = Path(args.run_dir or Path(args.logger.run_root) / run_name(args.exp_name, args.train.seed))
     ckpt_dir = Path(args.ckpt.dir or run_dir / "checkpoints")
@@ -370,47 +445,61 @@ def main(args: Args) -> dict:
     if args.ckpt.resume and checkpoint.latest(ckpt_dir):
         client = checkpoint.load({"actor": actor}, checkpoint.latest(ckpt_dir))
         start_step = client["step"] + 1
-        engines.update_weights(ds_engine.full_named_parameters(actor))  # engines start from the checkpoint's weights
+        placement.sync_weights(engines, actor, rank)  # the engines start from the checkpoint's weights
     kl_ctl = (rl_math.AdaptiveKLController(args.algo.kl_coef, args.algo.kl_target, args.algo.kl_horizon)
               if args.algo.kl_target else rl_math.FixedKLController(args.algo.kl_coef))  # fmt: skip
     kl_ctl.load_state_dict(client.get("kl_ctl", kl_ctl.state_dict()))
-    logger = RunLogger(args.logger, run_dir, args, args.train.max_steps)
+    logger = RunLogger(args.logger, run_dir, args, args.train.max_steps, enabled=rank == 0)
     # PLUMBING: the single-turn agent executor: prompt tokens -> vLLM generation -> checked reward
     executor = SingleTurnExecutor(engines, tokenizer, partial(score, reward_func, reward_source),
                                   args.rollout.max_new_tokens, args.rollout.temperature, args.rollout.top_p)  # fmt: skip
-    first_eval = client.get("first_eval") or evaluate(executor, eval_set, args)
+    if args.vllm.enable_sleep:  # hybrid engine: DeepSpeed states stay off the GPU while the engines generate
+        placement.offload_states(actor)
+    first_eval = client.get("first_eval") or all_ranks(evaluate(executor, eval_set, args) if rank == 0 else None, world)
     best = client.get("best", -math.inf)  # the best eval so far (`--eval.best-metric`), exported to <run>/best
     logger.log(first_eval, start_step, shown=("eval/pass@1",))
-    logger.print(
-        f"[reinforce_pp] {len(train_set)} prompts, eval pass@1 {first_eval['eval/pass@1']:.3f} at step {start_step}"
-    )
+    logger.print(f"[reinforce_pp] {len(train_set)} prompts, {world} trainer rank(s), eval pass@1 "
+                 f"{first_eval['eval/pass@1']:.3f} at step {start_step}")  # fmt: skip
 
     G = args.rollout.n_samples
+
+    def generate(step: int, round_: int) -> Rollout:
+        """This rank's share of the step's prompts (round > 0: a refill), G episodes each. Seeds follow the prompt's
+        place in the global batch, so the samples do not depend on the number of ranks."""
+        idx = data.batch_indices(len(train_set), args.rollout.batch_size, step, args.train.seed + 7919 * round_)
+        mine = placement.split_contiguous(list(range(len(idx))), world)[rank]
+        base = args.train.seed * 1_000_003 + step * 10_007 + round_
+        return executor.run([train_set[idx[j]] for j in mine], G, [base + j * G for j in mine], step)
+
     for step in range(start_step, args.train.max_steps):
         perf: dict = {}
         # 2. rollout: G episodes per prompt through the agent executor, token ids in, token ids + log-probs out
         with timer(perf, "perf/gen_s"):
-            batch = [train_set[i] for i in data.batch_indices(len(train_set), args.rollout.batch_size, step,
-                                                               args.train.seed)]  # fmt: skip
-            ro = executor.run(batch, G, args.train.seed * 1_000_003 + step * 10_007, step)
-            extra = dict(ro.logs)
+            ro = generate(step, 0)
+            extra, want = dict(ro.logs), len(ro.episodes) // G
             if args.algo.dynamic_filter_range is not None:  # DAPO dynamic sampling with refill
                 lo, hi = args.algo.dynamic_filter_range
                 fresh_reward, parts, rounds = ro.rewards.mean().item(), [], 0
                 while True:
                     parts.append(ro.take_groups(groups_inside(ro.scores, G, lo, hi), G))
                     rounds += 1
-                    full = sum(len(p.episodes) for p in parts) >= args.rollout.batch_size * G
+                    full = sum(len(p.episodes) for p in parts) >= want * G
                     if full or rounds >= args.algo.dynamic_filter_max_rounds:
                         break
-                    refill = [train_set[i] for i in data.batch_indices(len(train_set), args.rollout.batch_size, step,
-                                                                        args.train.seed + 7919 * rounds)]  # fmt: skip
-                    ro = executor.run(refill, G, args.train.seed * 1_000_003 + step * 10_007 + rounds, step)
+                    ro = generate(step, rounds)
                 pool = Rollout.cat(parts)
                 if pool.episodes:  # else train on the last round as it is (the zero-variance filter drops most of it)
-                    ro = pool.take_groups(torch.arange(len(pool.episodes) // G) < args.rollout.batch_size, G)
+                    ro = pool.take_groups(torch.arange(len(pool.episodes) // G) < want, G)
                 extra.update({"rollout/filter_rounds": rounds, "rollout/filter_groups": len(ro.episodes) // G,
                               "rollout/fresh_reward_mean": fresh_reward})  # fmt: skip
+            if world > 1:  # PLUMBING: every rank gets the whole rollout: advantages and minibatches are global
+                parts = [None] * world
+                torch.distributed.all_gather_object(parts, ro)
+                ro, extra = Rollout.cat(parts), all_ranks(extra, world, reduce=True)
+            if args.vllm.enable_sleep:  # hybrid engine: the engines' GPU memory goes to training
+                if rank == 0:
+                    engines.sleep()
+                placement.reload_states(actor)  # DeepSpeed states back on the GPU (no-op on CPU)
             episodes, rewards = ro.episodes, ro.rewards
 
         # 3. rewards and advantages
@@ -442,15 +531,28 @@ def main(args: Args) -> dict:
                 seqs = sequences([episodes[i] for i in kept], tokenizer.pad_token_id, device)
                 mask = seqs["loss_mask"]
                 mb_size = max(1, math.ceil(len(kept) / args.train.minibatches))
-                with torch.no_grad():
-                    old_logp = torch.cat([forward_logp(actor, {k: v[i : i + args.train.micro_batch_size]
-                                                               for k, v in seqs.items()}, args.rollout.temperature)[0]
-                                          for i in range(0, len(kept), args.train.micro_batch_size)])  # fmt: skip
-                    ref_logp = None
-                    if ref is not None:
-                        ref_logp = torch.cat([forward_logp(ref, {k: v[i : i + args.train.micro_batch_size]
-                                                                 for k, v in seqs.items()}, args.rollout.temperature)[0]
-                                              for i in range(0, len(kept), args.train.micro_batch_size)])  # fmt: skip
+                order = list(range(len(kept)))  # advantages are in prompt-major order; minibatches mix prompts
+                random.Random(args.train.seed + step).shuffle(order)
+                # PLUMBING: each rank trains on its share of every minibatch (all ranks: the same number of passes)
+                minibatches = [(rows, shard_minibatch(rows, rank, world, args.train.micro_batch_size))
+                               for rows in (order[m0 : m0 + mb_size] for m0 in range(0, len(kept), mb_size))]  # fmt: skip
+                with torch.no_grad():  # old and reference log-probs of every row, before any update
+                    old_logp = torch.zeros(mask.shape, device=mask.device)
+                    ref_logp = None if ref is None else torch.zeros(mask.shape, device=mask.device)
+                    for _, micro in minibatches:  # this rank's rows (a padding pass writes nothing)
+                        for r, real in micro:
+                            mb = {k: v[r] for k, v in seqs.items()}
+                            logp = forward_logp(actor, mb, args.rollout.temperature)[0]  # a collective: always
+                            if real:
+                                old_logp[r] = logp
+                                if ref_logp is not None:
+                                    ref_logp[r] = forward_logp(ref, mb, args.rollout.temperature)[0]
+                    # PLUMBING: the advantages are whitened over the whole batch, so every rank needs every row's
+                    # log-probs: each row was filled by exactly one rank (0 on the others), a sum gathers them
+                    if world > 1:
+                        for t in (old_logp, ref_logp):
+                            if t is not None:
+                                torch.distributed.all_reduce(t)
                     kl = torch.zeros_like(old_logp)
                     if ref_logp is not None:  # KL_t of the sampling policy to the reference, on the sampled tokens
                         kl = rl_math.approx_kl(old_logp, ref_logp, args.algo.kl_estimator, mask=mask)
@@ -460,17 +562,13 @@ def main(args: Args) -> dict:
                                                       args.algo.gamma, args.algo.baseline, G)  # fmt: skip
                     if "loss/kl" in stats:  # β for the next rollout
                         kl_ctl.update(stats["loss/kl"], mask.shape[0])
-                order = list(range(len(kept)))  # advantages are in prompt-major order; minibatches mix prompts
-                random.Random(args.train.seed + step).shuffle(order)
                 losses, clipfracs, ents, norms = [], [], [], []  # losses: one per optimizer step
                 for _ in range(args.train.epochs):
-                    for m0 in range(0, len(kept), mb_size):
-                        rows = order[m0 : m0 + mb_size]
-                        n_tok = mask[rows].sum().item()
-                        micro = [rows[i : i + args.train.micro_batch_size]
-                                 for i in range(0, len(rows), args.train.micro_batch_size)]  # fmt: skip
+                    for rows, micro in minibatches:
+                        n_tok = mask[rows].sum().item()  # the whole minibatch's tokens, over all ranks
                         losses.append(0.0)
-                        for j, r in enumerate(micro):
+                        clipfracs.append(0.0)  # the minibatch's fraction of clipped tokens, weighted as the loss
+                        for j, (r, real) in enumerate(micro):
                             mb = {k: v[r] for k, v in seqs.items()}
                             logp, ent = forward_logp(actor, mb, args.rollout.temperature, args.actor.entropy_coef > 0)
                             agg = {"num_tokens": n_tok, "num_seqs": len(rows), "max_len": mask.shape[1]}
@@ -487,34 +585,44 @@ def main(args: Args) -> dict:
                             if ent is not None:
                                 ent_mean = rl_math.aggregate_loss(ent, mb["loss_mask"], args.algo.loss_agg, **agg)
                                 loss = loss - args.actor.entropy_coef * ent_mean
-                                ents.append(rl_math.masked_mean(ent, mb["loss_mask"]).item())
+                                if real:
+                                    ents.append(rl_math.masked_mean(ent, mb["loss_mask"]).item())
                             if not torch.isfinite(loss):
                                 raise FloatingPointError(f"NaN/inf loss at step {step}: stopped before the "
                                                          f"optimizer step, weights untouched")  # fmt: skip
+                            # DeepSpeed averages gradients over ranks: × world makes them sum to the global token mean
+                            loss = loss * (world if real else 0.0)
                             actor.set_gradient_accumulation_boundary(j == len(micro) - 1)
                             actor.backward(loss)
-                            losses[-1] += loss.item()
-                            clipfracs.append(pstats["clipfrac"].item())
+                            losses[-1] += loss.item()  # the ranks' shares add up to the minibatch loss × world
+                            if real:  # token-weighted: the same over any number of ranks (× world, as the loss)
+                                share = mb["loss_mask"].sum().item() / max(n_tok, 1) * world
+                                clipfracs[-1] += pstats["clipfrac"].item() * share
                         actor.step()
                         norms.append(float(actor.get_global_grad_norm() or 0.0))
-                stats.update({"loss/policy": float(np.mean(losses)),
-                              "loss/clipfrac": float(np.mean(clipfracs)), "train/grad_norm": float(np.mean(norms)),
-                              "train/tokens": float(mask.sum())})  # fmt: skip
+                upd = {"loss/policy": float(np.mean(losses)), "loss/clipfrac": float(np.mean(clipfracs)),
+                       "train/grad_norm": float(np.mean(norms))}  # fmt: skip
                 if ents:
-                    stats["loss/entropy"] = float(np.mean(ents))
+                    upd["loss/entropy"] = float(np.mean(ents))
+                stats.update(all_ranks(upd, world, reduce=True))  # loss/policy: the mean of (share × world) = the sum
+                stats["train/tokens"] = float(mask.sum())
 
         # 5. weight sync, eval, logging, checkpoint
         with timer(perf, "perf/sync_s"):
+            if args.vllm.enable_sleep and rank == 0:  # weights back first, new weights in, then the KV cache
+                engines.wake_up(["weights"])
             if kept:
-                stats.update(engines.update_weights(ds_engine.full_named_parameters(actor)))
-                if args.debug:
-                    rollout.check_weights(engines, actor.module, [episodes[i].prompt_ids + episodes[i].token_ids
-                                                                  for i in kept[:4]])  # fmt: skip
+                stats.update(placement.sync_weights(engines, actor, rank))
+            if args.vllm.enable_sleep and rank == 0:
+                engines.wake_up(["kv_cache"])
+            if kept and args.debug:  # on every rank: under ZeRO-3 the trainer's forward is a collective
+                rollout.check_weights(engines, actor.module, [episodes[i].prompt_ids + episodes[i].token_ids
+                                                              for i in kept[:4]])  # fmt: skip
         stats["train/lr"] = actor.lr_scheduler.get_last_lr()[0]
         stats["train/kl_coef"] = kl_ctl.value
         last = step == args.train.max_steps - 1
         if args.eval.every and ((step + 1) % args.eval.every == 0 or last):
-            stats.update(evaluate(executor, eval_set, args))
+            stats.update(all_ranks(evaluate(executor, eval_set, args) if rank == 0 else None, world))
             if args.eval.best_metric and stats.get(args.eval.best_metric, -math.inf) > best:
                 best = stats[args.eval.best_metric]
                 ds_engine.export_hf(actor, tokenizer, run_dir / "best")
@@ -525,6 +633,8 @@ def main(args: Args) -> dict:
         if halted or (args.ckpt.every and ((step + 1) % args.ckpt.every == 0 or last)):
             state = {"step": step, "first_eval": first_eval, "best": best, "kl_ctl": kl_ctl.state_dict()}
             checkpoint.save({"actor": actor}, ckpt_dir, step, state, args.ckpt.keep_last)
+        if args.vllm.enable_sleep and not (last or halted):  # DeepSpeed states off the GPU while the engines generate
+            placement.offload_states(actor)
         if halted:
             logger.print(f"[reinforce_pp] halted after {args.train.halt_after} steps; resume with --run-dir {run_dir}")
             logger.close({"steps": step + 1, "halted": True})
@@ -532,7 +642,8 @@ def main(args: Args) -> dict:
 
     # 6. export, learning curve and summary
     ds_engine.export_hf(actor, tokenizer, run_dir / "hf")
-    plot_curve(logger.history, run_dir / "learning_curve.png")
+    if rank == 0:
+        plot_curve(logger.history, run_dir / "learning_curve.png")
     summary = {"steps": args.train.max_steps, "eval_pass@1_first": first_eval["eval/pass@1"],
                "eval_pass@1_last": logger.latest("eval/pass@1"), "reward_mean_last": logger.latest("rollout/reward_mean"),
                "run_dir": str(run_dir)}  # fmt: skip
