@@ -60,3 +60,30 @@ def short_rl_run(main, args, run_dir, steps: int = 20) -> tuple[dict, list[dict]
     summary = main(args)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     return summary, rows
+
+
+def ranks_2_vs_1(args_cls, main, tmp_path) -> dict[int, list[dict]]:
+    """The multi-rank check every RL script with `--train.ranks` makes: 2 steps with `--train.ranks 2` (Ray placement
+    group, two ZeRO-3 ranks in one gloo world, the vLLM engine as a colocated Ray actor, `--debug` checking engine ==
+    trainer log-probs after every sync), then the same in one process. Returns the metrics.jsonl rows with a `loss/`
+    key of each, by rank count."""
+    import json
+
+    import ray
+
+    rows = {}
+    for ranks in (2, 1):
+        args = args_cls()
+        args.train.ranks, args.train.max_steps, args.rollout.batch_size, args.eval.every = ranks, 2, 16, 0
+        args.ds.zero_stage = 3
+        args.debug = True
+        args.ray.num_cpus = 4  # logical CPUs: two ranks and the engine share them, half a bundle each
+        args.logger.quiet, args.logger.tensorboard = True, False
+        args.run_dir = str(tmp_path / f"r{ranks}")
+        try:
+            main(args)
+        finally:
+            if ranks == 2:
+                ray.shutdown()
+        rows[ranks] = [json.loads(line) for line in open(tmp_path / f"r{ranks}" / "metrics.jsonl") if "loss/" in line]
+    return rows

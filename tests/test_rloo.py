@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import short_rl_run
+from conftest import ranks_2_vs_1, short_rl_run
 
 from algos.rloo import Args, main, rloo_advantages
 
@@ -122,25 +122,7 @@ def test_two_ray_ranks_train_like_one_process(tmp_path):
     after every sync. Samples are seeded by their place in the global batch, so the first step sees the same
     rollout as one process, and the update (each rank a share of every minibatch, the token mean over both) gives
     the same loss and gradient norm."""
-    import json
-
-    import ray
-
-    rows = {}
-    for ranks in (2, 1):
-        args = Args()
-        args.train.ranks, args.train.max_steps, args.rollout.batch_size, args.eval.every = ranks, 2, 16, 0
-        args.ds.zero_stage = 3
-        args.debug = True
-        args.ray.num_cpus = 4  # logical CPUs: two ranks and the engine share them, half a bundle each
-        args.logger.quiet, args.logger.tensorboard = True, False
-        args.run_dir = str(tmp_path / f"r{ranks}")
-        try:
-            main(args)
-        finally:
-            if ranks == 2:
-                ray.shutdown()
-        rows[ranks] = [json.loads(line) for line in open(tmp_path / f"r{ranks}" / "metrics.jsonl") if "loss/" in line]
+    rows = ranks_2_vs_1(Args, main, tmp_path)
     assert len(rows[2]) == 2  # one row per step: only rank 0 logs
     first2, first1 = rows[2][0], rows[1][0]
     assert first2["rollout/reward_mean"] == first1["rollout/reward_mean"]  # the same samples
