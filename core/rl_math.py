@@ -93,10 +93,13 @@ def token_rewards(
 def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float) -> tuple[Tensor, Tensor]:
     """Generalized advantage estimation (Schulman et al. 2016, arXiv:1506.02438), as in OpenRLHF's PPO.
 
-    δ_t = r_t + γ·V_{t+1} − V_t,   A_t = δ_t + γλ·A_{t+1},   R_t = A_t + V_t (the critic's target),
-    with rewards and values zeroed at masked positions first and V = 0 after the last token, so with right padding
-    every sequence ends at its own last valid token. rewards, values, mask: (B, T) -> (advantages, returns), both
-    (B, T), 0 at masked positions, without gradient (they are targets). A loop over T, vectorised over B.
+    δ_t = r_t + γ·V_{t'} − V_t,   A_t = δ_t + γλ·A_{t'},   R_t = A_t + V_t (the critic's target),
+    where t' is the next *valid* position after t (V = 0, A = 0 after the last one). Masked positions are skipped,
+    not treated as steps: with right padding every sequence ends at its own last valid token, and in a multi-turn
+    episode the environment's feedback tokens (masked out, between two turns of the model) are part of the
+    transition from the last token of one turn to the first of the next. rewards, values, mask: (B, T) ->
+    (advantages, returns), both (B, T), 0 at masked positions, without gradient (they are targets). A loop over T,
+    vectorised over B.
     """
     mask = mask.bool()
     dtype = torch.promote_types(rewards.dtype, values.dtype)
@@ -106,15 +109,19 @@ def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float)
     next_value = torch.zeros_like(r[:, 0])
     for t in reversed(range(r.shape[1])):
         delta = r[:, t] + gamma * next_value - v[:, t]
-        next_adv = delta + gamma * lam * next_adv
-        advantages[:, t] = next_adv
-        next_value = v[:, t]
+        adv = delta + gamma * lam * next_adv
+        advantages[:, t] = adv
+        valid = mask[:, t]
+        next_adv = torch.where(valid, adv, next_adv)  # a masked position passes both through unchanged
+        next_value = torch.where(valid, v[:, t], next_value)
     return _keep(advantages, mask), _keep(advantages + v, mask)
 
 
 @torch.no_grad()
 def discounted_returns(rewards: Tensor, mask: Tensor, gamma: float) -> Tensor:
-    """Reward-to-go G_t = Σ_{k≥t} γ^{k−t} r_k over masked rewards (REINFORCE; REINFORCE++'s return before whitening).
+    """Reward-to-go G_t = Σ_{k≥t, k valid} γ^{n(t,k)} r_k over masked rewards (REINFORCE; REINFORCE++'s return before
+    whitening), n(t, k) the number of valid positions from t to k, k excluded: masked positions (padding, a multi-turn
+    episode's environment tokens) are skipped, neither rewarded nor discounted.
 
     rewards, mask: (B, T) -> (B, T), 0 at masked positions, without gradient. A loop over T, vectorised over B.
     """
@@ -123,7 +130,7 @@ def discounted_returns(rewards: Tensor, mask: Tensor, gamma: float) -> Tensor:
     returns = torch.zeros_like(r)
     running = torch.zeros_like(r[:, 0])
     for t in reversed(range(r.shape[1])):
-        running = r[:, t] + gamma * running
+        running = torch.where(mask[:, t], r[:, t] + gamma * running, running)
         returns[:, t] = running
     return _keep(returns, mask)
 

@@ -521,6 +521,27 @@ def test_gae_and_discounted_returns_match_python_loop(seed, gamma, lam):
     )
 
 
+@pytest.mark.parametrize("seed", range(5))
+def test_gae_and_returns_skip_masked_gaps_like_the_compressed_sequence(seed):
+    """A multi-turn episode's environment tokens sit masked between two turns of the model: GAE and the reward-to-go
+    over such a row equal those of the row with the gaps cut out (the model's tokens only), scattered back."""
+    gen = torch.Generator().manual_seed(seed)
+    B, T, gamma, lam = 5, 9, 0.9, 0.8
+    mask = torch.rand(B, T, generator=gen) < 0.6  # holes anywhere, also at the start and end
+    rewards = torch.randn(B, T, dtype=F64, generator=gen)
+    values = torch.randn(B, T, dtype=F64, generator=gen)
+    adv, ret = gae(torch.where(mask, rewards, NAN), torch.where(mask, values, INF), mask, gamma, lam)
+    returns = discounted_returns(torch.where(mask, rewards, NAN), mask, gamma)
+    for b in range(B):
+        idx = mask[b].nonzero().flatten()
+        n = len(idx)
+        adv_c, ret_c = gae_loop([rewards[b, idx].tolist()], [values[b, idx].tolist()], [n], gamma, lam)
+        assert_close(adv[b, idx], adv_c[0][:n])
+        assert_close(ret[b, idx], ret_c[0][:n])
+        assert_close(returns[b, idx], returns_loop([rewards[b, idx].tolist()], [n], gamma)[0][:n])
+        assert (adv[b, ~mask[b]] == 0).all() and (returns[b, ~mask[b]] == 0).all()
+
+
 @pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
 def test_micro_batches_add_up_to_the_whole_batch(mode):
     gen = torch.Generator().manual_seed(4)
