@@ -45,7 +45,7 @@ import tyro
 from agents.executor import Episode, MultiTurnExecutor, Rollout, SingleTurnExecutor, load_env_factory
 from core import checkpoint, data, embedded, models, packing, placement, rl_math, rollout
 from core import engine as ds_engine
-from core.config import CkptConfig, DataConfig, DSConfig, LoggerConfig, ModelConfig
+from core.config import CkptConfig, DataConfig, DSConfig, LoggerConfig, ModelConfig, RefConfig
 from core.logger import RunLogger, run_name, timer
 from core.placement import RayConfig
 from core.rollout import VLLMConfig
@@ -194,6 +194,7 @@ class Args:
     exp_name: str = Path(__file__).stem
     """run name prefix; defaults to this file's name, so a copied script names its own runs."""
     actor: ActorArgs = field(default_factory=ActorArgs)
+    ref: RefConfig = field(default_factory=RefConfig)
     reward: RewardArgs = field(default_factory=RewardArgs)
     rollout: RolloutArgs = field(default_factory=RolloutArgs)
     train: TrainArgs = field(default_factory=TrainArgs)
@@ -412,9 +413,10 @@ def main(args: Args, engines: rollout.RolloutEngines | None = None) -> dict:
     total_updates = args.train.max_steps * args.train.minibatches * args.train.epochs
     actor = ds_engine.make_engine(model, args.ds, args.actor.lr, total_updates, args.actor.warmup_steps)
     ref = None
-    if args.algo.kl_coef > 0:  # PLUMBING: frozen reference policy, only when the KL penalty is on
-        ref = models.load_causal_lm(ModelConfig(name_or_path=actor_path, dtype=args.actor.model.dtype)).to(device)
-        ref.eval().requires_grad_(False)
+    if args.algo.kl_coef > 0:  # PLUMBING: frozen reference policy (--ref.*), only when the KL penalty is on
+        ref_path = embedded.resolve_model(args.ref.name_or_path or actor_path)
+        ref_model = models.load_causal_lm(ModelConfig(name_or_path=ref_path, dtype=args.actor.model.dtype))
+        ref = ds_engine.make_frozen(ref_model, args.ref, device)
     if engines is None:
         engines = rollout.create_engines(actor_path, args.vllm, seed=args.train.seed)
     elif rank == 0 and engines.backend == "broadcast":
@@ -528,7 +530,8 @@ def main(args: Args, engines: rollout.RolloutEngines | None = None) -> dict:
                 # one optimizer step per rollout: the policy is still the sampling policy when the loss is taken,
                 # so old log-probs = the live ones detached (ratio 1) and their extra forward pass is skipped
                 on_policy = args.train.minibatches == 1 and args.train.epochs == 1
-                with torch.no_grad():  # old and reference log-probs of this rank's rows, before any update
+                # old and reference log-probs of this rank's rows, before any update
+                with torch.no_grad(), ds_engine.on_device(ref, device):
                     old_logp = None if on_policy else torch.zeros(mask.shape, device=mask.device)
                     ref_logp = None if ref is None else torch.zeros(mask.shape, device=mask.device)
                     for _, micro in minibatches:

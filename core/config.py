@@ -1,4 +1,5 @@
-"""Infrastructure config sections shared by the scripts: `--model.*`, `--data.*`, `--ds.*`, `--ckpt.*`, `--logger.*`.
+"""Infrastructure config sections shared by the scripts: `--model.*`, `--data.*`, `--ds.*`, `--ref.*`, `--ckpt.*`,
+`--logger.*`.
 
 Each script owns one flat-ish `Args` dataclass (its algorithm knobs) and nests these sections, so
 `python algos/<name>.py --help` prints grouped, documented flags. Every field's docstring is its help text.
@@ -78,6 +79,21 @@ class DSConfig:
     """torch.distributed backend: `auto` is nccl with CUDA, gloo on CPU."""
     timeout_s: int = 600
     """timeout of every collective; a dead rank fails after this instead of hanging."""
+
+
+@dataclass
+class RefConfig:
+    name_or_path: str | None = None
+    """reference policy of the KL term (HF id, local path or embedded name); None: the actor's starting model. Loaded
+    only when the KL coefficient is above 0."""
+    zero_stage: Literal[0, 3] = 0
+    """0: every trainer rank holds the whole reference. 3: a DeepSpeed ZeRO-3 engine without optimizer, its
+    parameters partitioned over the trainer ranks and gathered layer by layer in each forward pass (a reference too
+    big for one device); its forward is then a collective that every rank runs the same number of times."""
+    offload: bool = False
+    """keep the reference's parameters in CPU memory, leaving the accelerator to the actor: with zero-stage 3 its
+    shards live there (ZeRO-Offload), with 0 the model is moved to the device only for its forward passes. No effect
+    on CPU."""
 
 
 @dataclass

@@ -12,13 +12,14 @@ import os
 import re
 import shutil
 import socket
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from core.config import DSConfig
+from core.config import DSConfig, RefConfig
 
 
 def free_port() -> int:
@@ -131,6 +132,48 @@ def make_engine(model, ds: DSConfig, lr: float, total_steps: int, warmup_steps: 
         model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config(ds, dtype)
     )
     return engine
+
+
+def make_frozen(model, cfg: RefConfig, device: torch.device):
+    """A model for forward passes only (the reference policy of the KL term), placed as `cfg` says: the plain model on
+    `device` (zero_stage 0), in CPU memory to be moved by `on_device` (0 + offload), or a DeepSpeed ZeRO-3 engine
+    with no optimizer whose parameters are partitioned over the ranks of the current world (3; + offload: the
+    shards in CPU memory). Either way `frozen(input_ids=..., attention_mask=...)` returns the model's output."""
+    import deepspeed
+
+    model.eval().requires_grad_(False)
+    if cfg.zero_stage == 0:
+        return model.to("cpu" if cfg.offload and device.type != "cpu" else device)
+    zero: dict = {"stage": 3}
+    if cfg.offload:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
+    config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "zero_optimization": zero,
+        "bf16": {"enabled": next(model.parameters()).dtype == torch.bfloat16},
+        "steps_per_print": 10**12,
+    }
+    engine, *_ = deepspeed.initialize(model=model, config=config)
+    engine.eval()
+    return engine
+
+
+@contextmanager
+def on_device(model, device: torch.device):
+    """Within the block, an offloaded frozen model (`make_frozen` with zero_stage 0 + offload) sits on `device`; it
+    goes back to CPU memory after. No-op for None, DeepSpeed engines and models already on `device`."""
+    home = None
+    if model is not None and not hasattr(model, "zero_optimization_stage"):
+        home = next(model.parameters()).device
+        if home == device:
+            home = None
+        else:
+            model.to(device)
+    try:
+        yield model
+    finally:
+        if home is not None:
+            model.to(home)
 
 
 def all_reduce(x: float | int | torch.Tensor, op: str = "sum") -> float:

@@ -62,11 +62,11 @@ def short_rl_run(main, args, run_dir, steps: int = 20) -> tuple[dict, list[dict]
     return summary, rows
 
 
-def ranks_2_vs_1(args_cls, main, tmp_path) -> dict[int, list[dict]]:
+def ranks_2_vs_1(args_cls, main, tmp_path, configure=None) -> dict[int, list[dict]]:
     """The multi-rank check every RL script with `--train.ranks` makes: 2 steps with `--train.ranks 2` (Ray placement
     group, two ZeRO-3 ranks in one gloo world, the vLLM engine as a colocated Ray actor, `--debug` checking engine ==
-    trainer log-probs after every sync), then the same in one process. Returns the metrics.jsonl rows with a `loss/`
-    key of each, by rank count."""
+    trainer log-probs after every sync), then the same in one process. `configure(args, ranks)`, if given, changes
+    the arguments further. Returns the metrics.jsonl rows with a `loss/` key of each, by rank count."""
     import json
 
     import ray
@@ -80,6 +80,8 @@ def ranks_2_vs_1(args_cls, main, tmp_path) -> dict[int, list[dict]]:
         args.ray.num_cpus = 4  # logical CPUs: two ranks and the engine share them, half a bundle each
         args.logger.quiet, args.logger.tensorboard = True, False
         args.run_dir = str(tmp_path / f"r{ranks}")
+        if configure is not None:
+            configure(args, ranks)
         try:
             main(args)
         finally:

@@ -99,6 +99,25 @@ def _train_step(worker, chunk: list[list[int]]) -> list[float]:
     return [loss.item()]
 
 
+def _zero3_reference(worker, chunk: list[list[int]], path: str) -> list:
+    """`--ref.zero-stage 3` on this rank: a frozen ZeRO-3 engine over the group's world, its log-probs of `chunk`,
+    and how many of the model's parameters this rank holds."""
+    from transformers import AutoModelForCausalLM
+
+    from core.config import RefConfig
+    from core.engine import make_frozen
+    from core.packing import collate_padded, token_logprobs
+
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    full = sum(p.numel() for p in model.parameters())
+    ref = make_frozen(model, RefConfig(zero_stage=3), torch.device("cpu"))
+    held = sum(p.ds_tensor.numel() for p in ref.module.parameters())
+    batch = collate_padded([{"input_ids": s, "loss_mask": [0] * len(s)} for s in chunk], pad_id=0)
+    with torch.no_grad():
+        logp = token_logprobs(ref, batch)
+    return [(logp[i, : len(s)].tolist(), held / full) for i, s in enumerate(chunk)]
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # Fixtures
 
@@ -223,6 +242,21 @@ def test_zero3_group_trains_then_syncs_weights_to_a_vllm_actor(pair, tiny_path):
         assert pair.check_weights(probe, atol=ATOL) <= ATOL
     finally:
         engines.shutdown()
+
+
+def test_zero3_reference_is_partitioned_and_gives_the_full_models_logprobs(pair, tiny_path, tiny_model):
+    """`--ref.zero-stage 3`: each of the 2 ranks holds about half of the reference's parameters, and the log-probs
+    (each rank its own sequences; the forward gathers the other half layer by layer) equal the whole model's."""
+    from core.packing import collate_padded, token_logprobs
+
+    seqs = [[1, 5, 9, 13, 17, 21], [1, 40, 41], [1, 7, 3, 8], [1, 30, 31, 32, 33]]
+    out = pair.run_split(_zero3_reference, seqs, str(tiny_path))
+    assert all(0.4 < share < 0.6 for _, share in out), [share for _, share in out]
+    batch = collate_padded([{"input_ids": s, "loss_mask": [0] * len(s)} for s in seqs], pad_id=0)
+    with torch.no_grad():
+        want = token_logprobs(tiny_model, batch)
+    for i, (s, (logp, _)) in enumerate(zip(seqs, out, strict=True)):
+        torch.testing.assert_close(torch.tensor(logp), want[i, : len(s)], atol=1e-5, rtol=0)
 
 
 def test_colocated_groups_share_placement_bundles(ray_cluster):
