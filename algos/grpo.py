@@ -352,13 +352,9 @@ def launch(args: Args) -> dict:
     """`--train.ranks N`: start Ray, the vLLM engine actors and N trainer ranks (one DeepSpeed world) on one placement
     group, and run `main` on every rank, as torchrun would; returns rank 0's summary."""
     resources = placement.init_ray(args.ray)
-    gpu, n, n_engines = resources.get("GPU", 0) > 0, args.train.ranks, args.vllm.num_engines
-    pg = placement.make_placement_group(n if args.train.colocate else n + n_engines, strategy=args.ray.strategy,
-                                        timeout_s=args.ray.timeout_s)  # fmt: skip
-    share = 0.5 if args.train.colocate else 1.0  # of a bundle's CPU (and GPU) per trainer rank
-    engine_share = share / math.ceil(n_engines / n) if args.train.colocate else 1.0
-    engine_options = [placement.bundle_options(pg, i % n if args.train.colocate else n + i, engine_share,
-                                               engine_share if gpu else 0) for i in range(n_engines)]  # fmt: skip
+    gpu, n = resources.get("GPU", 0) > 0, args.train.ranks
+    pg, share, engine_options = placement.place_rl(n, args.vllm.num_engines, args.vllm.tensor_parallel_size,
+                                                   args.train.colocate, args.ray.strategy, args.ray.timeout_s)  # fmt: skip
     # resolved once here: the ranks must agree on the model, the run folder and the engines
     args.actor.model.name_or_path = embedded.resolve_model(args.actor.model.name_or_path)
     args.run_dir = str(Path(args.run_dir or Path(args.logger.run_root) / run_name(args.exp_name, args.train.seed)))

@@ -42,6 +42,7 @@ DeepSpeed `offload_states`, which is a no-op without CUDA), several nodes, autos
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -132,6 +133,33 @@ def bundle_options(pg, bundle_index: int, num_cpus: float = 1, num_gpus: float =
 
     strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=bundle_index)
     return {"num_cpus": num_cpus, "num_gpus": num_gpus, "scheduling_strategy": strategy}
+
+
+def place_rl(ranks: int, num_engines: int, tensor_parallel: int, colocate: bool, strategy: str = "PACK",
+             timeout_s: float = 600) -> tuple[Any, float, list[dict]]:  # fmt: skip
+    """The layout of an RL run with `--train.ranks N`: a placement group for the trainer ranks (and the engines),
+    the share of a bundle each rank takes, and each engine actor's Ray options (`create_engines(actor_options=...)`).
+
+    colocate: N bundles; rank i takes half of bundle i, the engines share the other half of the bundles round-robin
+    (OpenRLHF's hybrid engine). Not colocated: one bundle per rank and one per engine. Tensor-parallel engines on
+    GPUs need whole GPUs: they are placed by Ray outside the group (`num_gpus` = tp each), and cannot be colocated.
+    On CPU a tensor-parallel engine's workers are processes inside its actor, so it is placed like any other."""
+    import ray
+
+    gpu = ray.cluster_resources().get("GPU", 0) > 0
+    if gpu and tensor_parallel > 1 and colocate:
+        raise ValueError(f"--vllm.tensor-parallel-size {tensor_parallel} with --train.colocate: an engine spanning "
+                         "GPUs needs whole GPUs of its own; use --train.no-colocate")  # fmt: skip
+    own_gpus = gpu and tensor_parallel > 1
+    bundles = ranks if colocate or own_gpus else ranks + num_engines
+    pg = make_placement_group(bundles, strategy=strategy, timeout_s=timeout_s)
+    share = 0.5 if colocate else 1.0  # of a bundle's CPU (and GPU) per trainer rank
+    if own_gpus:
+        return pg, share, [{} for _ in range(num_engines)]  # create_engines asks Ray for tp GPUs per engine
+    engine_share = share / math.ceil(num_engines / ranks) if colocate else 1.0
+    options = [bundle_options(pg, i % ranks if colocate else ranks + i, engine_share, engine_share if gpu else 0)
+               for i in range(num_engines)]  # fmt: skip
+    return pg, share, options
 
 
 def split_contiguous(items: list, n: int) -> list[list]:

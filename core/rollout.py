@@ -23,8 +23,8 @@ Every touch of vLLM internals sits in `VLLMEngine` or `WorkerExtension` and was 
 (torch 2.13 CPU, ray 2.60), in-process (uni) executor and tensor_parallel_size 2 (multiprocessing executor, two CPU
 workers, in a Ray actor), Qwen2 with tied embeddings (1 M and 27 M parameters), fp32 and bf16. Not exercised: vLLM on
 CUDA (sleep mode, nccl broadcast, loading an IPC bucket, tensor parallel over GPUs). The CUDA IPC transport itself
-(`share_bucket_ipc` / `open_bucket_ipc`) was tested between two
-processes on an H200 (tests/test_gpu.py, results/gpu/)."""
+(`share_bucket_ipc` / `open_bucket_ipc`) was tested between two processes on an H200 (tests/test_gpu.py,
+results/gpu/)."""
 
 from __future__ import annotations
 

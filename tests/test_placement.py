@@ -284,6 +284,30 @@ def test_colocated_groups_share_placement_bundles(ray_cluster):
         remove_placement_group(pg)
 
 
+def test_rl_layouts_colocated_separate_and_tensor_parallel(ray_cluster, monkeypatch):
+    """`place_rl`: colocated, 2 ranks and 3 engines share 2 bundles (rank i half of bundle i, the engines a third of
+    the other half each, round-robin); separate, one bundle per rank and per engine. A tensor-parallel engine on GPUs
+    cannot be colocated, and says so before anything is reserved."""
+    from ray.util.placement_group import remove_placement_group
+
+    pg, share, options = placement.place_rl(2, 3, 1, colocate=True, timeout_s=30)
+    try:
+        assert share == 0.5 and len(pg.bundle_specs) == 2
+        assert [o["scheduling_strategy"].placement_group_bundle_index for o in options] == [0, 1, 0]
+        assert [o["num_cpus"] for o in options] == [0.25] * 3 and all(o["num_gpus"] == 0 for o in options)
+    finally:
+        remove_placement_group(pg)
+    pg, share, options = placement.place_rl(2, 1, 2, colocate=False, timeout_s=30)  # CPU: TP workers in the actor
+    try:
+        assert share == 1.0 and len(pg.bundle_specs) == 3
+        assert options[0]["scheduling_strategy"].placement_group_bundle_index == 2 and options[0]["num_cpus"] == 1
+    finally:
+        remove_placement_group(pg)
+    monkeypatch.setattr(ray_cluster, "cluster_resources", lambda: {"CPU": 4.0, "GPU": 8.0})
+    with pytest.raises(ValueError, match="tensor-parallel-size 2 with --train.colocate.*--train.no-colocate"):
+        placement.place_rl(2, 1, 2, colocate=True)
+
+
 def test_failing_stuck_or_killed_rank_is_a_group_error(ray_cluster):
     group = ModelGroup(Probe, 2, "victim", num_cpus_per_rank=0.5, timeout_s=30)
     try:
