@@ -30,9 +30,15 @@ Deviations from the papers:
 5. The critic is warm-started from the policy (the SFT model) with a fresh scalar head by default, as OpenRLHF allows;
    InstructGPT initialises it from the reward model (`--critic.name-or-path <rm folder>`).
 
+Multi-turn episodes (`--rollout.env-file`): the environment's feedback tokens are masked out of both losses, and GAE
+skips them (V and A carried through unchanged), so the feedback is part of the transition between two model turns.
+
 Debug (embedded tiny model and task, one CPU process, in-process vLLM):
     python algos/ppo.py --train.max-steps 5 --eval.every 5
     python algos/ppo.py --critic.warmup-steps 5                     # critic-only updates for the first 5 steps
+    python algos/ppo.py --rollout.env-file agents/retry_env.py      # multi-turn: environment feedback between turns
+Several trainer ranks (Ray placement group, one DeepSpeed world of actor + critic engines, vLLM engine actors):
+    python algos/ppo.py --train.ranks 2 --ds.zero-stage 3
 A real model:
     python algos/ppo.py --actor.model.name-or-path Qwen/Qwen2.5-0.5B-Instruct --data.path prompts.jsonl \\
         --data.apply-chat-template --reward.func my_reward.py --rollout.max-new-tokens 1024 --actor.lr 1e-6 \\
@@ -54,11 +60,12 @@ import numpy as np
 import torch
 import tyro
 
-from agents.executor import Episode, Rollout, SingleTurnExecutor
-from core import checkpoint, data, embedded, models, packing, rl_math, rollout
+from agents.executor import Episode, MultiTurnExecutor, Rollout, SingleTurnExecutor, load_env_factory
+from core import checkpoint, data, embedded, models, packing, placement, rl_math, rollout
 from core import engine as ds_engine
 from core.config import CkptConfig, DataConfig, DSConfig, LoggerConfig, ModelConfig
 from core.logger import RunLogger, run_name, timer
+from core.placement import RayConfig
 from core.rollout import VLLMConfig
 from rewards.remote import ModelReward, RemoteReward
 
@@ -140,6 +147,15 @@ class RolloutArgs:
     """sampling temperature (the trainer's log-probs use the same temperature)."""
     top_p: float = 1.0
     """nucleus sampling."""
+    env_file: str | None = None
+    """multi-turn: a Python file defining `make_env(example)` -> an environment with `reset(example) -> str` and
+    `step(response) -> (feedback, reward, done)` (e.g. agents/retry_env.py). Its feedback is appended as tokens that
+    are not trained on (GAE carries through them), its rewards replace `--reward.*`. None: one generation per
+    episode, scored by `--reward.*`."""
+    max_turns: int = 2
+    """multi-turn: model turns per episode at most."""
+    max_total_tokens: int = 256
+    """multi-turn: response tokens (model + feedback) per episode at most; an episode reaching it is truncated."""
 
 
 @dataclass
@@ -154,6 +170,14 @@ class TrainArgs:
     """sequences per forward/backward (gradient accumulation covers the minibatch)."""
     seed: int = 1
     """seed of the prompt order, the sampling seeds and every RNG."""
+    ranks: int = 1
+    """data-parallel trainer ranks. 1: this process trains (with an in-process vLLM engine on CPU). N > 1: N Ray
+    actors forming one DeepSpeed world on a placement group (`--ray.*`), each holding an actor and a critic engine,
+    the vLLM engines as Ray actors (`--vllm.num-engines`), weights sent to them from rank 0."""
+    colocate: bool = True
+    """with ranks > 1: each vLLM engine shares a placement-group bundle (GPU, or CPU) with a trainer rank, half of it
+    each (OpenRLHF's colocate-all; `--vllm.enable-sleep` frees the engine's GPU memory while training); off: the
+    engines get bundles of their own."""
     halt_after: int | None = None
     """stop this invocation after N steps with a checkpoint; the same command with `--run-dir <run>` resumes exactly
     (for time-limited cluster jobs)."""
@@ -217,6 +241,7 @@ class Args:
     ds: DSConfig = field(default_factory=DSConfig)
     ckpt: CkptConfig = field(default_factory=CkptConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
     run_dir: str | None = None
     """run folder; default `<logger.run-root>/<exp_name>__<seed>__<time>`. An existing one resumes."""
     debug: bool = False
@@ -350,7 +375,7 @@ def forward_logp(model, batch: dict, temperature: float, entropy: bool = False):
 
 
 @torch.no_grad()
-def evaluate(executor: SingleTurnExecutor, eval_set: list[dict], args: Args) -> dict:
+def evaluate(executor: SingleTurnExecutor | MultiTurnExecutor, eval_set: list[dict], args: Args) -> dict:
     """pass@1 (greedy) and pass@k (k samples at the rollout temperature), overall and per data source; an answer is
     correct when its reward is above 0.5."""
     greedy = executor.run(eval_set, n=1, seed=None, step=-1, temperature=0.0)
@@ -373,11 +398,13 @@ def forward_values(critic, batch: dict) -> torch.Tensor:
     return torch.cat([torch.zeros_like(v[:, :1]), v[:, :-1]], dim=1)
 
 
-def ppo_update(actor, critic, seqs: dict, old_logp, old_values, advantages, returns, args: Args,
-               step: int) -> dict:  # fmt: skip
+def ppo_update(actor, critic, seqs: dict, old_logp, old_values, advantages, returns, args: Args, step: int,
+               rank: int = 0, world: int = 1) -> dict:  # fmt: skip
     """Minibatch updates of one rollout: a clipped value-loss step of the critic on every minibatch and, after the
     critic warm-up (step ≥ --critic.warmup-steps), a clipped-surrogate step of the actor on the same minibatch.
-    seqs: right-padded batch (B, L) with its response mask `loss_mask`; the other tensors are (B, L). Returns stats."""
+    seqs: right-padded batch (B, L) with its response mask `loss_mask`; the other tensors are (B, L). With world > 1
+    every rank holds the whole batch and trains on its share of every minibatch. Returns stats (the same on every
+    rank)."""
     mask = seqs["loss_mask"]
     B, mbs = mask.shape[0], args.train.micro_batch_size
     train_actor = step >= args.critic.warmup_steps
@@ -388,31 +415,41 @@ def ppo_update(actor, critic, seqs: dict, old_logp, old_values, advantages, retu
     for _ in range(args.train.epochs):
         for m0 in range(0, B, mb_size):
             rows = order[m0 : m0 + mb_size]
-            agg = {"num_tokens": mask[rows].sum().item(), "num_seqs": len(rows), "max_len": mask.shape[1]}
+            n_tok = mask[rows].sum().item()  # the whole minibatch's tokens, over all ranks
+            agg = {"num_tokens": n_tok, "num_seqs": len(rows), "max_len": mask.shape[1]}
             if args.algo.loss_agg == "seq-mean-token-sum-norm":
                 agg["max_len"] = args.rollout.max_new_tokens
-            micro = [rows[i : i + mbs] for i in range(0, len(rows), mbs)]
+            # PLUMBING: this rank's share of the minibatch, in as many passes as on every other rank (under ZeRO-3
+            # each forward of either engine is a collective); a padding pass (real False) has its loss × 0
+            micro = shard_minibatch(rows, rank, world, mbs)
             # ALGO LOGIC: critic step, ½ max((V − R)², (V_clip − R)²) (rl_math.value_loss), on every step
             out["value"].append(0.0)
-            for j, r in enumerate(micro):
+            out["vclipfrac"].append(0.0)  # the minibatch's fraction of clipped tokens, weighted as the loss
+            for j, (r, real) in enumerate(micro):
                 mb = {k: v[r] for k, v in seqs.items()}
+                share = mb["loss_mask"].sum().item() / max(n_tok, 1) * world  # of the minibatch's tokens, × world
                 vloss, vstats = rl_math.value_loss(forward_values(critic, mb), old_values[r], returns[r],
                                                    mb["loss_mask"], clip_eps=args.critic.value_clip,
                                                    agg=args.algo.loss_agg, **agg)  # fmt: skip
                 if not torch.isfinite(vloss):
                     raise FloatingPointError(f"NaN/inf value loss at step {step}: stopped before the optimizer step")
+                # DeepSpeed averages gradients over ranks: × world makes them sum to the global token mean
+                vloss = vloss * (world if real else 0.0)
                 critic.set_gradient_accumulation_boundary(j == len(micro) - 1)
                 critic.backward(vloss)
-                out["value"][-1] += vloss.item()
-                out["vclipfrac"].append(vstats["clipfrac"].item())
+                out["value"][-1] += vloss.item()  # the ranks' shares add up to the minibatch loss × world
+                if real:  # token-weighted: the same over any number of ranks (× world, as the loss)
+                    out["vclipfrac"][-1] += vstats["clipfrac"].item() * share
             critic.step()
             out["vnorm"].append(float(critic.get_global_grad_norm() or 0.0))
             if not train_actor:  # critic warm-up: the actor is not touched
                 continue
             # ALGO LOGIC: actor step, the clipped surrogate with the GAE advantages
             out["policy"].append(0.0)
-            for j, r in enumerate(micro):
+            out["clipfrac"].append(0.0)
+            for j, (r, real) in enumerate(micro):
                 mb = {k: v[r] for k, v in seqs.items()}
+                share = mb["loss_mask"].sum().item() / max(n_tok, 1) * world
                 logp, ent = forward_logp(actor, mb, args.rollout.temperature, args.actor.entropy_coef > 0)
                 # DEVIATION(1): token-mean over the minibatch (the default --algo.loss-agg)
                 loss, pstats = rl_math.policy_loss(
@@ -425,14 +462,17 @@ def ppo_update(actor, critic, seqs: dict, old_logp, old_values, advantages, retu
                 if ent is not None:
                     loss = loss - args.actor.entropy_coef * rl_math.aggregate_loss(ent, mb["loss_mask"],
                                                                                    args.algo.loss_agg, **agg)  # fmt: skip
-                    out["ent"].append(rl_math.masked_mean(ent, mb["loss_mask"]).item())
+                    if real:
+                        out["ent"].append(rl_math.masked_mean(ent, mb["loss_mask"]).item())
                 if not torch.isfinite(loss):
                     raise FloatingPointError(f"NaN/inf loss at step {step}: stopped before the optimizer step, "
                                              f"weights untouched")  # fmt: skip
+                loss = loss * (world if real else 0.0)  # as the critic's: DeepSpeed averages over ranks
                 actor.set_gradient_accumulation_boundary(j == len(micro) - 1)
                 actor.backward(loss)
                 out["policy"][-1] += loss.item()
-                out["clipfrac"].append(pstats["clipfrac"].item())
+                if real:
+                    out["clipfrac"][-1] += pstats["clipfrac"].item() * share
             actor.step()
             out["norm"].append(float(actor.get_global_grad_norm() or 0.0))
     stats = {"loss/value": float(np.mean(out["value"])), "critic/clipfrac": float(np.mean(out["vclipfrac"])),
@@ -443,21 +483,88 @@ def ppo_update(actor, critic, seqs: dict, old_logp, old_values, advantages, retu
                       "train/grad_norm": float(np.mean(out["norm"]))})  # fmt: skip
     if out["ent"]:
         stats["loss/entropy"] = float(np.mean(out["ent"]))
-    return stats
+    # the mean over ranks of (share × world) is the sum of the shares: the minibatch's loss and clip fraction
+    return all_ranks(stats, world, reduce=True)
 
 
-def main(args: Args) -> dict:
+def shard_minibatch(rows: list[int], rank: int, world: int, micro_size: int) -> list[tuple[list[int], bool]]:
+    """This rank's micro-batches of one minibatch (row indices): its contiguous share of `rows`, cut into as many
+    micro-batches as the largest share needs, so every rank runs the same number of passes (under ZeRO-3 each forward
+    is a collective). A micro-batch left without rows is ([rows[0]], False): a pass whose loss is multiplied by 0."""
+    share = placement.split_contiguous(rows, world)[rank]
+    n = math.ceil(math.ceil(len(rows) / world) / micro_size)
+    return [(c, True) if c else ([rows[0]], False) for c in placement.split_contiguous(share, n)]
+
+
+def all_ranks(obj, world: int, reduce: bool = False):
+    """Rank 0's `obj` on every rank, or (reduce=True) a dict of floats averaged over the ranks that have each key."""
+    import torch.distributed as dist
+
+    if world == 1:
+        return obj
+    if not reduce:
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+    parts: list = [None] * world
+    dist.all_gather_object(parts, obj)
+    return {k: float(np.mean([p[k] for p in parts if k in p])) for k in dict.fromkeys(k for p in parts for k in p)}
+
+
+def launch(args: Args) -> dict:
+    """`--train.ranks N`: start Ray, the vLLM engine actors and N trainer ranks (one DeepSpeed world, each rank with an
+    actor and a critic engine) on one placement group, and run `main` on every rank, as torchrun would; returns rank
+    0's summary."""
+    resources = placement.init_ray(args.ray)
+    gpu, n, n_engines = resources.get("GPU", 0) > 0, args.train.ranks, args.vllm.num_engines
+    pg = placement.make_placement_group(n if args.train.colocate else n + n_engines, strategy=args.ray.strategy,
+                                        timeout_s=args.ray.timeout_s)  # fmt: skip
+    share = 0.5 if args.train.colocate else 1.0  # of a bundle's CPU (and GPU) per trainer rank
+    engine_share = share / math.ceil(n_engines / n) if args.train.colocate else 1.0
+    engine_options = [placement.bundle_options(pg, i % n if args.train.colocate else n + i, engine_share,
+                                               engine_share if gpu else 0) for i in range(n_engines)]  # fmt: skip
+    # resolved once here: the ranks must agree on the models, the run folder and the engines
+    args.actor.model.name_or_path = embedded.resolve_model(args.actor.model.name_or_path)
+    if args.critic.name_or_path:
+        args.critic.name_or_path = embedded.resolve_model(args.critic.name_or_path)
+    args.run_dir = str(Path(args.run_dir or Path(args.logger.run_root) / run_name(args.exp_name, args.train.seed)))
+    args.vllm.in_process = False
+    engines = rollout.create_engines(args.actor.model.name_or_path, args.vllm, seed=args.train.seed,
+                                     actor_options=engine_options, init_broadcast=False)  # fmt: skip
+    group = None
+    try:
+        group = placement.ModelGroup(placement.Worker, n, "actor", pg=pg, num_cpus_per_rank=share,
+                                     num_gpus_per_rank=share if gpu else 0, timeout_s=args.ray.timeout_s,
+                                     backend=args.ds.backend)  # fmt: skip
+        group.timeout_s = 10 * 365 * 86400.0  # the whole run is one call; a rank that dies still ends it at once
+        return group.run(_run_rank, args, engines, os.getcwd())[0]
+    finally:
+        if group is not None:
+            group.shutdown()
+        engines.shutdown()
+
+
+def _run_rank(worker, args: Args, engines, cwd: str) -> dict:
+    os.chdir(cwd)  # relative paths of the command line mean what they meant to the driver
+    return main(args, engines)
+
+
+def main(args: Args, engines: rollout.RolloutEngines | None = None) -> dict:
     # 1. setup ------------------------------------------------------------------------------------------------
     if not 0 <= args.critic.warmup_steps < args.train.max_steps:
         raise ValueError(f"--critic.warmup-steps {args.critic.warmup_steps} must be in [0, --train.max-steps "
                          f"{args.train.max_steps}): the actor would never be trained")  # fmt: skip
-    # PLUMBING: one process holds the DeepSpeed actor and critic and an in-process vLLM engine (single-process mode).
+    # PLUMBING: `--train.ranks 1`: this process holds the DeepSpeed actor and critic and an in-process vLLM engine.
+    # N > 1: the driver starts Ray, the engine actors and N ranks, each of which runs this function with the engines
+    # given and holds an actor and a critic engine of the same DeepSpeed world.
+    if args.train.ranks > 1 and engines is None:
+        return launch(args)
     rank, world, device = ds_engine.init_distributed(args.ds.backend, args.ds.timeout_s)
-    if world != 1:
-        raise ValueError("algos/ppo.py runs as one process (trainer + in-process vLLM); Ray placement is not wired into "
-                         "the RL scripts yet")  # fmt: skip
+    if world > 1 and engines is None:
+        raise ValueError("several trainer ranks: use --train.ranks N (Ray placement, shared vLLM engine actors), "
+                         "not torchrun")  # fmt: skip
     # Seeds: data order and sampling seeds are derived from (seed, step); RNGs seeded once for the rest (the critic's
-    # fresh scalar head is drawn from torch's RNG right after this).
+    # fresh scalar head is drawn from torch's RNG right after this, the same on every rank).
     random.seed(args.train.seed)
     np.random.seed(args.train.seed)
     torch.manual_seed(args.train.seed)
@@ -485,7 +592,10 @@ def main(args: Args) -> dict:
     if args.algo.kl_coef > 0:  # PLUMBING: frozen reference (SFT) policy, only when the KL penalty is on
         ref = models.load_causal_lm(ModelConfig(name_or_path=actor_path, dtype=args.actor.model.dtype)).to(device)
         ref.eval().requires_grad_(False)
-    engines = rollout.create_engines(actor_path, args.vllm, seed=args.train.seed)
+    if engines is None:
+        engines = rollout.create_engines(actor_path, args.vllm, seed=args.train.seed)
+    elif rank == 0 and engines.backend == "broadcast":
+        engines.init_broadcast()  # this rank sends the weights to the engine actors
 
     run_dir = Path(args.run_dir or Path(args.logger.run_root) / run_name(args.exp_name, args.train.seed))
     ckpt_dir = Path(args.ckpt.dir or run_dir / "checkpoints")
@@ -493,46 +603,70 @@ def main(args: Args) -> dict:
     if args.ckpt.resume and checkpoint.latest(ckpt_dir):
         client = checkpoint.load({"actor": actor, "critic": critic}, checkpoint.latest(ckpt_dir))
         start_step = client["step"] + 1
-        engines.update_weights(ds_engine.full_named_parameters(actor))  # engines start from the checkpoint's weights
+        placement.sync_weights(engines, actor, rank)  # the engines start from the checkpoint's weights
     kl_ctl = (rl_math.AdaptiveKLController(args.algo.kl_coef, args.algo.kl_target, args.algo.kl_horizon)
               if args.algo.kl_target else rl_math.FixedKLController(args.algo.kl_coef))  # fmt: skip
     kl_ctl.load_state_dict(client.get("kl_ctl", kl_ctl.state_dict()))
-    logger = RunLogger(args.logger, run_dir, args, args.train.max_steps)
-    # PLUMBING: the single-turn agent executor: prompt tokens -> vLLM generation -> checked reward
-    executor = SingleTurnExecutor(engines, tokenizer, partial(score, reward_func, reward_source),
-                                  args.rollout.max_new_tokens, args.rollout.temperature, args.rollout.top_p)  # fmt: skip
-    first_eval = client.get("first_eval") or evaluate(executor, eval_set, args)
+    logger = RunLogger(args.logger, run_dir, args, args.train.max_steps, enabled=rank == 0)
+    # PLUMBING: the agent executor: prompt tokens -> vLLM generation -> checked reward (single turn), or turns of
+    # generation and environment feedback (`--rollout.env-file`); the loop below is the same for both
+    if args.rollout.env_file:
+        executor = MultiTurnExecutor(engines, tokenizer, load_env_factory(args.rollout.env_file),
+                                     args.rollout.max_new_tokens, args.rollout.max_turns, args.rollout.max_total_tokens,
+                                     args.rollout.temperature, args.rollout.top_p)  # fmt: skip
+    else:
+        executor = SingleTurnExecutor(engines, tokenizer, partial(score, reward_func, reward_source),
+                                      args.rollout.max_new_tokens, args.rollout.temperature, args.rollout.top_p)  # fmt: skip
+    if args.vllm.enable_sleep:  # hybrid engine: DeepSpeed states stay off the GPU while the engines generate
+        placement.offload_states(actor)
+        placement.offload_states(critic)
+    first_eval = client.get("first_eval") or all_ranks(evaluate(executor, eval_set, args) if rank == 0 else None, world)
     best = client.get("best", -math.inf)  # the best eval so far (`--eval.best-metric`), exported to <run>/best
     logger.log(first_eval, start_step, shown=("eval/pass@1",))
-    logger.print(f"[ppo] {len(train_set)} prompts, eval pass@1 {first_eval['eval/pass@1']:.3f} at step {start_step}")
+    logger.print(f"[ppo] {len(train_set)} prompts, {world} trainer rank(s), eval pass@1 "
+                 f"{first_eval['eval/pass@1']:.3f} at step {start_step}")  # fmt: skip
 
     G = args.rollout.n_samples
     mbs = args.train.micro_batch_size
+
+    def generate(step: int, round_: int) -> Rollout:
+        """This rank's share of the step's prompts (round > 0: a refill), G episodes each. Seeds follow the prompt's
+        place in the global batch, so the samples do not depend on the number of ranks."""
+        idx = data.batch_indices(len(train_set), args.rollout.batch_size, step, args.train.seed + 7919 * round_)
+        mine = placement.split_contiguous(list(range(len(idx))), world)[rank]
+        base = args.train.seed * 1_000_003 + step * 10_007 + round_
+        return executor.run([train_set[idx[j]] for j in mine], G, [base + j * G for j in mine], step)
+
     for step in range(start_step, args.train.max_steps):
         perf: dict = {}
         # 2. rollout: G episodes per prompt through the agent executor, token ids in, token ids + log-probs out
         with timer(perf, "perf/gen_s"):
-            batch = [train_set[i] for i in data.batch_indices(len(train_set), args.rollout.batch_size, step,
-                                                               args.train.seed)]  # fmt: skip
-            ro = executor.run(batch, G, args.train.seed * 1_000_003 + step * 10_007, step)
-            extra = dict(ro.logs)
+            ro = generate(step, 0)
+            extra, want = dict(ro.logs), len(ro.episodes) // G
             if args.algo.dynamic_filter_range is not None:  # DAPO dynamic sampling with refill
                 lo, hi = args.algo.dynamic_filter_range
                 fresh_reward, parts, rounds = ro.rewards.mean().item(), [], 0
                 while True:
                     parts.append(ro.take_groups(groups_inside(ro.scores, G, lo, hi), G))
                     rounds += 1
-                    full = sum(len(p.episodes) for p in parts) >= args.rollout.batch_size * G
+                    full = sum(len(p.episodes) for p in parts) >= want * G
                     if full or rounds >= args.algo.dynamic_filter_max_rounds:
                         break
-                    refill = [train_set[i] for i in data.batch_indices(len(train_set), args.rollout.batch_size, step,
-                                                                        args.train.seed + 7919 * rounds)]  # fmt: skip
-                    ro = executor.run(refill, G, args.train.seed * 1_000_003 + step * 10_007 + rounds, step)
+                    ro = generate(step, rounds)
                 pool = Rollout.cat(parts)
                 if pool.episodes:  # else train on the last round as it is (the zero-variance filter drops most of it)
-                    ro = pool.take_groups(torch.arange(len(pool.episodes) // G) < args.rollout.batch_size, G)
+                    ro = pool.take_groups(torch.arange(len(pool.episodes) // G) < want, G)
                 extra.update({"rollout/filter_rounds": rounds, "rollout/filter_groups": len(ro.episodes) // G,
                               "rollout/fresh_reward_mean": fresh_reward})  # fmt: skip
+            if world > 1:  # PLUMBING: every rank gets the whole rollout: GAE, whitening and minibatches are global
+                parts = [None] * world
+                torch.distributed.all_gather_object(parts, ro)
+                ro, extra = Rollout.cat(parts), all_ranks(extra, world, reduce=True)
+            if args.vllm.enable_sleep:  # hybrid engine: the engines' GPU memory goes to training
+                if rank == 0:
+                    engines.sleep()
+                placement.reload_states(actor)  # DeepSpeed states back on the GPU (no-op on CPU)
+                placement.reload_states(critic)
             episodes, rewards = ro.episodes, ro.rewards
 
         # 3. rewards and advantages
@@ -552,15 +686,30 @@ def main(args: Args) -> dict:
             **extra,
         }
         with timer(perf, "perf/train_s"):
+            # the loss mask is the episodes' action mask: a multi-turn episode's feedback tokens are 0 in the middle
+            # of the response, and GAE (rl_math.gae) carries values and advantages through them unchanged
             seqs = sequences(episodes, tokenizer.pad_token_id, device)
             mask = seqs["loss_mask"]
-            chunks = [{k: v[i : i + mbs] for k, v in seqs.items()} for i in range(0, len(episodes), mbs)]
-            with torch.no_grad():
-                old_logp = torch.cat([forward_logp(actor, c, args.rollout.temperature)[0] for c in chunks])
-                old_values = torch.cat([forward_values(critic, c) for c in chunks])  # (B, L) V_old(s_t)
+            with torch.no_grad():  # old log-probs, V_old(s_t) (B, L) and reference log-probs of this rank's rows
+                old_logp, old_values = torch.zeros(mask.shape, device=device), torch.zeros(mask.shape, device=device)
+                ref_logp = None if ref is None else torch.zeros(mask.shape, device=device)
+                for r, real in shard_minibatch(list(range(len(episodes))), rank, world, mbs):
+                    c = {k: v[r] for k, v in seqs.items()}
+                    logp = forward_logp(actor, c, args.rollout.temperature)[0]  # collectives under ZeRO-3: always
+                    values = forward_values(critic, c)
+                    if real:
+                        old_logp[r], old_values[r] = logp, values
+                        if ref is not None:  # a plain module, no collective: real rows only
+                            ref_logp[r] = forward_logp(ref, c, args.rollout.temperature)[0]
+                # PLUMBING: GAE and the whitening need every row. Each row was computed by exactly one rank (0 on the
+                # others), so a sum gathers them: 1/world of the forward passes per rank and one all-reduce of (B, L)
+                # tensors, cheaper than every rank running the passes on every row.
+                if world > 1:
+                    for t in (old_logp, old_values, ref_logp):
+                        if t is not None:
+                            torch.distributed.all_reduce(t)
                 kl = torch.zeros_like(old_logp)
-                if ref is not None:  # KL_t of the sampling policy to the reference, on the sampled tokens
-                    ref_logp = torch.cat([forward_logp(ref, c, args.rollout.temperature)[0] for c in chunks])
+                if ref_logp is not None:  # KL_t of the sampling policy to the reference, on the sampled tokens
                     kl = rl_math.approx_kl(old_logp, ref_logp, args.algo.kl_estimator, mask=mask)
                     stats["loss/kl"] = rl_math.masked_mean(kl, mask).item()
             # ALGO LOGIC: KL-shaped token rewards -> GAE with the rollout critic's values -> whitened advantages
@@ -573,21 +722,27 @@ def main(args: Args) -> dict:
                           "critic/explained_variance": explained_variance(old_values, returns, mask).item()})  # fmt: skip
 
             # 4. critic and policy update: minibatches of the clipped value loss and (after the warm-up) the surrogate
-            stats.update(ppo_update(actor, critic, seqs, old_logp, old_values, advantages, returns, args,
-                                    step))  # fmt: skip
+            stats.update(ppo_update(actor, critic, seqs, old_logp, old_values, advantages, returns, args, step,
+                                    rank, world))  # fmt: skip
 
         # 5. weight sync, eval, logging, checkpoint
         with timer(perf, "perf/sync_s"):
-            if step >= args.critic.warmup_steps:  # during the critic warm-up vLLM already holds the actor's weights
-                stats.update(engines.update_weights(ds_engine.full_named_parameters(actor)))
-                if args.debug:
-                    rollout.check_weights(engines, actor.module, [episodes[i].prompt_ids + episodes[i].token_ids
-                                                                  for i in range(4)])  # fmt: skip
+            # during the critic warm-up vLLM already holds the actor's weights, unless sleep level 2 dropped them
+            sync = step >= args.critic.warmup_steps or (args.vllm.enable_sleep and args.vllm.sleep_level == 2)
+            if args.vllm.enable_sleep and rank == 0:  # weights back first, new weights in, then the KV cache
+                engines.wake_up(["weights"])
+            if sync:
+                stats.update(placement.sync_weights(engines, actor, rank))
+            if args.vllm.enable_sleep and rank == 0:
+                engines.wake_up(["kv_cache"])
+            if sync and args.debug:  # on every rank: under ZeRO-3 the trainer's forward is a collective
+                rollout.check_weights(engines, actor.module, [episodes[i].prompt_ids + episodes[i].token_ids
+                                                              for i in range(4)])  # fmt: skip
         stats["train/lr"] = actor.lr_scheduler.get_last_lr()[0]
         stats["train/kl_coef"] = kl_ctl.value
         last = step == args.train.max_steps - 1
         if args.eval.every and ((step + 1) % args.eval.every == 0 or last):
-            stats.update(evaluate(executor, eval_set, args))
+            stats.update(all_ranks(evaluate(executor, eval_set, args) if rank == 0 else None, world))
             if args.eval.best_metric and stats.get(args.eval.best_metric, -math.inf) > best:
                 best = stats[args.eval.best_metric]
                 ds_engine.export_hf(actor, tokenizer, run_dir / "best")
@@ -598,6 +753,9 @@ def main(args: Args) -> dict:
         if halted or (args.ckpt.every and ((step + 1) % args.ckpt.every == 0 or last)):
             state = {"step": step, "first_eval": first_eval, "best": best, "kl_ctl": kl_ctl.state_dict()}
             checkpoint.save({"actor": actor, "critic": critic}, ckpt_dir, step, state, args.ckpt.keep_last)
+        if args.vllm.enable_sleep and not (last or halted):  # DeepSpeed states off the GPU while the engines generate
+            placement.offload_states(actor)
+            placement.offload_states(critic)
         if halted:
             logger.print(f"[ppo] halted after {args.train.halt_after} steps; resume with --run-dir {run_dir}")
             logger.close({"steps": step + 1, "halted": True})
@@ -605,7 +763,8 @@ def main(args: Args) -> dict:
 
     # 6. export, learning curve and summary
     ds_engine.export_hf(actor, tokenizer, run_dir / "hf")
-    plot_curve(logger.history, run_dir / "learning_curve.png")
+    if rank == 0:
+        plot_curve(logger.history, run_dir / "learning_curve.png")
     summary = {"steps": args.train.max_steps, "eval_pass@1_first": first_eval["eval/pass@1"],
                "eval_pass@1_last": logger.latest("eval/pass@1"), "reward_mean_last": logger.latest("rollout/reward_mean"),
                "run_dir": str(run_dir)}  # fmt: skip
