@@ -48,7 +48,7 @@ import numpy as np
 import torch
 import tyro
 
-from agents.executor import Episode, Rollout, SingleTurnExecutor
+from agents.executor import Episode, MultiTurnExecutor, Rollout, SingleTurnExecutor, load_env_factory
 from core import checkpoint, data, embedded, models, packing, placement, rl_math, rollout
 from core import engine as ds_engine
 from core.config import CkptConfig, DataConfig, DSConfig, LoggerConfig, ModelConfig
@@ -118,6 +118,14 @@ class RolloutArgs:
     """sampling temperature (the trainer's log-probs use the same temperature)."""
     top_p: float = 1.0
     """nucleus sampling."""
+    env_file: str | None = None
+    """multi-turn: a Python file defining `make_env(example)` -> an environment with `reset(example) -> str` and
+    `step(response) -> (feedback, reward, done)` (e.g. agents/retry_env.py). Its feedback is appended as tokens that
+    are not trained on, its rewards replace `--reward.*`. None: one generation per episode, scored by `--reward.*`."""
+    max_turns: int = 2
+    """multi-turn: model turns per episode at most."""
+    max_total_tokens: int = 256
+    """multi-turn: response tokens (model + feedback) per episode at most; an episode reaching it is truncated."""
 
 
 @dataclass
@@ -223,8 +231,9 @@ def reinforce_pp_advantages(
     """A = whiten_batch(Σ_{k≥t} γ^{k−t} r_k),  r_t = −kl_coef · kl_t + [t = last] · r̃,  r̃ = r (− mean_group(r)).
 
     rewards: (B,) one scalar per response, prompt-major (samples i·G .. i·G+G−1 share a prompt) when baseline is
-    "group"; kl: (B, T) per-token KL estimate; mask: (B, T) response mask -> (B, T), 0 at masked positions. The
-    mean and (population) std of the whitening run over all valid tokens of the batch."""
+    "group"; kl: (B, T) per-token KL estimate; mask: (B, T) action mask (0 on the prompt, padding and a multi-turn
+    episode's environment tokens) -> (B, T), 0 at masked positions. "last" is the last action token; the mean and
+    (population) std of the whitening run over all valid tokens of the batch."""
     if baseline not in ("none", "group"):
         raise ValueError(f"unknown baseline {baseline!r}; valid: none, group")
     if rewards.dim() != 1 or kl.shape != mask.shape or kl.dim() != 2 or kl.shape[0] != rewards.numel():
@@ -237,8 +246,9 @@ def reinforce_pp_advantages(
         r = rewards.view(-1, group_size)  # (B/G, G)
         rewards = (r - r.mean(dim=1, keepdim=True)).reshape(-1)
     # the script already clipped the raw reward to ±reward.clip, so no second clip here
+    # the reward sits on the mask's last 1: the policy's last token, also when environment tokens follow it
     per_token = rl_math.token_rewards(rewards, kl, kl_coef, mask, clip_range=None)  # (B, T)
-    returns = rl_math.discounted_returns(per_token, mask, gamma)  # (B, T)
+    returns = rl_math.discounted_returns(per_token, mask, gamma)  # (B, T); carried unchanged over environment tokens
     return rl_math.masked_whiten(returns, mask)
 
 
@@ -326,7 +336,7 @@ def forward_logp(model, batch: dict, temperature: float, entropy: bool = False):
 
 
 @torch.no_grad()
-def evaluate(executor: SingleTurnExecutor, eval_set: list[dict], args: Args) -> dict:
+def evaluate(executor: SingleTurnExecutor | MultiTurnExecutor, eval_set: list[dict], args: Args) -> dict:
     """pass@1 (greedy) and pass@k (k samples at the rollout temperature), overall and per data source; an answer is
     correct when its reward is above 0.5."""
     greedy = executor.run(eval_set, n=1, seed=None, step=-1, temperature=0.0)
@@ -450,9 +460,15 @@ def main(args: Args, engines: rollout.RolloutEngines | None = None) -> dict:
               if args.algo.kl_target else rl_math.FixedKLController(args.algo.kl_coef))  # fmt: skip
     kl_ctl.load_state_dict(client.get("kl_ctl", kl_ctl.state_dict()))
     logger = RunLogger(args.logger, run_dir, args, args.train.max_steps, enabled=rank == 0)
-    # PLUMBING: the single-turn agent executor: prompt tokens -> vLLM generation -> checked reward
-    executor = SingleTurnExecutor(engines, tokenizer, partial(score, reward_func, reward_source),
-                                  args.rollout.max_new_tokens, args.rollout.temperature, args.rollout.top_p)  # fmt: skip
+    # PLUMBING: the agent executor: prompt tokens -> vLLM generation -> checked reward (single turn), or turns of
+    # generation and environment feedback (`--rollout.env-file`); the loop below is the same for both
+    if args.rollout.env_file:
+        executor = MultiTurnExecutor(engines, tokenizer, load_env_factory(args.rollout.env_file),
+                                     args.rollout.max_new_tokens, args.rollout.max_turns, args.rollout.max_total_tokens,
+                                     args.rollout.temperature, args.rollout.top_p)  # fmt: skip
+    else:
+        executor = SingleTurnExecutor(engines, tokenizer, partial(score, reward_func, reward_source),
+                                      args.rollout.max_new_tokens, args.rollout.temperature, args.rollout.top_p)  # fmt: skip
     if args.vllm.enable_sleep:  # hybrid engine: DeepSpeed states stay off the GPU while the engines generate
         placement.offload_states(actor)
     first_eval = client.get("first_eval") or all_ranks(evaluate(executor, eval_set, args) if rank == 0 else None, world)

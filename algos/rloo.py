@@ -48,7 +48,7 @@ import numpy as np
 import torch
 import tyro
 
-from agents.executor import Episode, Rollout, SingleTurnExecutor
+from agents.executor import Episode, MultiTurnExecutor, Rollout, SingleTurnExecutor, load_env_factory
 from core import checkpoint, data, embedded, models, packing, placement, rl_math, rollout
 from core import engine as ds_engine
 from core.config import CkptConfig, DataConfig, DSConfig, LoggerConfig, ModelConfig
@@ -118,6 +118,14 @@ class RolloutArgs:
     """sampling temperature (the trainer's log-probs use the same temperature)."""
     top_p: float = 1.0
     """nucleus sampling."""
+    env_file: str | None = None
+    """multi-turn: a Python file defining `make_env(example)` -> an environment with `reset(example) -> str` and
+    `step(response) -> (feedback, reward, done)` (e.g. agents/retry_env.py). Its feedback is appended as tokens that
+    are not trained on, its rewards replace `--reward.*`. None: one generation per episode, scored by `--reward.*`."""
+    max_turns: int = 2
+    """multi-turn: model turns per episode at most."""
+    max_total_tokens: int = 256
+    """multi-turn: response tokens (model + feedback) per episode at most; an episode reaching it is truncated."""
 
 
 @dataclass
@@ -306,7 +314,7 @@ def forward_logp(model, batch: dict, temperature: float, entropy: bool = False):
 
 
 @torch.no_grad()
-def evaluate(executor: SingleTurnExecutor, eval_set: list[dict], args: Args) -> dict:
+def evaluate(executor: SingleTurnExecutor | MultiTurnExecutor, eval_set: list[dict], args: Args) -> dict:
     """pass@1 (greedy) and pass@k (k samples at the rollout temperature), overall and per data source; an answer is
     correct when its reward is above 0.5."""
     greedy = executor.run(eval_set, n=1, seed=None, step=-1, temperature=0.0)
@@ -430,9 +438,15 @@ def main(args: Args, engines: rollout.RolloutEngines | None = None) -> dict:
               if args.algo.kl_target else rl_math.FixedKLController(args.algo.kl_coef))  # fmt: skip
     kl_ctl.load_state_dict(client.get("kl_ctl", kl_ctl.state_dict()))
     logger = RunLogger(args.logger, run_dir, args, args.train.max_steps, enabled=rank == 0)
-    # PLUMBING: the single-turn agent executor: prompt tokens -> vLLM generation -> checked reward
-    executor = SingleTurnExecutor(engines, tokenizer, partial(score, reward_func, reward_source),
-                                  args.rollout.max_new_tokens, args.rollout.temperature, args.rollout.top_p)  # fmt: skip
+    # PLUMBING: the agent executor: prompt tokens -> vLLM generation -> checked reward (single turn), or turns of
+    # generation and environment feedback (`--rollout.env-file`); the loop below is the same for both
+    if args.rollout.env_file:
+        executor = MultiTurnExecutor(engines, tokenizer, load_env_factory(args.rollout.env_file),
+                                     args.rollout.max_new_tokens, args.rollout.max_turns, args.rollout.max_total_tokens,
+                                     args.rollout.temperature, args.rollout.top_p)  # fmt: skip
+    else:
+        executor = SingleTurnExecutor(engines, tokenizer, partial(score, reward_func, reward_source),
+                                      args.rollout.max_new_tokens, args.rollout.temperature, args.rollout.top_p)  # fmt: skip
     if args.vllm.enable_sleep:  # hybrid engine: DeepSpeed states stay off the GPU while the engines generate
         placement.offload_states(actor)
     first_eval = client.get("first_eval") or all_ranks(evaluate(executor, eval_set, args) if rank == 0 else None, world)

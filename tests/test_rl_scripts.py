@@ -1,5 +1,6 @@
 """Behaviour every RL script shares, checked on each of them: exact resume after `--train.halt-after`, the best-eval
-export, and DAPO dynamic filtering with refill (grpo.py has its own, stricter filtering test in test_grpo.py)."""
+export, DAPO dynamic filtering with refill (grpo.py has its own, stricter filtering test in test_grpo.py) and the
+multi-turn `--rollout.env-file` flag."""
 
 from __future__ import annotations
 
@@ -132,7 +133,8 @@ def test_hybrid_engine_sleeps_while_training_and_wakes_before_the_sync(tmp_path,
 
 
 @pytest.mark.slow
-def test_multi_turn_environment_flag(tmp_path, monkeypatch, one_thread):
+@pytest.mark.parametrize("module", ["grpo", "rloo", "reinforce_pp"])
+def test_multi_turn_environment_flag(module, tmp_path, monkeypatch, one_thread):
     """`--rollout.env-file agents/retry_env.py` selects the multi-turn executor without touching the loop: wrong first
     answers get the prompt again as feedback (tokens masked out of the loss) and a second try worth 0.5, so rewards
     are in {0, 0.5, 1}, some episodes take two turns, and training runs on them."""
@@ -147,7 +149,7 @@ def test_multi_turn_environment_flag(tmp_path, monkeypatch, one_thread):
         return ro
 
     monkeypatch.setattr(agent_executor.MultiTurnExecutor, "run", spy)
-    mod, args = _small("grpo", tmp_path / "run", 2)
+    mod, args = _small(module, tmp_path / "run", 2)
     args.rollout.env_file = str(Path(mod.__file__).resolve().parents[1] / "agents" / "retry_env.py")
     summary = mod.main(args)
     train = [ro for ro in seen if len(ro.episodes) == args.rollout.batch_size * args.rollout.n_samples]
@@ -159,5 +161,9 @@ def test_multi_turn_environment_flag(tmp_path, monkeypatch, one_thread):
     for e in two_turns:  # model tokens, then the masked feedback (the prompt again), then the model's second try
         first_feedback = e.action_mask.index(0)
         assert e.action_mask[:first_feedback] == [1] * first_feedback and e.action_mask[-1] == 1
+    loss_mask = mod.sequences(two_turns, 0, "cpu")["loss_mask"]  # the script trains on exactly the action mask
+    for row, e in enumerate(two_turns):
+        expected = [0] * len(e.prompt_ids) + e.action_mask
+        assert loss_mask[row].tolist() == expected + [0] * (loss_mask.shape[1] - len(expected))
     rows = [json.loads(line) for line in open(Path(summary["run_dir"]) / "metrics.jsonl")]
     assert 1.0 < rows[-1]["rollout/turns_mean"] <= 2.0 and math.isfinite(rows[-1]["loss/policy"])
