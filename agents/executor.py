@@ -155,6 +155,7 @@ class MultiTurnExecutor:
                 ep.truncated, ep.finish_reason = s.truncated, s.finish_reason
                 feedback, r, done = envs[i].step(self.tokenizer.decode(s.token_ids, skip_special_tokens=True))
                 rewards[i] += float(r)
+                done = done or turn == self.max_turns - 1  # no feedback after the last turn: nothing would read it
                 fb = self._tokens(feedback) if not done else []
                 if len(ep.token_ids) + len(fb) >= self.max_total_tokens:
                     ep.truncated, done = True, True

@@ -95,6 +95,7 @@ def test_multi_turn_stops_at_max_turns_and_total_length(tokenizer):
     engines = ScriptedEngines(lambda p: tokenizer.encode("7", add_special_tokens=False))
     ro = MultiTurnExecutor(engines, tokenizer, Retry, max_new_tokens=4, max_turns=3).run([example], 1, 0, 0)
     assert len(engines.calls) == 3 and ro.rewards.tolist() == [0.0] and sum(ro.episodes[0].action_mask) == 3
+    assert ro.episodes[0].action_mask[-1] == 1  # it ends on the model's last turn, not on unread feedback
     engines = ScriptedEngines(lambda p: tokenizer.encode("7", add_special_tokens=False))
     ro = MultiTurnExecutor(engines, tokenizer, Retry, 4, max_turns=9, max_total_tokens=4).run([example], 1, 0, 0)
     assert ro.episodes[0].truncated and len(ro.episodes[0].token_ids) <= 4 and len(engines.calls) == 2
