@@ -47,7 +47,7 @@ from core import checkpoint, data, embedded, models, packing, placement, rl_math
 from core import engine as ds_engine
 from core.config import CkptConfig, DataConfig, DSConfig, LoggerConfig, ModelConfig, RefConfig
 from core.logger import RunLogger, run_name, timer
-from core.placement import RayConfig
+from core.placement import RayConfig, all_ranks, shard_minibatch
 from core.rollout import VLLMConfig
 from rewards.remote import ModelReward, RemoteReward
 
@@ -324,30 +324,6 @@ def evaluate(executor: SingleTurnExecutor | MultiTurnExecutor, eval_set: list[di
     return out
 
 
-def shard_minibatch(rows: list[int], rank: int, world: int, micro_size: int) -> list[tuple[list[int], bool]]:
-    """This rank's micro-batches of one minibatch (row indices): its contiguous share of `rows`, cut into as many
-    micro-batches as the largest share needs, so every rank runs the same number of passes (under ZeRO-3 each forward
-    is a collective). A micro-batch left without rows is ([rows[0]], False): a pass whose loss is multiplied by 0."""
-    share = placement.split_contiguous(rows, world)[rank]
-    n = math.ceil(math.ceil(len(rows) / world) / micro_size)
-    return [(c, True) if c else ([rows[0]], False) for c in placement.split_contiguous(share, n)]
-
-
-def all_ranks(obj, world: int, reduce: bool = False):
-    """Rank 0's `obj` on every rank, or (reduce=True) a dict of floats averaged over the ranks that have each key."""
-    import torch.distributed as dist
-
-    if world == 1:
-        return obj
-    if not reduce:
-        box = [obj]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
-    parts: list = [None] * world
-    dist.all_gather_object(parts, obj)
-    return {k: float(np.mean([p[k] for p in parts if k in p])) for k in dict.fromkeys(k for p in parts for k in p)}
-
-
 def launch(args: Args) -> dict:
     """`--train.ranks N`: start Ray, the vLLM engine actors and N trainer ranks (one DeepSpeed world) on one placement
     group, and run `main` on every rank, as torchrun would; returns rank 0's summary."""
@@ -357,6 +333,8 @@ def launch(args: Args) -> dict:
                                                    args.train.colocate, args.ray.strategy, args.ray.timeout_s)  # fmt: skip
     # resolved once here: the ranks must agree on the model, the run folder and the engines
     args.actor.model.name_or_path = embedded.resolve_model(args.actor.model.name_or_path)
+    if args.ref.name_or_path:
+        args.ref.name_or_path = embedded.resolve_model(args.ref.name_or_path)
     args.run_dir = str(Path(args.run_dir or Path(args.logger.run_root) / run_name(args.exp_name, args.train.seed)))
     args.vllm.in_process = False
     engines = rollout.create_engines(args.actor.model.name_or_path, args.vllm, seed=args.train.seed,

@@ -63,9 +63,9 @@ import tyro
 from agents.executor import Episode, MultiTurnExecutor, Rollout, SingleTurnExecutor, load_env_factory
 from core import checkpoint, data, embedded, models, packing, placement, rl_math, rollout
 from core import engine as ds_engine
-from core.config import CkptConfig, DataConfig, DSConfig, LoggerConfig, ModelConfig
+from core.config import CkptConfig, DataConfig, DSConfig, LoggerConfig, ModelConfig, RefConfig
 from core.logger import RunLogger, run_name, timer
-from core.placement import RayConfig
+from core.placement import RayConfig, all_ranks, shard_minibatch
 from core.rollout import VLLMConfig
 from rewards.remote import ModelReward, RemoteReward
 
@@ -230,6 +230,7 @@ class Args:
     exp_name: str = Path(__file__).stem
     """run name prefix; defaults to this file's name, so a copied script names its own runs."""
     actor: ActorArgs = field(default_factory=ActorArgs)
+    ref: RefConfig = field(default_factory=RefConfig)
     critic: CriticArgs = field(default_factory=CriticArgs)
     reward: RewardArgs = field(default_factory=RewardArgs)
     rollout: RolloutArgs = field(default_factory=RolloutArgs)
@@ -487,44 +488,18 @@ def ppo_update(actor, critic, seqs: dict, old_logp, old_values, advantages, retu
     return all_ranks(stats, world, reduce=True)
 
 
-def shard_minibatch(rows: list[int], rank: int, world: int, micro_size: int) -> list[tuple[list[int], bool]]:
-    """This rank's micro-batches of one minibatch (row indices): its contiguous share of `rows`, cut into as many
-    micro-batches as the largest share needs, so every rank runs the same number of passes (under ZeRO-3 each forward
-    is a collective). A micro-batch left without rows is ([rows[0]], False): a pass whose loss is multiplied by 0."""
-    share = placement.split_contiguous(rows, world)[rank]
-    n = math.ceil(math.ceil(len(rows) / world) / micro_size)
-    return [(c, True) if c else ([rows[0]], False) for c in placement.split_contiguous(share, n)]
-
-
-def all_ranks(obj, world: int, reduce: bool = False):
-    """Rank 0's `obj` on every rank, or (reduce=True) a dict of floats averaged over the ranks that have each key."""
-    import torch.distributed as dist
-
-    if world == 1:
-        return obj
-    if not reduce:
-        box = [obj]
-        dist.broadcast_object_list(box, src=0)
-        return box[0]
-    parts: list = [None] * world
-    dist.all_gather_object(parts, obj)
-    return {k: float(np.mean([p[k] for p in parts if k in p])) for k in dict.fromkeys(k for p in parts for k in p)}
-
-
 def launch(args: Args) -> dict:
     """`--train.ranks N`: start Ray, the vLLM engine actors and N trainer ranks (one DeepSpeed world, each rank with an
     actor and a critic engine) on one placement group, and run `main` on every rank, as torchrun would; returns rank
     0's summary."""
     resources = placement.init_ray(args.ray)
-    gpu, n, n_engines = resources.get("GPU", 0) > 0, args.train.ranks, args.vllm.num_engines
-    pg = placement.make_placement_group(n if args.train.colocate else n + n_engines, strategy=args.ray.strategy,
-                                        timeout_s=args.ray.timeout_s)  # fmt: skip
-    share = 0.5 if args.train.colocate else 1.0  # of a bundle's CPU (and GPU) per trainer rank
-    engine_share = share / math.ceil(n_engines / n) if args.train.colocate else 1.0
-    engine_options = [placement.bundle_options(pg, i % n if args.train.colocate else n + i, engine_share,
-                                               engine_share if gpu else 0) for i in range(n_engines)]  # fmt: skip
+    gpu, n = resources.get("GPU", 0) > 0, args.train.ranks
+    pg, share, engine_options = placement.place_rl(n, args.vllm.num_engines, args.vllm.tensor_parallel_size,
+                                                   args.train.colocate, args.ray.strategy, args.ray.timeout_s)  # fmt: skip
     # resolved once here: the ranks must agree on the models, the run folder and the engines
     args.actor.model.name_or_path = embedded.resolve_model(args.actor.model.name_or_path)
+    if args.ref.name_or_path:
+        args.ref.name_or_path = embedded.resolve_model(args.ref.name_or_path)
     if args.critic.name_or_path:
         args.critic.name_or_path = embedded.resolve_model(args.critic.name_or_path)
     args.run_dir = str(Path(args.run_dir or Path(args.logger.run_root) / run_name(args.exp_name, args.train.seed)))
@@ -589,9 +564,10 @@ def main(args: Args, engines: rollout.RolloutEngines | None = None) -> dict:
     critic = ds_engine.make_engine(critic_model, args.ds, args.critic.lr, args.train.max_steps * updates_per_step,
                                    args.critic.lr_warmup_steps)  # fmt: skip
     ref = None
-    if args.algo.kl_coef > 0:  # PLUMBING: frozen reference (SFT) policy, only when the KL penalty is on
-        ref = models.load_causal_lm(ModelConfig(name_or_path=actor_path, dtype=args.actor.model.dtype)).to(device)
-        ref.eval().requires_grad_(False)
+    if args.algo.kl_coef > 0:  # PLUMBING: frozen reference policy (--ref.*), only when the KL penalty is on
+        ref_path = embedded.resolve_model(args.ref.name_or_path or actor_path)
+        ref_model = models.load_causal_lm(ModelConfig(name_or_path=ref_path, dtype=args.actor.model.dtype))
+        ref = ds_engine.make_frozen(ref_model, args.ref, device)
     if engines is None:
         engines = rollout.create_engines(actor_path, args.vllm, seed=args.train.seed)
     elif rank == 0 and engines.backend == "broadcast":
@@ -690,17 +666,19 @@ def main(args: Args, engines: rollout.RolloutEngines | None = None) -> dict:
             # of the response, and GAE (rl_math.gae) carries values and advantages through them unchanged
             seqs = sequences(episodes, tokenizer.pad_token_id, device)
             mask = seqs["loss_mask"]
-            with torch.no_grad():  # old log-probs, V_old(s_t) (B, L) and reference log-probs of this rank's rows
+            # old log-probs, V_old(s_t) (B, L) and reference log-probs of this rank's rows
+            with torch.no_grad(), ds_engine.on_device(ref, device):
                 old_logp, old_values = torch.zeros(mask.shape, device=device), torch.zeros(mask.shape, device=device)
                 ref_logp = None if ref is None else torch.zeros(mask.shape, device=device)
                 for r, real in shard_minibatch(list(range(len(episodes))), rank, world, mbs):
                     c = {k: v[r] for k, v in seqs.items()}
                     logp = forward_logp(actor, c, args.rollout.temperature)[0]  # collectives under ZeRO-3: always
                     values = forward_values(critic, c)
+                    ref_lp = None if ref is None else forward_logp(ref, c, args.rollout.temperature)[0]  # likewise
                     if real:
                         old_logp[r], old_values[r] = logp, values
-                        if ref is not None:  # a plain module, no collective: real rows only
-                            ref_logp[r] = forward_logp(ref, c, args.rollout.temperature)[0]
+                        if ref_logp is not None:
+                            ref_logp[r] = ref_lp
                 # PLUMBING: GAE and the whitening need every row. Each row was computed by exactly one rank (0 on the
                 # others), so a sum gathers them: 1/world of the forward passes per rank and one all-reduce of (B, L)
                 # tensors, cheaper than every rank running the passes on every row.

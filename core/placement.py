@@ -171,6 +171,34 @@ def split_contiguous(items: list, n: int) -> list[list]:
     return [items[bounds[i] : bounds[i + 1]] for i in range(n)]
 
 
+def shard_minibatch(rows: list[int], rank: int, world: int, micro_size: int) -> list[tuple[list[int], bool]]:
+    """This rank's micro-batches of one minibatch (row indices): its contiguous share of `rows`, cut into as many
+    micro-batches as the largest share needs, so every rank runs the same number of passes (under ZeRO-3 each forward
+    is a collective). A micro-batch left without rows is ([rows[0]], False): a pass whose loss is multiplied by 0."""
+    share = split_contiguous(rows, world)[rank]
+    n = math.ceil(math.ceil(len(rows) / world) / micro_size)
+    return [(c, True) if c else ([rows[0]], False) for c in split_contiguous(share, n)]
+
+
+def all_ranks(obj, world: int, reduce: bool = False):
+    """For scripts whose ranks run the same loop (SPMD, `--train.ranks N`): rank 0's `obj` on every rank, or (reduce=True) a dict of floats averaged over the ranks that have each key."""
+    import torch.distributed as dist
+
+    if world == 1:
+        return obj
+    if not reduce:
+        box = [obj]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+    parts: list = [None] * world
+    dist.all_gather_object(parts, obj)
+    means = {}
+    for k in dict.fromkeys(k for p in parts for k in p):
+        values = [p[k] for p in parts if k in p]
+        means[k] = float(sum(values) / len(values))
+    return means
+
+
 def sync_weights(engines, engine, rank: int) -> dict[str, float]:
     """A DeepSpeed engine's weights -> vLLM engines. Collective: every rank walks the parameters (gathered one by one
     under ZeRO-3), rank 0 sends them. Returns rank 0's sync stats, {} on other ranks."""

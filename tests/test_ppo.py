@@ -232,7 +232,14 @@ def test_two_ray_ranks_train_like_one_process(tmp_path):
     the first step sees the same rollout as one process; the old log-probs, reference log-probs and old values are
     gathered from both ranks, so the KL, GAE and the whitened advantages are the same, and the update (each rank a
     share of every minibatch of both engines, the token mean over both) gives the same losses and gradient norms."""
-    rows = ranks_2_vs_1(Args, main, tmp_path)
+
+    def zero3_reference(args, ranks):  # partitioned over the 2 ranks vs whole in one process
+        args.ref.zero_stage = 3 if ranks == 2 else 0
+
+    # with another reference (`--ref.name-or-path cleanrlhf/tiny`, KL ~4 nats/token) every metric below but
+    # critic/clipfrac agreed (0.113 with 2 ranks, 0.123 in one process, also with --ref.zero-stage 0): not understood
+    # yet, so this test keeps the SFT reference (KL 0 at step 1)
+    rows = ranks_2_vs_1(Args, main, tmp_path, zero3_reference)
     assert len(rows[2]) == 2  # one row per step: only rank 0 logs
     first2, first1 = rows[2][0], rows[1][0]
     assert first2["rollout/reward_mean"] == first1["rollout/reward_mean"]  # the same samples
