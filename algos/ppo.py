@@ -395,7 +395,7 @@ def evaluate(executor: SingleTurnExecutor | MultiTurnExecutor, eval_set: list[di
 def forward_values(critic, batch: dict) -> torch.Tensor:
     """Values (B, L) aligned with forward_logp: position t holds V(x_<t), the critic's value of the state before
     token t is generated (the scalar head on hidden state t − 1); position 0 is 0."""
-    v = models.token_values(critic, batch["input_ids"], attention_mask=batch["attention_mask"])  # (B, L)
+    v = critic(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])  # (B, L), models.TokenValues
     return torch.cat([torch.zeros_like(v[:, :1]), v[:, :-1]], dim=1)
 
 
@@ -560,7 +560,8 @@ def main(args: Args, engines: rollout.RolloutEngines | None = None) -> dict:
                                   args.actor.warmup_steps)  # fmt: skip
     # PLUMBING: the critic, a causal LM body + scalar head, as a second DeepSpeed engine with its own optimizer
     critic_path = embedded.resolve_model(args.critic.name_or_path or actor_path)
-    critic_model = models.load_scalar_model(critic_path, args.actor.model.dtype).to(device)
+    # the engine's own forward must run (ZeRO-3 gradient accumulation): the wrapper's forward gives per-token values
+    critic_model = models.TokenValues(models.load_scalar_model(critic_path, args.actor.model.dtype)).to(device)
     critic = ds_engine.make_engine(critic_model, args.ds, args.critic.lr, args.train.max_steps * updates_per_step,
                                    args.critic.lr_warmup_steps)  # fmt: skip
     ref = None

@@ -120,16 +120,14 @@ def reward_loss(chosen: torch.Tensor, rejected: torch.Tensor, margin: torch.Tens
 
 
 def packed_scores(model, seqs: list[list[int]], device) -> torch.Tensor:
-    """Rewards (S,) of S token sequences from ONE packed forward: the scalar head at each sample's last token."""
+    """Rewards (S,) of S token sequences from ONE packed forward: the scalar head at each sample's last token.
+    `model`: the engine of a `core.models.TokenValues` (or the wrapper itself)."""
     rows = 2 * max(len(s) for s in seqs)  # bounded rows: sdpa's block-diagonal mask costs O(row length^2)
     batch = packing.collate_packed([{"input_ids": s, "loss_mask": [0] * len(s)} for s in seqs], device, rows)
-    # use_cache=False: transformers (5.19) only turns restarting position ids into a block-diagonal mask when no
-    # KV cache is passed; with one, packed samples would attend to each other.
-    body = getattr(model, model.base_model_prefix)
-    hidden = body(input_ids=batch["input_ids"], position_ids=batch["position_ids"], use_cache=False).last_hidden_state
+    values = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"])  # (rows, L): models.TokenValues
     row = torch.tensor([r for r, _, _ in batch["segments"]], device=device)
     last = torch.tensor([start + n - 1 for _, start, n in batch["segments"]], device=device)
-    return model.score(hidden[row, last]).squeeze(-1).float()  # (S,)
+    return values[row, last]  # (S,)
 
 
 def micro_batches(idx: list[int], pairs: list[dict], max_tokens: int) -> list[list[int]]:
@@ -210,7 +208,7 @@ def main(args: Args) -> dict:
     if args.model.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     torch.manual_seed(args.train.seed + rank)
-    engine = ds_engine.make_engine(model, args.ds, args.train.lr, args.train.max_steps, args.train.warmup_steps,
+    engine = ds_engine.make_engine(models.TokenValues(model), args.ds, args.train.lr, args.train.max_steps, args.train.warmup_steps,
                                    args.train.min_lr_ratio, args.train.weight_decay, args.train.adam_betas)  # fmt: skip
     pad_id = tokenizer.pad_token_id
 
@@ -224,7 +222,7 @@ def main(args: Args) -> dict:
     logger = RunLogger(args.logger, run_dir, args, args.train.max_steps, enabled=rank == 0)
     logger.print(f"[rm] {len(train_set)} train / {len(eval_set)} eval pairs, world size {world}, "
                  f"ZeRO-{args.ds.zero_stage}, run dir {run_dir}")  # fmt: skip
-    first_eval = client.get("first_eval") or evaluate(engine.module, eval_set, args, pad_id, rank, world, device)
+    first_eval = client.get("first_eval") or evaluate(model, eval_set, args, pad_id, rank, world, device)
     logger.log(first_eval, start_step)
     tokens_seen, t_train, step = 0.0, 0.0, start_step - 1
 
@@ -240,7 +238,7 @@ def main(args: Args) -> dict:
         for i in range(n_micro):
             g, weight = (groups[i], 1.0) if i < len(groups) else (groups[0], 0.0)  # weight 0: a pad pass (ZeRO-3)
             pairs = [train_set[j] for j in g]
-            r = packed_scores(engine.module, [p["chosen"] for p in pairs] + [p["rejected"] for p in pairs], device)
+            r = packed_scores(engine, [p["chosen"] for p in pairs] + [p["rejected"] for p in pairs], device)
             rc, rr = r[: len(g)], r[len(g) :]
             margin = torch.tensor([p["margin"] for p in pairs], device=device) if args.margin_key else None
             rm_loss = reward_loss(rc, rr, margin, args.train.loss)
@@ -272,7 +270,7 @@ def main(args: Args) -> dict:
         last = step == args.train.max_steps - 1
         if args.eval.every and ((step + 1) % args.eval.every == 0 or last):
             with timer(metrics, "perf/eval_s"):
-                metrics.update(evaluate(engine.module, eval_set, args, pad_id, rank, world, device))
+                metrics.update(evaluate(model, eval_set, args, pad_id, rank, world, device))
         logger.log(metrics, step + 1, shown=("loss/rm", "train/accuracy", "eval/accuracy"))
         if args.ckpt.every and ((step + 1) % args.ckpt.every == 0 or last):
             checkpoint.save({"model": engine}, ckpt_dir, step, {"step": step, "first_eval": first_eval},
@@ -280,8 +278,8 @@ def main(args: Args) -> dict:
 
     # 5. normalization statistics, export and summary
     # The held-out reward mean / std go into config.json: the server's `--normalize` serves (r − mean) / std.
-    final = evaluate(engine.module, eval_set, args, pad_id, rank, world, device)
-    config = engine.module.config
+    final = evaluate(model, eval_set, args, pad_id, rank, world, device)
+    config = model.config
     config.reward_mean, config.reward_std = final["eval/reward_mean"], final["eval/reward_std"]
     config.reward_add_special_tokens = not args.data.apply_chat_template
     export_dir = Path(args.export_dir or run_dir / "hf")

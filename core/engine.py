@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from core.config import DSConfig, RefConfig
+from core.models import TokenValues
 
 
 def free_port() -> int:
@@ -223,6 +224,8 @@ def export_hf(engine, tokenizer, out_dir: str | Path) -> None:
         from transformers import AutoModelForCausalLM
 
         model = engine.module
+        if isinstance(model, TokenValues):  # a trained scalar-head model: export the HF model inside
+            model, state = model.model, {k.removeprefix("model."): v for k, v in state.items()}
         tmp = out_dir.with_name(out_dir.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         if hasattr(model, "peft_config"):  # rebuild base + adapters from the gathered weights, then merge

@@ -279,7 +279,8 @@ def value_loss(
     ℓ_t = ½ · max((V_clip − R)², (V − R)²),  V_clip = V_old + clamp(V − V_old, −clip_eps, clip_eps);
     ℓ_t = ½ · (V − R)² when clip_eps is None.  loss = aggregate_loss(ℓ, mask, agg, **agg_kwargs).
     values: (B, T) with gradient; old_values, returns, mask: (B, T), used detached. Returns (loss, stats), stats
-    detached: clipfrac (fraction of valid tokens where the clipped term is the larger one), values_mean.
+    detached: clipfrac (fraction of valid tokens where V was clamped and the clipped term is the larger one),
+    values_mean.
     """
     mask = mask.bool()
     values = _keep(values, mask)
@@ -290,7 +291,10 @@ def value_loss(
     else:
         values_clipped = old_values + (values - old_values).clamp(-clip_eps, clip_eps)
         err_clipped = (values_clipped - returns).square()
-        loss, clipped = 0.5 * torch.max(err_clipped, err), err_clipped > err
+        # clipped only where the clamp moved V: inside the range V_clip = V_old + (V − V_old) can differ from V in the
+        # last bit, and that rounding would count as clipping (and depend on the micro-batch's BLAS blocking)
+        moved = (values - old_values).abs() > clip_eps
+        loss, clipped = 0.5 * torch.max(err_clipped, err), (err_clipped > err) & moved
     stats = {
         "clipfrac": masked_mean(clipped.float(), mask).detach(),
         "values_mean": masked_mean(values.detach(), mask),

@@ -245,6 +245,14 @@ def test_value_loss_hand():
     assert_close(stats["clipfrac"], 0.5)
     (grad,) = torch.autograd.grad(loss, values)
     assert_close(grad, [[0.0, 0.5]])
+    # V inside the clip range: nothing is clipped, although V_old + (V - V_old) differs from V in the last bit for
+    # a quarter of these tokens, and rounding alone made the clipped term "larger" for ~2 % of them
+    gen = torch.Generator().manual_seed(0)
+    inside64 = (torch.rand(64, 32, generator=gen, dtype=F64) - 0.5) * 0.4
+    old32 = (inside64 + (torch.rand(64, 32, generator=gen, dtype=F64) - 0.5) * 0.38).float()  # |V - V_old| < 0.2
+    inside, rets = inside64.float(), torch.randn(64, 32, generator=gen)  # V and V_old rounded independently
+    assert ((old32 + (inside - old32)) != inside).float().mean() > 0.1
+    assert value_loss(inside, old32, rets, torch.ones(64, 32, dtype=torch.bool), clip_eps=0.2)[1]["clipfrac"] == 0
     # unclipped: ½ (V - R)² = 0.5, 0.5 -> mean 0.5; gradient (V - R) / 2 = [-0.5, 0.5]
     loss, stats = value_loss(values, old_values, returns, mask)
     assert_close(loss, 0.5)

@@ -73,7 +73,7 @@ def test_packed_scores_equal_padded_and_hf_scores(tiny_path, tokenizer):
     model = models.load_scalar_model(str(tiny_path), "fp32").eval()
     seqs = [data.reward_ids(tokenizer, t) for t in ["1+2=3", "11+22=33", "5+5=10", "99+1=100", "0+0=0"]]
     with torch.no_grad():
-        packed = packed_scores(model, seqs, "cpu")
+        packed = packed_scores(models.TokenValues(model), seqs, "cpu")
         padded = padded_scores(model, seqs, tokenizer.pad_token_id, "cpu")
         hf = torch.cat([model(input_ids=torch.tensor([s])).logits[:, 0] for s in seqs])
     torch.testing.assert_close(packed, hf, atol=1e-5, rtol=1e-5)
