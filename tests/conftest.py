@@ -89,3 +89,12 @@ def ranks_2_vs_1(args_cls, main, tmp_path, configure=None) -> dict[int, list[dic
                 ray.shutdown()
         rows[ranks] = [json.loads(line) for line in open(tmp_path / f"r{ranks}" / "metrics.jsonl") if "loss/" in line]
     return rows
+
+
+def zero3_other_reference(args, ranks: int) -> None:
+    """`ranks_2_vs_1`'s `configure` for the `--ref.*` check: the KL to the untrained base model (`cleanrlhf/tiny`), far
+    from 0 from the first step on, with the reference partitioned over the 2 ranks (`--ref.zero-stage 3`) against a
+    whole one in one process. A script whose KL is off by default gets coefficient 0.05."""
+    args.algo.kl_coef = args.algo.kl_coef or 0.05
+    args.ref.name_or_path = "cleanrlhf/tiny"
+    args.ref.zero_stage = 3 if ranks == 2 else 0

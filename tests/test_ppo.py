@@ -4,7 +4,6 @@ ranks against one process, and multi-turn episodes."""
 
 from __future__ import annotations
 
-import json
 import math
 import subprocess
 import sys
@@ -12,7 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ranks_2_vs_1, short_rl_run
+from conftest import ranks_2_vs_1, short_rl_run, zero3_other_reference
 
 from agents.executor import Episode
 from algos.ppo import Args, explained_variance, forward_values, main, ppo_advantages, ppo_update, sequences
@@ -233,11 +232,7 @@ def test_two_ray_ranks_train_like_one_process(tmp_path):
     gathered from both ranks, so the KL, GAE and the whitened advantages are the same, and the update (each rank a
     share of every minibatch of both engines, the token mean over both) gives the same losses and gradient norms."""
 
-    def other_reference(args, ranks):  # KL to the untrained base model: far from 0 from the first step on
-        args.ref.name_or_path = "cleanrlhf/tiny"  # with the default KL coefficient
-        args.ref.zero_stage = 3 if ranks == 2 else 0  # partitioned over the 2 ranks vs whole in one process
-
-    rows = ranks_2_vs_1(Args, main, tmp_path, other_reference)
+    rows = ranks_2_vs_1(Args, main, tmp_path, zero3_other_reference)
     assert len(rows[2]) == 2  # one row per step: only rank 0 logs
     first2, first1 = rows[2][0], rows[1][0]
     assert first2["rollout/reward_mean"] == first1["rollout/reward_mean"]  # the same samples
@@ -245,43 +240,3 @@ def test_two_ray_ranks_train_like_one_process(tmp_path):
     for key in ("loss/policy", "train/grad_norm", "loss/clipfrac", "loss/kl", "loss/value", "critic/grad_norm",
                 "critic/clipfrac", "critic/values_mean", "critic/returns_mean", "critic/explained_variance"):  # fmt: skip
         assert first2[key] == pytest.approx(first1[key], rel=1e-4, abs=1e-6), key
-
-
-@pytest.mark.slow
-def test_multi_turn_environment_flag(tmp_path, monkeypatch, one_thread):
-    """`--rollout.env-file agents/retry_env.py` selects the multi-turn executor: wrong first answers get the prompt
-    again as feedback (tokens masked out of the loss, GAE carried through them) and a second try worth 0.5, so
-    rewards are in {0, 0.5, 1}, some episodes take two turns, and the actor and the critic train on them."""
-    from agents import executor as agent_executor
-
-    seen = []
-    original = agent_executor.MultiTurnExecutor.run
-
-    def spy(self, *a, **k):
-        ro = original(self, *a, **k)
-        seen.append(ro)
-        return ro
-
-    monkeypatch.setattr(agent_executor.MultiTurnExecutor, "run", spy)
-    args = Args()
-    args.train.max_steps, args.rollout.batch_size, args.train.micro_batch_size = 2, 16, 64
-    args.eval.every, args.eval.max_samples = 2, 64
-    args.logger.quiet, args.logger.tensorboard = True, False
-    args.run_dir = str(tmp_path / "run")
-    args.rollout.env_file = str(REPO / "agents" / "retry_env.py")
-    main(args)
-    train = [ro for ro in seen if len(ro.episodes) == args.rollout.batch_size * args.rollout.n_samples]
-    assert train, "the multi-turn executor did not produce the training rollouts"
-    rewards = torch.cat([ro.rewards for ro in train])
-    assert set(rewards.tolist()) <= {0.0, 0.5, 1.0} and (rewards == 1.0).any()
-    two_turns = [e for ro in train for e in ro.episodes if 0 in e.action_mask]
-    assert two_turns, "no episode got feedback"
-    for e in two_turns:  # model tokens, then the masked feedback (the prompt again), then the model's second try
-        first_feedback = e.action_mask.index(0)
-        assert e.action_mask[:first_feedback] == [1] * first_feedback and e.action_mask[-1] == 1
-    rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
-    train_rows = [row for row in rows if "loss/value" in row]
-    assert len(train_rows) == 2
-    for row in train_rows:
-        assert math.isfinite(row["loss/policy"]) and math.isfinite(row["loss/value"]), row
-        assert 1.0 < row["rollout/turns_mean"] <= 2.0

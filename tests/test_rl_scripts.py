@@ -133,7 +133,7 @@ def test_hybrid_engine_sleeps_while_training_and_wakes_before_the_sync(tmp_path,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("module", ["grpo", "rloo", "reinforce_pp"])
+@pytest.mark.parametrize("module", ["grpo", "rloo", "reinforce_pp", "ppo"])
 def test_multi_turn_environment_flag(module, tmp_path, monkeypatch, one_thread):
     """`--rollout.env-file agents/retry_env.py` selects the multi-turn executor without touching the loop: wrong first
     answers get the prompt again as feedback (tokens masked out of the loss) and a second try worth 0.5, so rewards
@@ -167,3 +167,5 @@ def test_multi_turn_environment_flag(module, tmp_path, monkeypatch, one_thread):
         assert loss_mask[row].tolist() == expected + [0] * (loss_mask.shape[1] - len(expected))
     rows = [json.loads(line) for line in open(Path(summary["run_dir"]) / "metrics.jsonl")]
     assert 1.0 < rows[-1]["rollout/turns_mean"] <= 2.0 and math.isfinite(rows[-1]["loss/policy"])
+    if module == "ppo":  # the critic trains on them too (GAE skips the feedback tokens)
+        assert math.isfinite(rows[-1]["loss/value"])

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import ranks_2_vs_1, short_rl_run
+from conftest import ranks_2_vs_1, short_rl_run, zero3_other_reference
 
 from algos.rloo import Args, main, rloo_advantages
 
@@ -123,11 +123,7 @@ def test_two_ray_ranks_train_like_one_process(tmp_path):
     rollout as one process, and the update (each rank a share of every minibatch, the token mean over both) gives
     the same loss and gradient norm."""
 
-    def other_reference(args, ranks):  # KL to the untrained base model: far from 0 from the first step on
-        args.algo.kl_coef, args.ref.name_or_path = 0.05, "cleanrlhf/tiny"
-        args.ref.zero_stage = 3 if ranks == 2 else 0  # partitioned over the 2 ranks vs whole in one process
-
-    rows = ranks_2_vs_1(Args, main, tmp_path, other_reference)
+    rows = ranks_2_vs_1(Args, main, tmp_path, zero3_other_reference)
     assert len(rows[2]) == 2  # one row per step: only rank 0 logs
     first2, first1 = rows[2][0], rows[1][0]
     assert first2["rollout/reward_mean"] == first1["rollout/reward_mean"]  # the same samples
