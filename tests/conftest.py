@@ -98,3 +98,15 @@ def zero3_other_reference(args, ranks: int) -> None:
     args.algo.kl_coef = args.algo.kl_coef or 0.05
     args.ref.name_or_path = "cleanrlhf/tiny"
     args.ref.zero_stage = 3 if ranks == 2 else 0
+
+
+def assert_first_step_agrees(rows: dict[int, list[dict]], extra_keys: tuple[str, ...] = ()) -> None:
+    """What every 2-rank test asserts on `ranks_2_vs_1`'s rows (with `zero3_other_reference`): one row per step (only
+    rank 0 logs), the same first-step samples, a KL far from 0, and the same losses, gradient norm, clip fraction and
+    KL (plus `extra_keys`) as one process."""
+    assert len(rows[2]) == 2  # one row per step: only rank 0 logs
+    first2, first1 = rows[2][0], rows[1][0]
+    assert first2["rollout/reward_mean"] == first1["rollout/reward_mean"]  # the same samples
+    assert first1["loss/kl"] > 0.1
+    for key in ("loss/policy", "train/grad_norm", "loss/clipfrac", "loss/kl", *extra_keys):
+        assert first2[key] == pytest.approx(first1[key], rel=1e-4, abs=1e-6), key
