@@ -47,7 +47,6 @@ A real model:
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import os
 import random
@@ -67,7 +66,7 @@ from core.config import CkptConfig, DataConfig, DSConfig, LoggerConfig, ModelCon
 from core.logger import RunLogger, run_name, timer
 from core.placement import RayConfig, all_ranks, shard_minibatch
 from core.rollout import VLLMConfig
-from rewards.remote import ModelReward, RemoteReward
+from rewards.loader import RewardConfig, load_reward_func, score
 
 
 @dataclass
@@ -104,35 +103,6 @@ class CriticArgs:
     warmup_steps: int = 0
     """critic-only steps at the start: the first N rollouts update the critic and leave the actor (and vLLM) as
     they are, so the policy gradient starts with a fitted baseline."""
-
-
-@dataclass
-class RewardArgs:
-    func: str | None = None
-    """python file defining `reward_func(queries, prompts, labels)` returning a tensor/list of rewards or a dict
-    with `rewards`, optional `scores` (0-1) and `extra_logs` (OpenRLHF's contract). Default: rewards/arithmetic.py,
-    the embedded task's exact-match rule."""
-    model: str | None = None
-    """reward model (an `algos/rm.py` export or any one-label `AutoModelForSequenceClassification`) scored
-    in-process on prompt + response; instead of `func`."""
-    remote_url: list[str] = field(default_factory=list)
-    """reward server URL(s) (`python -m rewards.server`, or OpenRLHF's remote RM contract); several URLs split each
-    batch between them; instead of `func`."""
-    normalize: bool = False
-    """with `model`: score (r − reward_mean) / reward_std using the statistics `algos/rm.py` saved."""
-    timeout_s: float = 60.0
-    """with `remote_url`: seconds per request before it is retried."""
-    retries: int = 3
-    """with `remote_url`: retries per request (after a timeout, connection error or 5xx) before a clear error."""
-    clip: float = 10.0
-    """rewards are clipped to [−clip, clip]."""
-    stop_properly_penalty: float | None = None
-    """reward given instead to responses truncated at max-new-tokens (None: keep their reward)."""
-    overlong_buffer: int = 0
-    """DAPO soft overlong punishment: responses within this many tokens of max-new-tokens lose reward linearly, up to
-    `overlong-penalty-factor` at the limit (`rl_math.overlong_penalty`); 0 disables."""
-    overlong_penalty_factor: float = 1.0
-    """the largest overlong penalty (at max-new-tokens)."""
 
 
 @dataclass
@@ -232,7 +202,7 @@ class Args:
     actor: ActorArgs = field(default_factory=ActorArgs)
     ref: RefConfig = field(default_factory=RefConfig)
     critic: CriticArgs = field(default_factory=CriticArgs)
-    reward: RewardArgs = field(default_factory=RewardArgs)
+    reward: RewardConfig = field(default_factory=RewardConfig)
     rollout: RolloutArgs = field(default_factory=RolloutArgs)
     train: TrainArgs = field(default_factory=TrainArgs)
     algo: AlgoArgs = field(default_factory=AlgoArgs)
@@ -290,57 +260,6 @@ def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.
     if var_r == 0:
         return torch.tensor(float("nan"))
     return (1 - (r - v).var(unbiased=False) / var_r).float()
-
-
-def load_reward_func(cfg: RewardArgs):
-    """(reward_func, its name for messages): a remote server, a reward model, the user's python file, or the embedded
-    task's rule reward. All follow OpenRLHF's contract `reward_func(queries, prompts, labels)`."""
-    chosen = [name for name, on in (("func", cfg.func), ("model", cfg.model), ("remote-url", cfg.remote_url)) if on]
-    if len(chosen) > 1:
-        raise ValueError(f"--reward.{chosen[0]} and --reward.{chosen[1]}: give one reward source")
-    if cfg.remote_url:
-        return RemoteReward(cfg.remote_url, cfg.timeout_s, cfg.retries), ", ".join(cfg.remote_url)
-    if cfg.model:
-        return ModelReward(cfg.model, cfg.normalize), cfg.model
-    if cfg.func is None:
-        from rewards.arithmetic import reward_func
-
-        return reward_func, "rewards/arithmetic.py"
-    path = cfg.func
-    if not Path(path).is_file():
-        raise ValueError(f"--reward.func {path}: no such file")
-    spec = importlib.util.spec_from_file_location("user_reward", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    if not hasattr(module, "reward_func"):
-        raise ValueError(f"--reward.func {path}: defines no `reward_func(queries, prompts, labels)`")
-    return module.reward_func, path
-
-
-def score(reward_func, source: str, queries, prompts, labels,
-          step: int) -> tuple[torch.Tensor, dict, torch.Tensor]:  # fmt: skip
-    """Call the reward function and check what it returned: one finite reward per query. Returns (rewards, logs,
-    scores): `scores` are the function's optional 0-1 scores (for dynamic filtering), else the rewards."""
-    try:
-        out = reward_func(queries=queries, prompts=prompts, labels=labels)
-    except Exception as e:
-        raise ValueError(f"reward function {source} raised on batch {step}: {type(e).__name__}: {e}") from e
-    rewards = out["rewards"] if isinstance(out, dict) else out
-    rewards = torch.as_tensor(rewards, dtype=torch.float32).flatten()
-    if rewards.numel() != len(queries):
-        raise ValueError(f"reward function {source} returned {rewards.numel()} rewards for {len(queries)} queries "
-                         f"on batch {step}")  # fmt: skip
-    if not torch.isfinite(rewards).all():
-        bad = (~torch.isfinite(rewards)).nonzero().flatten().tolist()[:5]
-        raise ValueError(f"reward function {source} returned NaN/inf on batch {step} (queries {bad})")
-    logs = {f"rollout/{k}": torch.as_tensor(v, dtype=torch.float32).mean().item()
-            for k, v in (out.get("extra_logs", {}) if isinstance(out, dict) else {}).items()}  # fmt: skip
-    scores = out.get("scores") if isinstance(out, dict) else None
-    scores = rewards if scores is None else torch.as_tensor(scores, dtype=torch.float32).flatten()
-    if scores.shape != rewards.shape:
-        raise ValueError(f"reward function {source} returned {scores.numel()} scores for {len(queries)} queries "
-                         f"on batch {step}")  # fmt: skip
-    return rewards, logs, scores
 
 
 def groups_inside(scores: torch.Tensor, group_size: int, low: float, high: float) -> torch.Tensor:
@@ -742,33 +661,12 @@ def main(args: Args, engines: rollout.RolloutEngines | None = None) -> dict:
 
     # 6. export, learning curve and summary
     ds_engine.export_hf(actor, tokenizer, run_dir / "hf")
-    if rank == 0:
-        plot_curve(logger.history, run_dir / "learning_curve.png")
+    logger.plot(run_dir / "learning_curve.png", ("rollout/reward_mean", "eval/pass@1"))
     summary = {"steps": args.train.max_steps, "eval_pass@1_first": first_eval["eval/pass@1"],
                "eval_pass@1_last": logger.latest("eval/pass@1"), "reward_mean_last": logger.latest("rollout/reward_mean"),
                "run_dir": str(run_dir)}  # fmt: skip
     logger.close(summary)
     return summary
-
-
-def plot_curve(history: list[dict], path: Path) -> None:
-    """Reward and eval pass@1 against step, saved as a PNG next to the run."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(6, 3.5))
-    for key in ("rollout/reward_mean", "eval/pass@1"):
-        pts = [(h["step"], h[key]) for h in history if key in h]
-        if pts:
-            ax.plot(*zip(*pts), marker="." if key.startswith("eval") else None, label=key)
-    ax.set_xlabel("step")
-    ax.legend()
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
 
 
 if __name__ == "__main__":

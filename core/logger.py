@@ -80,6 +80,27 @@ class RunLogger:
                 return row[key]
         return default
 
+    def plot(self, path: str | Path, keys: tuple[str, ...]) -> None:
+        """A PNG of the logged `keys` against step (e.g. the RL scripts' learning curve: reward and eval pass@1)."""
+        if not self.enabled:
+            return
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        for key in keys:
+            pts = [(h["step"], h[key]) for h in self.history if key in h]
+            if pts:
+                ax.plot(*zip(*pts), marker="." if key.startswith("eval") else None, label=key)
+        ax.set_xlabel("step")
+        ax.legend()
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        fig.savefig(path, dpi=100)
+        plt.close(fig)
+
     def close(self, summary: dict | None = None) -> None:
         """Stop the progress bar and print (and save to `summary.json`) the end-of-run summary."""
         if not self.enabled:

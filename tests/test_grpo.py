@@ -10,7 +10,8 @@ import pytest
 import torch
 from conftest import assert_first_step_agrees, ranks_2_vs_1, short_rl_run, zero3_other_reference
 
-from algos.grpo import Args, RewardArgs, group_advantages, load_reward_func, score
+from algos.grpo import Args, group_advantages
+from rewards.loader import RewardConfig, load_reward_func, score
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -51,26 +52,26 @@ def test_group_advantages_vectorized_equals_loop(seed):
 def test_reward_checks_name_the_file_and_batch(tmp_path):
     bad = tmp_path / "bad_reward.py"
     bad.write_text("def reward_func(queries, prompts, labels):\n    return [float('nan')] * len(queries)\n")
-    fn, src = load_reward_func(RewardArgs(func=str(bad)))
+    fn, src = load_reward_func(RewardConfig(func=str(bad)))
     with pytest.raises(ValueError, match=r"bad_reward\.py returned NaN/inf on batch 7"):
         score(fn, src, ["a", "b"], ["a", "b"], ["1", "2"], step=7)
     short = tmp_path / "short_reward.py"
     short.write_text("def reward_func(queries, prompts, labels):\n    return {'rewards': [1.0]}\n")
-    fn, src = load_reward_func(RewardArgs(func=str(short)))
+    fn, src = load_reward_func(RewardConfig(func=str(short)))
     with pytest.raises(ValueError, match=r"short_reward\.py returned 1 rewards for 2 queries on batch 3"):
         score(fn, src, ["a", "b"], ["a", "b"], ["1", "2"], step=3)
     raises = tmp_path / "raising_reward.py"
     raises.write_text("def reward_func(queries, prompts, labels):\n    raise KeyError('label')\n")
-    fn, src = load_reward_func(RewardArgs(func=str(raises)))
+    fn, src = load_reward_func(RewardConfig(func=str(raises)))
     with pytest.raises(ValueError, match=r"raising_reward\.py raised on batch 0: KeyError"):
         score(fn, src, ["a"], ["a"], ["1"], step=0)
     with pytest.raises(ValueError, match="no such file"):
-        load_reward_func(RewardArgs(func=str(tmp_path / "missing.py")))
+        load_reward_func(RewardConfig(func=str(tmp_path / "missing.py")))
     scores = tmp_path / "scores_reward.py"
     scores.write_text(
         "def reward_func(queries, prompts, labels):\n    return {'rewards': [1.0, 2.0], 'scores': [1.0]}\n"
     )
-    fn, src = load_reward_func(RewardArgs(func=str(scores)))
+    fn, src = load_reward_func(RewardConfig(func=str(scores)))
     with pytest.raises(ValueError, match=r"scores_reward\.py returned 1 scores for 2 queries on batch 5"):
         score(fn, src, ["a", "b"], ["a", "b"], ["1", "2"], step=5)
 
@@ -85,7 +86,7 @@ def test_groups_inside_keeps_groups_neither_all_solved_nor_all_failed():
 
 
 def test_embedded_reward_scores_exact_match():
-    fn, src = load_reward_func(RewardArgs())
+    fn, src = load_reward_func(RewardConfig())
     r, logs, scores = score(fn, src, ["1+2=3", "1+2=4", "1+2=x"], ["1+2="] * 3, ["3", "3", "3"], step=0)
     assert r.tolist() == [1.0, 0.0, 0.0] and scores.tolist() == r.tolist()  # no `scores` returned: the rewards
     assert logs["rollout/format_ok"] == pytest.approx(2 / 3)

@@ -156,9 +156,9 @@ def test_remote_reward_does_not_retry_a_client_error(server):
 
 
 def test_rl_scripts_take_one_reward_source(rm_path, tmp_path):
-    from algos.grpo import RewardArgs, load_reward_func
+    from rewards.loader import RewardConfig, load_reward_func
 
     with pytest.raises(ValueError, match="--reward.func and --reward.model: give one reward source"):
-        load_reward_func(RewardArgs(func=str(tmp_path / "r.py"), model=rm_path))
-    func, name = load_reward_func(RewardArgs(model=rm_path))
+        load_reward_func(RewardConfig(func=str(tmp_path / "r.py"), model=rm_path))
+    func, name = load_reward_func(RewardConfig(model=rm_path))
     assert name == rm_path and func(["1+2=3"], ["1+2="], [None])["rewards"].shape == (1,)
