@@ -242,7 +242,7 @@ def main(args: Args) -> dict:
         log(f"[dpo] resumed from {checkpoint.latest(ckpt_dir)} at step {start_step}")
     logger = RunLogger(args.logger, run_dir, args, args.train.max_steps, enabled=rank == 0)
     logger.print(f"[dpo] {len(train_set)} train / {len(eval_set)} eval pairs, world size {world}, "
-                 f"ZeRO-{args.ds.zero_stage}, run dir {run_dir}")  # fmt: skip
+                 f"ZeRO-{engine.zero_optimization_stage()}, run dir {run_dir}")  # fmt: skip
 
     # 2. reference log-probs -------------------------------------------------------------------------------------
     # ALGO LOGIC: π_ref is the starting policy, so before the first step the policy's own log-probs ARE the

@@ -476,13 +476,13 @@ def main(args: Args, engines: rollout.RolloutEngines | None = None) -> dict:
     updates_per_step = args.train.minibatches * args.train.epochs
     actor = ds_engine.make_engine(model, args.ds, args.actor.lr,
                                   (args.train.max_steps - args.critic.warmup_steps) * updates_per_step,
-                                  args.actor.warmup_steps)  # fmt: skip
+                                  args.actor.warmup_steps, hybrid=args.vllm.enable_sleep)  # fmt: skip
     # PLUMBING: the critic, a causal LM body + scalar head, as a second DeepSpeed engine with its own optimizer
     critic_path = embedded.resolve_model(args.critic.name_or_path or actor_path)
     # the engine's own forward must run (ZeRO-3 gradient accumulation): the wrapper's forward gives per-token values
     critic_model = models.TokenValues(models.load_scalar_model(critic_path, args.actor.model.dtype)).to(device)
     critic = ds_engine.make_engine(critic_model, args.ds, args.critic.lr, args.train.max_steps * updates_per_step,
-                                   args.critic.lr_warmup_steps)  # fmt: skip
+                                   args.critic.lr_warmup_steps, hybrid=args.vllm.enable_sleep)  # fmt: skip
     ref = None
     if args.algo.kl_coef > 0:  # PLUMBING: frozen reference policy (--ref.*), only when the KL penalty is on
         ref_path = embedded.resolve_model(args.ref.name_or_path or actor_path)

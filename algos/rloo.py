@@ -311,7 +311,9 @@ def main(args: Args, engines: rollout.RolloutEngines | None = None) -> dict:
 
     model = models.load_causal_lm(args.actor.model).to(device)
     total_updates = args.train.max_steps * args.train.minibatches * args.train.epochs
-    actor = ds_engine.make_engine(model, args.ds, args.actor.lr, total_updates, args.actor.warmup_steps)
+    actor = ds_engine.make_engine(
+        model, args.ds, args.actor.lr, total_updates, args.actor.warmup_steps, hybrid=args.vllm.enable_sleep
+    )
     ref = None
     if args.algo.kl_coef > 0:  # PLUMBING: frozen reference policy (--ref.*), only when the KL penalty is on
         ref_path = embedded.resolve_model(args.ref.name_or_path or actor_path)

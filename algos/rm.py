@@ -221,7 +221,7 @@ def main(args: Args) -> dict:
         log(f"[rm] resumed from {checkpoint.latest(ckpt_dir)} at step {start_step}")
     logger = RunLogger(args.logger, run_dir, args, args.train.max_steps, enabled=rank == 0)
     logger.print(f"[rm] {len(train_set)} train / {len(eval_set)} eval pairs, world size {world}, "
-                 f"ZeRO-{args.ds.zero_stage}, run dir {run_dir}")  # fmt: skip
+                 f"ZeRO-{engine.zero_optimization_stage()}, run dir {run_dir}")  # fmt: skip
     first_eval = client.get("first_eval") or evaluate(model, eval_set, args, pad_id, rank, world, device)
     logger.log(first_eval, start_step)
     tokens_seen, t_train, step = 0.0, 0.0, start_step - 1

@@ -203,7 +203,7 @@ def main(args: Args) -> dict:
         log(f"[sft] resumed from {checkpoint.latest(ckpt_dir)} at step {start_step}")
     logger = RunLogger(args.logger, run_dir, args, args.train.max_steps, enabled=rank == 0)
     logger.print(f"[sft] {len(train_set)} train / {len(eval_set)} eval examples, world size {world}, "
-                 f"ZeRO-{args.ds.zero_stage}, run dir {run_dir}")  # fmt: skip
+                 f"ZeRO-{engine.zero_optimization_stage()}, run dir {run_dir}")  # fmt: skip
     first_eval = client.get("first_eval") or evaluate(engine, tokenizer, eval_set, args, rank, world, device)
     logger.log(first_eval, start_step)
     perf: dict = {}

@@ -59,21 +59,34 @@ def init_distributed(backend: str = "auto", timeout_s: int = 600) -> tuple[int, 
     return dist.get_rank(), dist.get_world_size(), device
 
 
-def ds_config(ds: DSConfig, dtype: torch.dtype) -> dict:
+def zero_stage(ds: DSConfig, hybrid: bool = False) -> int:
+    """`--ds.zero-stage`, or its default for this world: 3 to offload parameters, 2 with several ranks, an offloaded
+    optimizer or a hybrid engine (`--vllm.enable-sleep`: DeepSpeed moves the states of ZeRO ≥ 1 only), else 0 (one
+    process gains nothing from sharding)."""
+    import torch.distributed as dist
+
+    if ds.zero_stage is not None:
+        return ds.zero_stage
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    return 3 if ds.offload_params else 2 if world > 1 or ds.offload_optimizer or hybrid else 0
+
+
+def ds_config(ds: DSConfig, dtype: torch.dtype, stage: int) -> dict:
     """The DeepSpeed config dict. Micro-batching and gradient accumulation are done by the scripts (packed micro-
     batches vary in number), so DeepSpeed sees micro-batch 1, accumulation 1, and `set_gradient_accumulation_boundary`
     marks the last micro-batch of a step."""
-    zero: dict = {"stage": ds.zero_stage}
+    zero: dict = {"stage": stage}
     if ds.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
     if ds.offload_params:
         zero["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
-    if ds.zero_stage == 3:
+    if zero["stage"] == 3:
         zero["stage3_gather_16bit_weights_on_model_save"] = True
     return {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
-        "gradient_clipping": ds.grad_clip,
+        # a stage-0 fp32 engine computes the gradient norm only when it clips (see make_engine): clip at ∞ then
+        "gradient_clipping": ds.grad_clip or (math.inf if stage == 0 and dtype != torch.bfloat16 else 0.0),
         "zero_optimization": zero,
         "bf16": {"enabled": dtype == torch.bfloat16},
         "zero_allow_untested_optimizer": True,  # torch AdamW on CPU (see make_engine)
@@ -116,11 +129,17 @@ def fused_adam(params, lr: float, betas: tuple[float, float], weight_decay: floa
 
 
 def make_engine(model, ds: DSConfig, lr: float, total_steps: int, warmup_steps: int = 0, min_lr_ratio: float = 0.1,
-                weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.95)):  # fmt: skip
+                weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.95), hybrid: bool = False):  # fmt: skip
     """Wrap `model` in a DeepSpeed engine with AdamW over its trainable parameters (DeepSpeed's FusedAdam on CUDA,
-    torch's on CPU) and a warmup/cosine schedule. Returns the engine; `engine.module` is the model, `engine.lr_scheduler` the schedule."""
+    torch's on CPU) and a warmup/cosine schedule. `hybrid`: the engine's states will be moved off the GPU while vLLM
+    generates (`core.placement.offload_states`). Returns the engine; `engine.module` is the model,
+    `engine.lr_scheduler` the schedule."""
     import deepspeed
 
+    stage = zero_stage(ds, hybrid)
+    if hybrid and stage == 0 and torch.cuda.is_available():
+        raise ValueError("--vllm.enable-sleep with --ds.zero-stage 0: DeepSpeed cannot move a stage-0 engine's states "
+                         "off the GPU; use --ds.zero-stage 2 or 3 (the default picks 2)")  # fmt: skip
     dtype = next(model.parameters()).dtype
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = (
@@ -130,8 +149,17 @@ def make_engine(model, ds: DSConfig, lr: float, total_steps: int, warmup_steps: 
         optimizer = torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(warmup_steps, total_steps, min_lr_ratio))
     engine, *_ = deepspeed.initialize(
-        model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config(ds, dtype)
+        model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config(ds, dtype, stage)
     )
+    if stage == 0 and dtype != torch.bfloat16:
+        # DeepSpeed clips a stage-0 fp32 engine's (already all-reduced) gradients but drops their norm, so
+        # get_global_grad_norm() would be None: clip here and keep the norm, as its ZeRO and bf16 optimizers do
+        def clip_and_keep_norm():
+            engine._global_grad_norm = torch.nn.utils.clip_grad_norm_(
+                engine.module.parameters(), ds.grad_clip or math.inf
+            )
+
+        engine.clip_fp32_gradients = clip_and_keep_norm
     return engine
 
 

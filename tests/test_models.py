@@ -157,7 +157,47 @@ def test_embedded_model_size_and_from_pretrained(tiny_path, tiny_model):
     assert torch.equal(through_core.model.embed_tokens.weight, built.model.embed_tokens.weight)
 
 
-@pytest.mark.parametrize("stage", [2, 3])
+def test_default_zero_stage_fits_the_world(monkeypatch):
+    """`--ds.zero-stage` unset: 0 for one process, 2 for several or to offload the optimizer or move the states (hybrid
+    engine), 3 to offload parameters; a stage given is kept."""
+    import torch.distributed as dist
+
+    from core.config import DSConfig
+    from core.engine import zero_stage
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: False)
+    assert zero_stage(DSConfig()) == 0
+    assert zero_stage(DSConfig(), hybrid=True) == 2
+    assert zero_stage(DSConfig(offload_optimizer=True)) == 2
+    assert zero_stage(DSConfig(offload_params=True)) == 3
+    assert zero_stage(DSConfig(zero_stage=3)) == 3 and zero_stage(DSConfig(zero_stage=1), hybrid=True) == 1
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda: 2)
+    assert zero_stage(DSConfig()) == 2 and zero_stage(DSConfig(zero_stage=0)) == 0
+
+
+@pytest.mark.parametrize("grad_clip", [1.0, 0.0])
+def test_stage0_engine_reports_the_gradient_norm_of_zero2(tiny_path, grad_clip):
+    """A stage-0 fp32 engine (the one-process default) logs the same gradient norm as ZeRO-2 (DeepSpeed itself keeps
+    none at stage 0), with and without clipping, and takes the same step."""
+    from core import engine as ds_engine
+    from core.config import DSConfig
+
+    ds_engine.init_distributed("gloo")
+    ids = torch.tensor([[1, 5, 9, 13, 17, 21, 25], [1, 40, 41, 42, 43, 44, 45]])
+    out = {}
+    for stage in (0, 2):
+        torch.manual_seed(0)
+        model = models.load_causal_lm(ModelConfig(name_or_path=str(tiny_path)))
+        engine = ds_engine.make_engine(model, DSConfig(zero_stage=stage, grad_clip=grad_clip), 1e-2, 10)
+        engine.backward(engine(input_ids=ids, labels=ids).loss * 50)  # × 50: a norm well above the clip
+        engine.step()
+        out[stage] = (float(engine.get_global_grad_norm()), [p.detach().clone() for p in engine.module.parameters()])
+    assert out[0][0] > 5 and out[0][0] == pytest.approx(out[2][0], rel=1e-5)
+    assert all(torch.allclose(a, b, atol=1e-6) for a, b in zip(out[0][1], out[2][1]))
+
+
+@pytest.mark.parametrize("stage", [None, 2, 3])
 def test_scalar_head_engine_accumulates_micro_batches_like_one_batch(tiny_path, stage):
     """The critic / reward model as trained: `TokenValues` in a DeepSpeed engine, called through the engine. Two
     micro-batches with the accumulation boundary on the second give the gradient of one batch of both, also under
@@ -174,6 +214,7 @@ def test_scalar_head_engine_accumulates_micro_batches_like_one_batch(tiny_path, 
         torch.manual_seed(0)
         model = models.TokenValues(models.load_scalar_model(str(tiny_path), "fp32"))
         engine = ds_engine.make_engine(model, DSConfig(zero_stage=stage), 1e-3, 10)
+        assert engine.zero_optimization_stage() == (stage or 0)  # None: the default for one process
         for j, rows in enumerate(parts):
             b = collate_padded([{"input_ids": seqs[i], "loss_mask": [1] * len(seqs[i])} for i in rows], pad_id=0)
             values = engine(input_ids=b["input_ids"], attention_mask=b["attention_mask"])  # (B, T)
