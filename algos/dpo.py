@@ -15,7 +15,9 @@ Deviations from the paper:
 1. Reference log-probs are computed once, before the first step, with the initial policy (which *is* π_ref), for
    the pairs the run's batches will use, and cached (and checkpointed). `--train.live-ref` recomputes them every step instead: LoRA runs disable the adapters
    for that pass (no copy), full fine-tuning keeps a frozen replica on every rank (not ZeRO-sharded).
-2. Chosen and rejected responses of a micro-batch are packed padding-free into ONE forward pass (core/packing.py).
+2. Chosen and rejected responses of a micro-batch are packed padding-free into ONE forward pass, and the prompt
+   they share is computed once: both responses branch off it under a 4D attention mask (prefix sharing,
+   core/packing.py `collate_prefix_shared`; `--train.no-share-prompt` packs the two sequences whole).
 3. IPO uses summed log-probs like DPO (the IPO paper's and TRL's IPO average per token).
 4. The loss is the mean over the pairs of the global batch (all micro-batches, all ranks), so neither packing nor
    data parallelism changes it.
@@ -80,6 +82,10 @@ class TrainArgs:
     """AdamW weight decay."""
     adam_betas: tuple[float, float] = (0.9, 0.95)
     """AdamW (β1, β2)."""
+    share_prompt: bool = True
+    """compute a pair's common prefix (its prompt) once, with chosen and rejected branching off it in the same
+    packed row (exact: each response sees only the prompt and itself). Needs sdpa or eager attention; off packs
+    chosen and rejected as two whole sequences."""
     ref_pairs_per_forward: int = 32
     """pairs per packed forward in the no-grad passes (reference cache, eval)."""
     seed: int = 1
@@ -134,12 +140,18 @@ def dpo_loss(policy_chosen_logps: torch.Tensor, policy_rejected_logps: torch.Ten
     return losses.mean(), chosen_rewards, rejected_rewards
 
 
-def pair_logps(model, pairs: list[dict], device) -> tuple[torch.Tensor, torch.Tensor]:
+def pair_logps(model, pairs: list[dict], device, share_prompt: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Summed response log-probs (P,) of the chosen and of the rejected responses of P pairs, from ONE packed
-    forward: chosen 1..P then rejected 1..P packed into rows of twice the longest sequence (sdpa's block-diagonal
-    mask costs O(row length^2), so bounded rows keep attention linear in the number of pairs)."""
+    forward in rows of twice the longest sequence (sdpa's mask costs O(row length^2), so bounded rows keep
+    attention linear in the number of pairs). `share_prompt`: each pair is its common prefix once plus the two
+    remainders (DEVIATION 2); else chosen 1..P then rejected 1..P as whole sequences."""
+    row_len = 2 * max(len(p[k]["input_ids"]) for p in pairs for k in ("chosen", "rejected"))
+    if share_prompt:
+        batch = packing.collate_prefix_shared([[p["chosen"], p["rejected"]] for p in pairs], device, row_len)
+        sums = packing.prefix_shared_logp_sums(model, batch)  # (2P,): chosen, rejected of pair 0, then pair 1, ...
+        return sums[0::2], sums[1::2]
     seqs = [p["chosen"] for p in pairs] + [p["rejected"] for p in pairs]
-    batch = packing.collate_packed(seqs, device, row_len=2 * max(len(s["input_ids"]) for s in seqs))
+    batch = packing.collate_packed(seqs, device, row_len=row_len)
     logp = packing.token_logprobs(model, batch)  # (R, L)
     sums = torch.stack([s.sum() for s in packing.unpack(logp * batch["loss_mask"], batch["segments"])])  # (2P,)
     return sums[: len(pairs)], sums[len(pairs) :]
@@ -158,7 +170,8 @@ def micro_batches(idx: list[int], pairs: list[dict], max_tokens: int) -> list[li
 
 
 @torch.no_grad()
-def all_pair_logps(model, pairs: list[dict], chunk: int, rank: int, world: int, device) -> torch.Tensor:
+def all_pair_logps(model, pairs: list[dict], chunk: int, rank: int, world: int, device,
+                   share_prompt: bool = False) -> torch.Tensor:  # fmt: skip
     """(P, 2) summed log-probs [chosen, rejected] of every pair, in eval mode. Each rank computes an equal-sized
     slice (padded with repeats, so ZeRO-3's collective forwards stay in step) and a sum over ranks assembles it."""
     was_training = model.training
@@ -168,7 +181,7 @@ def all_pair_logps(model, pairs: list[dict], chunk: int, rank: int, world: int, 
     out = torch.zeros(n, 2, device=device, dtype=torch.float64)
     for start in range(0, per_rank, chunk):
         idx = [rank * per_rank + i for i in range(start, min(start + chunk, per_rank))]
-        c, r = pair_logps(model, [pairs[i % n] for i in idx], device)
+        c, r = pair_logps(model, [pairs[i % n] for i in idx], device, share_prompt)
         keep = torch.tensor([i < n for i in idx], device=device)
         rows = torch.tensor([i % n for i in idx], device=device)
         out[rows[keep]] = torch.stack([c, r], dim=1)[keep].double()
@@ -179,20 +192,21 @@ def all_pair_logps(model, pairs: list[dict], chunk: int, rank: int, world: int, 
 
 
 @torch.no_grad()
-def reference_logps(engine, ref_model, pairs: list[dict], device) -> tuple[torch.Tensor, torch.Tensor]:
+def reference_logps(engine, ref_model, pairs: list[dict], device,
+                    share_prompt: bool = False) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Live reference log-probs (--train.live-ref): the frozen replica, or the LoRA policy with its adapters off."""
     if ref_model is not None:
-        return pair_logps(ref_model, pairs, device)
+        return pair_logps(ref_model, pairs, device, share_prompt)
     engine.module.eval()
     with engine.module.disable_adapter():
-        c, r = pair_logps(engine.module, pairs, device)
+        c, r = pair_logps(engine.module, pairs, device, share_prompt)
     engine.module.train()
     return c, r
 
 
 def evaluate(model, pairs: list[dict], ref: torch.Tensor, args: Args, rank: int, world: int, device) -> dict:
     """Held-out DPO loss and implicit-reward ranking. Ties (h = 0, e.g. before training) count as half right."""
-    logps = all_pair_logps(model, pairs, args.train.ref_pairs_per_forward, rank, world, device)
+    logps = all_pair_logps(model, pairs, args.train.ref_pairs_per_forward, rank, world, device, args.train.share_prompt)
     t = args.train
     loss, rc, rr = dpo_loss(logps[:, 0], logps[:, 1], ref[:, 0], ref[:, 1], t.beta, t.label_smoothing, t.ipo)
     return {
@@ -217,6 +231,9 @@ def main(args: Args) -> dict:
     if args.train.beta <= 0 or not 0.0 <= args.train.label_smoothing < 0.5:
         raise ValueError(f"--train.beta must be > 0 and --train.label-smoothing in [0, 0.5), got "
                          f"{args.train.beta} and {args.train.label_smoothing}")  # fmt: skip
+    if args.train.share_prompt and args.model.attn_implementation not in ("sdpa", "eager"):
+        raise ValueError(f"--train.share-prompt needs a 4D attention mask (sdpa or eager), not --model.attn-"
+                         f"implementation {args.model.attn_implementation}: add --train.no-share-prompt")  # fmt: skip
     tokenizer = models.load_tokenizer(args.model.tokenizer or args.model.name_or_path)
     log = print if rank == 0 else (lambda *_: None)
     make = partial(data.preference_example, tokenizer=tokenizer, cfg=args.data, chosen_key=args.chosen_key,
@@ -258,12 +275,12 @@ def main(args: Args) -> dict:
                 raise ValueError(f"{ckpt_dir}: its cached reference log-probs cover the batches of the original "
                                  f"--train.max-steps only; resume with that value (or train with --train.live-ref)")  # fmt: skip
         else:
-            eval_ref = all_pair_logps(engine.module, eval_set, chunk, rank, world, device)
+            eval_ref = all_pair_logps(engine.module, eval_set, chunk, rank, world, device, args.train.share_prompt)
             train_ref = None
             if not args.train.live_ref:
                 train_ref = torch.full((len(train_set), 2), float("nan"))  # NaN: a pair no batch uses
                 train_ref[used] = all_pair_logps(engine.module, [train_set[i] for i in used], chunk, rank, world,
-                                                 device).cpu()  # fmt: skip
+                                                 device, args.train.share_prompt).cpu()  # fmt: skip
     first_eval = client.get("first_eval") or evaluate(engine.module, eval_set, eval_ref, args, rank, world, device)
     logger.log({**first_eval, **perf}, start_step)
     tokens_seen, t_train, step = 0, 0.0, start_step - 1
@@ -281,11 +298,11 @@ def main(args: Args) -> dict:
         for i in range(n_micro):
             g, weight = (groups[i], 1.0) if i < len(groups) else (groups[0], 0.0)  # weight 0: a pad pass (ZeRO-3)
             pairs = [train_set[j] for j in g]
-            pc, pr = pair_logps(engine, pairs, device)
+            pc, pr = pair_logps(engine, pairs, device, args.train.share_prompt)
             if train_ref is not None:
                 ref_c, ref_r = train_ref[g, 0].to(device), train_ref[g, 1].to(device)
             else:
-                ref_c, ref_r = reference_logps(engine, ref_model, pairs, device)
+                ref_c, ref_r = reference_logps(engine, ref_model, pairs, device, args.train.share_prompt)
             dpo, rc, rr = dpo_loss(pc, pr, ref_c, ref_r, args.train.beta, args.train.label_smoothing, args.train.ipo)
             nll = -pc.sum() / num_chosen  # RPO term: token mean over all chosen tokens of the global batch
             # mean over the global batch; DeepSpeed averages gradients over ranks, so scale by world.

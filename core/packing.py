@@ -116,3 +116,93 @@ def unpack(x: torch.Tensor, seq_lens: list) -> list[torch.Tensor]:
     if seq_lens and isinstance(seq_lens[0], (tuple, list)):
         return [x[r, s : s + n] for r, s, n in seq_lens]
     return list(torch.split(x[0], seq_lens))
+
+
+def collate_prefix_shared(groups: list[list[dict]], device="cpu", row_len: int | None = None) -> dict:
+    """Prefix-shared packing: the sequences of a group (e.g. a DPO pair's chosen and rejected, which share the
+    prompt) are laid out as their longest common prefix once, then each sequence's remainder (its branch). A branch
+    attends to the prefix and to its own earlier tokens only (a 4D mask), with position ids continuing the
+    prefix's, so every sequence sees exactly what it would alone and the prefix is computed once.
+
+    Rows hold whole groups, first-fit-decreasing up to max(row_len, longest group) tokens (one row per group when
+    row_len is None). Returns input_ids, position_ids (R, L), `allowed` (R, L, L) bool, and for every target token
+    of every sequence (groups flattened in order, S sequences): `rows`, `logit_pos` (where its logits are), `targets`,
+    `owner` (its sequence) and `weight` (its loss mask) — the first token of each sequence is never a target."""
+    layouts, sizes = [], []
+    for group in groups:
+        ids = [ex["input_ids"] for ex in group]
+        s = 0  # the longest common prefix (a lone sequence is all prefix; 0: nothing shared, still correct)
+        while all(len(x) > s for x in ids) and all(x[s] == ids[0][s] for x in ids):
+            s += 1
+        layouts.append(s)
+        sizes.append(s + sum(len(x) - s for x in ids))
+    cap = max(row_len or 0, *sizes)
+    rows, used = [], []
+    for g in sorted(range(len(groups)), key=lambda g: -sizes[g]) if row_len else range(len(groups)):
+        r = next((r for r, u in enumerate(used) if u + sizes[g] <= cap), len(rows)) if row_len else len(rows)
+        if r == len(rows):
+            rows.append([])
+            used.append(0)
+        rows[r].append(g)
+        used[r] += sizes[g]
+    width = max(used)
+    input_ids = torch.zeros((len(rows), width), dtype=torch.long)
+    position_ids = torch.zeros((len(rows), width), dtype=torch.long)
+    group_of = torch.full((len(rows), width), -1, dtype=torch.long)
+    branch_of = torch.zeros((len(rows), width), dtype=torch.long)
+    where: dict[int, tuple[int, int, list[int]]] = {}  # group -> (row, prefix start, branch starts)
+    for r, row in enumerate(rows):
+        start = 0
+        for g in row:
+            s, ids = layouts[g], [ex["input_ids"] for ex in groups[g]]
+            input_ids[r, start : start + s] = torch.tensor(ids[0][:s], dtype=torch.long)
+            position_ids[r, start : start + s] = torch.arange(s)
+            group_of[r, start : start + sizes[g]] = g
+            q, starts = start + s, []
+            for k, x in enumerate(ids):
+                n = len(x) - s
+                input_ids[r, q : q + n] = torch.tensor(x[s:], dtype=torch.long)
+                position_ids[r, q : q + n] = torch.arange(s, s + n)
+                branch_of[r, q : q + n] = k + 1
+                starts.append(q)
+                q += n
+            where[g] = (r, start, starts)
+            start = q
+        pad = width - start  # the pad tail: each position attends only to itself
+        group_of[r, start:] = -2 - torch.arange(pad)
+    causal = torch.ones(width, width, dtype=torch.bool).tril()
+    same_group = group_of[:, :, None] == group_of[:, None, :]
+    visible_branch = (branch_of[:, None, :] == 0) | (branch_of[:, :, None] == branch_of[:, None, :])
+    allowed = causal & same_group & visible_branch  # (R, L, L): query, key
+    gather: dict[str, list] = {k: [] for k in ("rows", "logit_pos", "targets", "owner", "weight")}
+    owner = 0
+    for g, group in enumerate(groups):
+        r, a, starts = where[g]
+        s = layouts[g]
+        for k, ex in enumerate(group):
+            pos = [a + i if i < s else starts[k] + i - s for i in range(len(ex["input_ids"]))]
+            n = len(pos) - 1
+            gather["rows"] += [r] * n
+            gather["logit_pos"] += pos[:-1]  # token j is predicted from token j - 1's logits
+            gather["targets"] += ex["input_ids"][1:]
+            gather["owner"] += [owner] * n
+            gather["weight"] += [float(m) for m in ex["loss_mask"][1:]]
+            owner += 1
+    out = {"input_ids": input_ids, "position_ids": position_ids, "allowed": allowed}
+    out.update({k: torch.tensor(v, dtype=torch.float32 if k == "weight" else torch.long) for k, v in gather.items()})
+    out["num_seqs"] = owner
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in out.items()}
+
+
+def prefix_shared_logp_sums(model, batch: dict, temperature: float = 1.0) -> torch.Tensor:
+    """Summed loss-masked log-probs (S,) of every sequence of a `collate_prefix_shared` batch, from one forward.
+    Needs an attention implementation that takes a 4D mask (sdpa, eager), not flash-attention's varlen kernels."""
+    dtype = next(p for p in model.parameters()).dtype
+    mask = torch.zeros(batch["allowed"].shape, dtype=dtype, device=batch["allowed"].device)
+    mask = mask.masked_fill(~batch["allowed"], torch.finfo(dtype).min)[:, None]  # (R, 1, L, L) additive
+    logits = model(input_ids=batch["input_ids"], attention_mask=mask, position_ids=batch["position_ids"],
+                   use_cache=False).logits  # fmt: skip
+    picked = logits[batch["rows"], batch["logit_pos"]]  # (N, V), one row per target token
+    logp = logprobs_from_logits(picked[None], batch["targets"][None], temperature=temperature)[0]  # (N,)
+    sums = torch.zeros(batch["num_seqs"], dtype=logp.dtype, device=logp.device)
+    return sums.index_add(0, batch["owner"], logp * batch["weight"].to(logp.dtype))

@@ -187,11 +187,12 @@ def test_bad_pairs_are_skipped_and_counted(tmp_path, tokenizer):
 
 
 # ------------------------------------------------------------------------------------------- packed forward
-def test_packed_pair_logps_equal_padded(tiny_model, tokenizer):
+@pytest.mark.parametrize("share_prompt", [True, False])
+def test_packed_pair_logps_equal_padded(tiny_model, tokenizer, share_prompt):
     rows = [{"prompt": f"{a}+{b}=", "chosen": str(a + b), "rejected": str(a + b + 10)} for a, b in [(1, 2), (33, 9),
             (70, 70), (5, 55)]]  # fmt: skip
     pairs = [data.preference_example(r, tokenizer, DataConfig()) for r in rows]
-    c, r = pair_logps(tiny_model, pairs, "cpu")
+    c, r = pair_logps(tiny_model, pairs, "cpu", share_prompt)
     for k, p in enumerate(pairs):
         for name, got in (("chosen", c[k]), ("rejected", r[k])):
             b = packing.collate_padded([p[name]], tokenizer.pad_token_id)

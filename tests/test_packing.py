@@ -118,6 +118,66 @@ def test_sft_loss_and_gradients_packed_equal_padded(tiny_path, tokenizer, seed, 
         torch.testing.assert_close(grads_packed[name], g, rtol=1e-4, atol=1e-6, msg=name)
 
 
+# ------------------------------------------------------------------------------------------------- prefix sharing
+def prefix_groups(seed: int) -> list[list[dict]]:
+    """Groups as DPO (and best-of-n) batches have them: a shared prompt, then 2-3 responses that may share their
+    first tokens or end up a prefix of each other; plus a lone sequence and a group with nothing in common."""
+    rng = random.Random(seed)
+    groups = []
+    for _ in range(5):
+        prompt = [rng.randrange(4, 100) for _ in range(rng.randint(1, 12))]
+        stem = [rng.randrange(4, 100) for _ in range(rng.randint(0, 2))]  # response tokens all members share
+        members = []
+        for _ in range(rng.randint(2, 3)):
+            ids = prompt + stem + [rng.randrange(4, 100) for _ in range(rng.randint(1, 8))]
+            members.append({"input_ids": ids, "loss_mask": [0] * len(prompt) + [1] * (len(ids) - len(prompt))})
+        groups.append(members)
+    groups[1].append({"input_ids": groups[1][0]["input_ids"][:-1], "loss_mask": groups[1][0]["loss_mask"][:-1]})
+    groups.append(random_examples(seed, n=1))
+    groups.append(random_examples(seed + 100, n=2))
+    return groups
+
+
+@pytest.mark.parametrize("row_len", [None, 30, 200])  # a row per group; several groups a row, pad segments
+@pytest.mark.parametrize("seed", [0, 1])
+def test_prefix_shared_sums_and_gradients_equal_padded(model, tokenizer, seed, row_len):
+    """Each sequence's summed masked log-prob, and the gradient of a weighted sum of them, from one prefix-shared
+    forward equal those of the right-padded forward of the sequences one by one."""
+    groups = prefix_groups(seed)
+    flat = [ex for g in groups for ex in g]
+    batch = packing.collate_prefix_shared(groups, row_len=row_len)
+    weights = torch.linspace(-1, 2, len(flat))
+
+    def sums_and_grads(forward):
+        model.zero_grad(set_to_none=True)
+        sums = forward()
+        (sums * weights).sum().backward()
+        return sums.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    def padded():
+        return torch.stack([(packing.token_logprobs(model, b) * b["loss_mask"]).sum()
+                            for b in (packing.collate_padded([ex], tokenizer.pad_token_id) for ex in flat)])  # fmt: skip
+
+    want, grads_want = sums_and_grads(padded)
+    got, grads_got = sums_and_grads(lambda: packing.prefix_shared_logp_sums(model, batch))
+    torch.testing.assert_close(got, want, rtol=0, atol=2e-5)
+    for name, g in grads_want.items():
+        assert g.abs().sum() > 0, name
+        # atol relative to the tensor's scale: the tied embedding's rows sum many tokens' terms in another order
+        torch.testing.assert_close(grads_got[name], g, rtol=1e-4, atol=1e-6 + 2e-6 * g.abs().max().item(), msg=name)
+
+
+def test_prefix_shared_layout_stores_the_common_prefix_once():
+    a = {"input_ids": [1, 5, 6, 7, 8, 2], "loss_mask": [0, 0, 0, 1, 1, 1]}
+    b = {"input_ids": [1, 5, 6, 7, 9, 9, 2], "loss_mask": [0, 0, 0, 1, 1, 1, 1]}
+    batch = packing.collate_prefix_shared([[a, b]])
+    assert batch["input_ids"].tolist() == [[1, 5, 6, 7, 8, 2, 9, 9, 2]]
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 3, 4, 5, 4, 5, 6]]
+    allowed = batch["allowed"][0]
+    assert allowed[6, :4].all() and not allowed[6, 4:6].any() and allowed[6, 6]  # b's branch: prefix + itself
+    assert batch["num_seqs"] == 2 and batch["weight"].sum() == 3 + 4
+
+
 # ------------------------------------------------------------------------------------------------------ bookkeeping
 def test_pack_respects_budget_and_order():
     examples = random_examples(0, n=50, max_len=30)

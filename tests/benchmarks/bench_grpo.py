@@ -15,7 +15,8 @@ sampled, it does not stop), TRL gets `min_new_tokens=64` (eos is masked until th
 `perf/sync_s` (weights to vLLM); TRL's generation is its HF `model.generate` calls, training the rest of the step
 (reward, loss, backward, optimizer), and it has no sync. Not aligned, as it does not change the work: the lr schedule
 (ours cosine to 0.1 lr, TRL constant) and the order of the prompts. Before its first step grpo.py scores 8 eval
-prompts once (untimed).
+prompts once (untimed). Our side runs twice: as shipped (vLLM eager on CPU) and with `--vllm.enforce-eager False`
+(vLLM compiles the model; the compile is start-up, not timed).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ REPO = Path(__file__).resolve().parents[2]
 PROMPTS, GROUP, TOKENS, LR = 8, 4, 64, 3e-4
 
 
-def run_ours(steps: int, warmup: int, out: Path) -> dict:
+def run_ours(steps: int, warmup: int, out: Path, compiled: bool = False) -> dict:
     sys.argv = [sys.argv[0]]
     import torch
 
@@ -55,6 +56,7 @@ def run_ours(steps: int, warmup: int, out: Path) -> dict:
     args.train.max_steps, args.train.minibatches = warmup + steps, 1
     args.eval.every, args.eval.max_samples = 0, 8
     args.logger.quiet, args.logger.tensorboard = True, False
+    args.vllm.enforce_eager = not compiled  # compiled: vLLM's torch.compile of the model (start-up +15-40 s on CPU)
     args.run_dir = str(out / "ours")
     grpo.main(args)
     rows = [json.loads(line) for line in open(out / "ours" / "metrics.jsonl") if '"perf/gen_s"' in line][warmup:]
@@ -117,7 +119,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--threads", type=int, default=2, help="torch threads on each side")
-    p.add_argument("--side", choices=["ours", "trl"], default=None, help=argparse.SUPPRESS)
+    p.add_argument("--side", choices=["ours", "ours-compiled", "trl"], default=None, help=argparse.SUPPRESS)
     p.add_argument("--out", default="/tmp/cleanrlhf-bench-grpo")
     a = p.parse_args()
     out = Path(a.out)
@@ -126,25 +128,30 @@ def main() -> None:
         import torch
 
         torch.set_num_threads(a.threads)
-        res = (run_ours if a.side == "ours" else run_trl)(a.steps, max(1, a.warmup), out)
+        if a.side == "trl":
+            res = run_trl(a.steps, max(1, a.warmup), out)
+        else:
+            res = run_ours(a.steps, max(1, a.warmup), out, compiled=a.side == "ours-compiled")
         (out / f"{a.side}.json").write_text(json.dumps(res))
         return
     env = {**os.environ, "OMP_NUM_THREADS": str(a.threads), "TOKENIZERS_PARALLELISM": "false"}
-    for side in ("ours", "trl"):
+    sides = ("ours", "ours-compiled", "trl")
+    for side in sides:
         (out / f"{side}.json").unlink(missing_ok=True)
         cmd = [sys.executable, __file__, "--side", side, "--steps", str(a.steps), "--warmup", str(a.warmup),
                "--threads", str(a.threads), "--out", str(out)]  # fmt: skip
         subprocess.run(cmd, check=True, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    ours, trl = (json.loads((out / f"{side}.json").read_text()) for side in ("ours", "trl"))
+    ours, compiled, trl = (json.loads((out / f"{side}.json").read_text()) for side in sides)
     print(f"GRPO, cleanrlhf/tiny-sft on cleanrlhf/add2, {PROMPTS} prompts x {GROUP} samples x {TOKENS} tokens per step, "
           f"{a.steps} timed steps, torch threads {ours['threads']} / {trl['threads']}, fp32")  # fmt: skip
     print(f"{'':16}{'s/step':>9}{'gen s':>9}{'train s':>9}{'sync s':>9}{'tokens':>8}{'tokens/s':>10}")
-    for name, r in (("CleanRLHF", ours), ("TRL GRPOTrainer", trl)):
-        sync = f"{r['sync_s']:>9.4f}" if name == "CleanRLHF" else f"{'n/a':>9}"
+    for name, r in (("CleanRLHF", ours), ("  vLLM compiled", compiled), ("TRL GRPOTrainer", trl)):
+        sync = f"{r['sync_s']:>9.4f}" if r is not trl else f"{'n/a':>9}"
         print(f"{name:16}{r['step_s']:>9.4f}{r['gen_s']:>9.4f}{r['train_s']:>9.4f}{sync}{r['tokens']:>8.1f}"
               f"{PROMPTS * GROUP * r['tokens'] / r['step_s']:>10.0f}")  # fmt: skip
     print(f"speed-up {trl['step_s'] / ours['step_s']:.2f}x (generation {trl['gen_s'] / ours['gen_s']:.2f}x, "
-          f"training {trl['train_s'] / ours['train_s']:.2f}x)")  # fmt: skip
+          f"training {trl['train_s'] / ours['train_s']:.2f}x); with vLLM compiled "
+          f"{trl['step_s'] / compiled['step_s']:.2f}x (generation {trl['gen_s'] / compiled['gen_s']:.2f}x)")  # fmt: skip
 
 
 if __name__ == "__main__":
