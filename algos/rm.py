@@ -12,8 +12,9 @@ The trained model is saved as an `AutoModelForSequenceClassification` (num_label
 so `rewards/server.py` can serve normalized scores of exactly the tokens seen in training.
 
 Deviations from the paper:
-1. Chosen and rejected sequences are packed padding-free into ONE forward pass; the scores are read at each packed
-   sample's last token (tests/test_rm.py checks them against the padded `core.models.sequence_scores`).
+1. Chosen and rejected sequences are packed padding-free into ONE forward pass, their common prefix (the prompt)
+   computed once (`--train.share-prompt`); the scores are read at each sequence's last token (tests/test_rm.py
+   checks them against the padded `core.models.sequence_scores`).
 2. One pair per prompt and a global batch of pairs (the paper batches all K-choose-2 comparisons of a prompt).
 3. The prompt and response are tokenized as one text (`core.data.reward_ids`), as the server sees them.
 
@@ -67,6 +68,9 @@ class TrainArgs:
     """AdamW weight decay."""
     adam_betas: tuple[float, float] = (0.9, 0.999)
     """AdamW (β1, β2); β2 0.95 left the embedded reward model at chance for longer."""
+    share_prompt: bool = True
+    """compute a pair's common prefix (its prompt) once, chosen and rejected branching off it in the same packed
+    row (exact: each sees only the prompt and itself). Needs sdpa or eager attention; off packs them whole."""
     seed: int = 1
     """seed of the data order, of the head's initialisation and of every rank's RNG."""
 
@@ -128,6 +132,21 @@ def packed_scores(model, seqs: list[list[int]], device) -> torch.Tensor:
     row = torch.tensor([r for r, _, _ in batch["segments"]], device=device)
     last = torch.tensor([start + n - 1 for _, start, n in batch["segments"]], device=device)
     return values[row, last]  # (S,)
+
+
+def pair_scores(model, pairs: list[dict], device, share_prompt: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rewards (P,) of the chosen and of the rejected sequences of P pairs, from one packed forward; `share_prompt`:
+    each pair's common prefix is computed once (`core.packing.collate_prefix_shared`), else `packed_scores`."""
+    if not share_prompt:
+        r = packed_scores(model, [p["chosen"] for p in pairs] + [p["rejected"] for p in pairs], device)
+        return r[: len(pairs)], r[len(pairs) :]
+    row_len = 2 * max(len(p[k]) for p in pairs for k in ("chosen", "rejected"))
+    groups = [[{"input_ids": p[k], "loss_mask": [0] * len(p[k])} for k in ("chosen", "rejected")] for p in pairs]
+    batch = packing.collate_prefix_shared(groups, device, row_len)
+    values = model(input_ids=batch["input_ids"], attention_mask=packing.prefix_shared_mask(model, batch),
+                   position_ids=batch["position_ids"])  # (R, L): models.TokenValues  # fmt: skip
+    r = values[batch["last"][:, 0], batch["last"][:, 1]]  # (2P,): chosen, rejected of pair 0, then pair 1, ...
+    return r[0::2], r[1::2]
 
 
 def micro_batches(idx: list[int], pairs: list[dict], max_tokens: int) -> list[list[int]]:
@@ -196,6 +215,9 @@ def main(args: Args) -> dict:
         raise ValueError("--model.lora-rank: LoRA is not supported for reward models here (train all parameters)")
     if args.margin_key and args.train.loss != "sigmoid":
         raise ValueError(f"--margin-key {args.margin_key!r} needs --train.loss sigmoid (logexp takes no margin)")
+    if args.train.share_prompt and args.model.attn_implementation not in ("sdpa", "eager"):
+        raise ValueError(f"--train.share-prompt needs a 4D attention mask (sdpa or eager), not --model.attn-"
+                         f"implementation {args.model.attn_implementation}: add --train.no-share-prompt")  # fmt: skip
     tokenizer = models.load_tokenizer(args.model.tokenizer or args.model.name_or_path)
     log = print if rank == 0 else (lambda *_: None)
     make = partial(data.reward_pair_example, tokenizer=tokenizer, cfg=args.data, chosen_key=args.chosen_key,
@@ -238,8 +260,7 @@ def main(args: Args) -> dict:
         for i in range(n_micro):
             g, weight = (groups[i], 1.0) if i < len(groups) else (groups[0], 0.0)  # weight 0: a pad pass (ZeRO-3)
             pairs = [train_set[j] for j in g]
-            r = packed_scores(engine, [p["chosen"] for p in pairs] + [p["rejected"] for p in pairs], device)
-            rc, rr = r[: len(g)], r[len(g) :]
+            rc, rr = pair_scores(engine, pairs, device, args.train.share_prompt)
             margin = torch.tensor([p["margin"] for p in pairs], device=device) if args.margin_key else None
             rm_loss = reward_loss(rc, rr, margin, args.train.loss)
             # mean over the global batch; DeepSpeed averages gradients over ranks, so scale by world.

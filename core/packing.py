@@ -125,9 +125,10 @@ def collate_prefix_shared(groups: list[list[dict]], device="cpu", row_len: int |
     prefix's, so every sequence sees exactly what it would alone and the prefix is computed once.
 
     Rows hold whole groups, first-fit-decreasing up to max(row_len, longest group) tokens (one row per group when
-    row_len is None). Returns input_ids, position_ids (R, L), `allowed` (R, L, L) bool, and for every target token
-    of every sequence (groups flattened in order, S sequences): `rows`, `logit_pos` (where its logits are), `targets`,
-    `owner` (its sequence) and `weight` (its loss mask) — the first token of each sequence is never a target."""
+    row_len is None). Returns input_ids, position_ids (R, L), `allowed` (R, L, L) bool (query, key), `last` (S, 2):
+    the (row, position) of each sequence's last token (groups flattened in order, S sequences), and for every target
+    token: `rows`, `logit_pos` (where its logits are), `targets`, `owner` (its sequence) and `weight` (its loss
+    mask); the first token of a sequence is never a target."""
     layouts, sizes = [], []
     for group in groups:
         ids = [ex["input_ids"] for ex in group]
@@ -174,7 +175,7 @@ def collate_prefix_shared(groups: list[list[dict]], device="cpu", row_len: int |
     same_group = group_of[:, :, None] == group_of[:, None, :]
     visible_branch = (branch_of[:, None, :] == 0) | (branch_of[:, :, None] == branch_of[:, None, :])
     allowed = causal & same_group & visible_branch  # (R, L, L): query, key
-    gather: dict[str, list] = {k: [] for k in ("rows", "logit_pos", "targets", "owner", "weight")}
+    gather: dict[str, list] = {k: [] for k in ("rows", "logit_pos", "targets", "owner", "weight", "last")}
     owner = 0
     for g, group in enumerate(groups):
         r, a, starts = where[g]
@@ -187,6 +188,7 @@ def collate_prefix_shared(groups: list[list[dict]], device="cpu", row_len: int |
             gather["targets"] += ex["input_ids"][1:]
             gather["owner"] += [owner] * n
             gather["weight"] += [float(m) for m in ex["loss_mask"][1:]]
+            gather["last"].append((r, pos[-1]))
             owner += 1
     out = {"input_ids": input_ids, "position_ids": position_ids, "allowed": allowed}
     out.update({k: torch.tensor(v, dtype=torch.float32 if k == "weight" else torch.long) for k, v in gather.items()})
@@ -194,12 +196,18 @@ def collate_prefix_shared(groups: list[list[dict]], device="cpu", row_len: int |
     return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in out.items()}
 
 
-def prefix_shared_logp_sums(model, batch: dict, temperature: float = 1.0) -> torch.Tensor:
-    """Summed loss-masked log-probs (S,) of every sequence of a `collate_prefix_shared` batch, from one forward.
-    Needs an attention implementation that takes a 4D mask (sdpa, eager), not flash-attention's varlen kernels."""
+def prefix_shared_mask(model, batch: dict) -> torch.Tensor:
+    """The additive 4D attention mask (R, 1, L, L) of a `collate_prefix_shared` batch, in the model's dtype: 0 where
+    `allowed`, the dtype's minimum elsewhere. Needs an attention implementation that takes a 4D mask (sdpa, eager),
+    not flash-attention's varlen kernels."""
     dtype = next(p for p in model.parameters()).dtype
     mask = torch.zeros(batch["allowed"].shape, dtype=dtype, device=batch["allowed"].device)
-    mask = mask.masked_fill(~batch["allowed"], torch.finfo(dtype).min)[:, None]  # (R, 1, L, L) additive
+    return mask.masked_fill(~batch["allowed"], torch.finfo(dtype).min)[:, None]
+
+
+def prefix_shared_logp_sums(model, batch: dict, temperature: float = 1.0) -> torch.Tensor:
+    """Summed loss-masked log-probs (S,) of every sequence of a `collate_prefix_shared` batch, from one forward."""
+    mask = prefix_shared_mask(model, batch)
     logits = model(input_ids=batch["input_ids"], attention_mask=mask, position_ids=batch["position_ids"],
                    use_cache=False).logits  # fmt: skip
     picked = logits[batch["rows"], batch["logit_pos"]]  # (N, V), one row per target token

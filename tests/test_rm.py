@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 from transformers import AutoModelForSequenceClassification
 
-from algos.rm import Args, EvalArgs, TrainArgs, main, packed_scores, padded_scores, reward_loss
+from algos.rm import Args, EvalArgs, TrainArgs, main, packed_scores, padded_scores, pair_scores, reward_loss
 from core import data, models
 from core.config import DataConfig, LoggerConfig, ModelConfig
 from rewards.server import RewardScorer
@@ -79,6 +79,25 @@ def test_packed_scores_equal_padded_and_hf_scores(tiny_path, tokenizer):
     torch.testing.assert_close(packed, hf, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(padded, hf, atol=1e-5, rtol=1e-5)
     assert packed.unique().numel() == len(seqs)
+
+
+def test_prefix_shared_pair_scores_equal_padded(tiny_path, tokenizer):
+    """Chosen and rejected branching off their shared prompt score as they do alone, also in the gradient."""
+    torch.manual_seed(0)
+    model = models.load_scalar_model(str(tiny_path), "fp32")
+    texts = [("1+2=3", "1+2=4"), ("11+22=33", "11+22=43"), ("5+5=10", "5+5=0"), ("99+1=100", "99+1=10")]
+    pairs = [{"chosen": data.reward_ids(tokenizer, c), "rejected": data.reward_ids(tokenizer, r)} for c, r in texts]
+    grads = {}
+    for share in (True, False):
+        model.zero_grad(set_to_none=True)
+        rc, rr = pair_scores(models.TokenValues(model), pairs, "cpu", share_prompt=share)
+        (rc - 2 * rr).sum().backward()
+        grads[share] = [p.grad.clone() for p in model.parameters()]
+        with torch.no_grad():
+            want = padded_scores(model, [p[k] for k in ("chosen", "rejected") for p in pairs], 0, "cpu")
+        torch.testing.assert_close(torch.cat([rc, rr]).detach(), want, atol=1e-5, rtol=1e-5)
+    for a, b in zip(grads[True], grads[False]):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6 + 2e-6 * b.abs().max().item())
 
 
 def test_reward_ids_appends_one_eos(tokenizer):
