@@ -70,7 +70,7 @@ class DSConfig:
     zero_stage: Literal[0, 1, 2, 3] | None = None
     """DeepSpeed ZeRO stage: 0 plain data parallel, 2 shards optimizer state and gradients, 3 also parameters.
     None: 0 with one process (sharding over one rank saves nothing and its hooks cost 10-35 % of a step), 2 with
-    several or with `offload-optimizer`, 3 with `offload-params`."""
+    several, with `offload-optimizer` or with a hybrid engine (`--vllm.enable-sleep`), 3 with `offload-params`."""
     offload_optimizer: bool = False
     """keep optimizer states in CPU memory (ZeRO-Offload)."""
     offload_params: bool = False

@@ -80,7 +80,7 @@ def ds_config(ds: DSConfig, dtype: torch.dtype, stage: int) -> dict:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
     if ds.offload_params:
         zero["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
-    if zero["stage"] == 3:
+    if stage == 3:
         zero["stage3_gather_16bit_weights_on_model_save"] = True
     return {
         "train_micro_batch_size_per_gpu": 1,
