@@ -32,6 +32,20 @@ def pack(examples: list[dict], max_tokens: int) -> list[list[dict]]:
     return groups
 
 
+def first_fit_rows(sizes: list[int], row_len: int) -> list[list[int]]:
+    """Indices of items with these sizes (tokens) in rows of at most max(row_len, largest item), first-fit-decreasing:
+    largest first, each into the first row with room, so rows come out nearly equally full."""
+    cap, rows, used = max(row_len, *sizes), [], []
+    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        r = next((r for r, u in enumerate(used) if u + sizes[i] <= cap), len(rows))
+        if r == len(rows):
+            rows.append([])
+            used.append(0)
+        rows[r].append(i)
+        used[r] += sizes[i]
+    return rows
+
+
 def collate_packed(examples: list[dict], device="cpu", row_len: int | None = None) -> dict:
     """Packed batch: input_ids, position_ids, loss_mask of shape (R, L), the per-sample lengths `seq_lens` and
     `segments`, one (row, start, length) per example in input order.
@@ -44,17 +58,7 @@ def collate_packed(examples: list[dict], device="cpu", row_len: int | None = Non
     """
     assert all(ex["loss_mask"][0] == 0 for ex in examples), "the first token of a sample cannot be a target"
     lens = [len(ex["input_ids"]) for ex in examples]
-    if row_len is None:
-        rows = [list(range(len(examples)))]
-    else:
-        cap, rows, used = max(row_len, *lens), [], []
-        for i in sorted(range(len(examples)), key=lambda i: -lens[i]):
-            r = next((r for r, u in enumerate(used) if u + lens[i] <= cap), len(rows))
-            if r == len(rows):
-                rows.append([])
-                used.append(0)
-            rows[r].append(i)
-            used[r] += lens[i]
+    rows = [list(range(len(examples)))] if row_len is None else first_fit_rows(lens, row_len)
     width = max(sum(lens[i] for i in row) for row in rows)
     ids = torch.zeros((len(rows), width), dtype=torch.long)
     pos = torch.zeros((len(rows), width), dtype=torch.long)
@@ -137,16 +141,8 @@ def collate_prefix_shared(groups: list[list[dict]], device="cpu", row_len: int |
             s += 1
         layouts.append(s)
         sizes.append(s + sum(len(x) - s for x in ids))
-    cap = max(row_len or 0, *sizes)
-    rows, used = [], []
-    for g in sorted(range(len(groups)), key=lambda g: -sizes[g]) if row_len else range(len(groups)):
-        r = next((r for r, u in enumerate(used) if u + sizes[g] <= cap), len(rows)) if row_len else len(rows)
-        if r == len(rows):
-            rows.append([])
-            used.append(0)
-        rows[r].append(g)
-        used[r] += sizes[g]
-    width = max(used)
+    rows = [[g] for g in range(len(groups))] if row_len is None else first_fit_rows(sizes, row_len)
+    width = max(sum(sizes[g] for g in row) for row in rows)
     input_ids = torch.zeros((len(rows), width), dtype=torch.long)
     position_ids = torch.zeros((len(rows), width), dtype=torch.long)
     group_of = torch.full((len(rows), width), -1, dtype=torch.long)
