@@ -161,6 +161,8 @@ def make_engine(model, ds: DSConfig, lr: float, total_steps: int, warmup_steps: 
             )
 
         engine.clip_fp32_gradients = clip_and_keep_norm
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            engine.enable_backward_allreduce = False  # a world of one: its "all-reduce" only flattens and copies back
     return engine
 
 
