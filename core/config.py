@@ -81,6 +81,10 @@ class DSConfig:
     """torch.distributed backend: `auto` is nccl with CUDA, gloo on CPU."""
     timeout_s: int = 600
     """timeout of every collective; a dead rank fails after this instead of hanging."""
+    compile: bool = False
+    """torch.compile the trained model (DeepSpeed's `engine.compile`): fuses the element-wise work between matmuls
+    and drops per-op Python overhead. The first steps pay the compilation (20-40 s for the tiny model on CPU, which
+    needs a C++ compiler), and a new batch shape can compile again; HF generation (eval) stays eager."""
 
 
 @dataclass

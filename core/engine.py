@@ -163,6 +163,11 @@ def make_engine(model, ds: DSConfig, lr: float, total_steps: int, warmup_steps: 
         engine.clip_fp32_gradients = clip_and_keep_norm
         if not dist.is_initialized() or dist.get_world_size() == 1:
             engine.enable_backward_allreduce = False  # a world of one: its "all-reduce" only flattens and copies back
+    if ds.compile:
+        if not torch.cuda.is_available() and shutil.which(os.environ.get("CXX", "g++")) is None:
+            raise ValueError("--ds.compile on CPU needs a C++ compiler (torch.compile writes C++ kernels): install "
+                             "g++ or set CXX, or leave --ds.compile off")  # fmt: skip
+        engine.compile()  # compiles engine.module in place (nn.Module.compile): parameter names stay as they are
     return engine
 
 

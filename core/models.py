@@ -141,10 +141,11 @@ def greedy_generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: 
             torch.arange(width, device=device)[None]
             >= (width - torch.tensor([len(p) for p in chunk], device=device))[:, None]
         ).long()
-        gen = model.generate(
-            input_ids=ids, attention_mask=attn, max_new_tokens=max_new_tokens, do_sample=False,
-            pad_token_id=pad, eos_token_id=eos, synced_gpus=synced_gpus,
-        )  # fmt: skip
+        with torch.compiler.set_stance("force_eager"):  # a --ds.compile model: one shape per decode step
+            gen = model.generate(
+                input_ids=ids, attention_mask=attn, max_new_tokens=max_new_tokens, do_sample=False,
+                pad_token_id=pad, eos_token_id=eos, synced_gpus=synced_gpus,
+            )  # fmt: skip
         for row in gen[:, width:].tolist():
             out.append(row[: row.index(eos)] if eos in row else row)
     return out

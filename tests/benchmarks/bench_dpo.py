@@ -43,7 +43,7 @@ def model_path(name: str, out: Path) -> str:
     return shaped_model(out) if name == "qwen2-0.5b-shaped" else embedded.resolve_model(name)
 
 
-def run_ours(steps: int, warmup: int, batch: int, out: Path, model: str, bf16: bool) -> dict:
+def run_ours(steps: int, warmup: int, batch: int, out: Path, model: str, bf16: bool, compile_: bool = False) -> dict:
     sys.argv = [sys.argv[0]]
     from algos.dpo import Args, main
 
@@ -58,6 +58,7 @@ def run_ours(steps: int, warmup: int, batch: int, out: Path, model: str, bf16: b
     args.eval.every = 0
     args.logger.quiet, args.logger.tensorboard = True, False
     args.run_dir = str(out / "ours")
+    args.ds.compile = compile_
     summary = main(args)
     rows = [json.loads(line) for line in open(out / "ours" / "metrics.jsonl") if '"loss/dpo"' in line]
     # perf/step_s is the running mean over the run's steps; recover each step's own time from it
@@ -66,7 +67,7 @@ def run_ours(steps: int, warmup: int, batch: int, out: Path, model: str, bf16: b
     return {"step_s": timed / steps, "ref_s": summary["ref_s"]}
 
 
-def run_trl(steps: int, warmup: int, batch: int, out: Path, model: str, bf16: bool) -> dict:
+def run_trl(steps: int, warmup: int, batch: int, out: Path, model: str, bf16: bool, compile_: bool = False) -> dict:
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, TrainerCallback
@@ -88,7 +89,7 @@ def run_trl(steps: int, warmup: int, batch: int, out: Path, model: str, bf16: bo
         output_dir=str(out / "trl"), per_device_train_batch_size=batch, max_steps=warmup + steps, learning_rate=LR,
         beta=BETA, lr_scheduler_type="constant", warmup_steps=0, use_cpu=not torch.cuda.is_available(), bf16=bf16,
         report_to="none",
-        logging_steps=10**6, save_strategy="no", gradient_checkpointing=False, dataloader_num_workers=0, seed=1,
+        logging_steps=10**6, save_strategy="no", gradient_checkpointing=False, dataloader_num_workers=0, seed=1, torch_compile=compile_,
         max_length=64,
     )  # fmt: skip
     trainer = DPOTrainer(model=lm, args=cfg, train_dataset=ds, processing_class=tokenizer, callbacks=[Clock()])
@@ -103,28 +104,37 @@ def main() -> None:
     p.add_argument("--batch", type=int, nargs="+", default=[8, 64], help="pairs per step (one row per value)")
     p.add_argument("--model", default="cleanrlhf/tiny-sft", help="a model path or name, or qwen2-0.5b-shaped")
     p.add_argument("--bf16", action="store_true", help="bf16 (ours: bf16 weights; TRL: autocast); default fp32")
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile on both sides (ours: --ds.compile; TRL: "
+        "torch_compile=True); use a larger --warmup, the first steps compile",
+    )
     p.add_argument("--side", choices=["ours", "trl"], default=None, help=argparse.SUPPRESS)
     p.add_argument("--out", default="/tmp/cleanrlhf-bench-dpo")
     a = p.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     if a.side:
-        res = (run_ours if a.side == "ours" else run_trl)(a.steps, a.warmup, a.batch[0], out, a.model, a.bf16)
+        res = (run_ours if a.side == "ours" else run_trl)(
+            a.steps, a.warmup, a.batch[0], out, a.model, a.bf16, a.compile
+        )
         (out / f"{a.side}.json").write_text(json.dumps(res))
         return
     threads = os.environ.get("OMP_NUM_THREADS", str(os.cpu_count()))
     env = {**os.environ, "OMP_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "false"}
     import torch
 
+    precision = ("bf16" if a.bf16 else "fp32") + (", torch.compile on both sides" if a.compile else "")
     where = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU, {threads} threads"
-    print(f"DPO, {a.model} on cleanrlhf/add2-pref, {a.steps} timed steps, {where}, {'bf16' if a.bf16 else 'fp32'}")
+    print(f"DPO, {a.model} on cleanrlhf/add2-pref, {a.steps} timed steps, {where}, {precision}")
     print(f"{'pairs':>5}  {'':16}{'s/step':>10}{'s/step incl. ref':>18}{'pairs/s':>10}")
     for batch in a.batch:
         for side in ("ours", "trl"):
             (out / f"{side}.json").unlink(missing_ok=True)
             cmd = [sys.executable, __file__, "--side", side, "--steps", str(a.steps), "--warmup", str(a.warmup),
                    "--batch", str(batch), "--out", str(out), "--model", a.model,
-                   *(["--bf16"] if a.bf16 else [])]  # fmt: skip
+                   *(["--bf16"] if a.bf16 else []), *(["--compile"] if a.compile else [])]  # fmt: skip
             subprocess.run(cmd, check=True, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         ours, trl = (json.loads((out / f"{side}.json").read_text()) for side in ("ours", "trl"))
         with_ref = ours["step_s"] + ours["ref_s"] / (a.steps + a.warmup)

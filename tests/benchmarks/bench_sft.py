@@ -71,7 +71,9 @@ def model_path(name: str, out: Path) -> str:
     return shaped_model(out) if name == "qwen2-0.5b-shaped" else embedded.resolve_model(name)
 
 
-def run_ours(steps: int, warmup: int, batch: int, out: Path, workload: str, model: str, bf16: bool) -> dict:
+def run_ours(
+    steps: int, warmup: int, batch: int, out: Path, workload: str, model: str, bf16: bool, compile_: bool = False
+) -> dict:
     sys.argv = [sys.argv[0]]
     from algos.sft import Args, main
 
@@ -90,13 +92,16 @@ def run_ours(steps: int, warmup: int, batch: int, out: Path, workload: str, mode
     args.eval.every = 0
     args.logger.quiet, args.logger.tensorboard = True, False
     args.run_dir = str(out / "ours")
+    args.ds.compile = compile_
     main(args)
     rows = [json.loads(line) for line in open(out / "ours" / "metrics.jsonl") if '"loss/sft"' in line]
     timed = [r["perf/train_s"] for r in rows[warmup:]]  # forward + backward + optimizer step of each timed step
     return {"step_s": sum(timed) / len(timed)}
 
 
-def run_trl(steps: int, warmup: int, batch: int, out: Path, workload: str, model: str, bf16: bool) -> dict:
+def run_trl(
+    steps: int, warmup: int, batch: int, out: Path, workload: str, model: str, bf16: bool, compile_: bool = False
+) -> dict:
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, TrainerCallback
@@ -120,7 +125,7 @@ def run_trl(steps: int, warmup: int, batch: int, out: Path, workload: str, model
         lr_scheduler_type="constant", warmup_steps=0, use_cpu=not torch.cuda.is_available(), bf16=bf16, report_to="none",
         logging_steps=10**6,
         save_strategy="no", gradient_checkpointing=False, completion_only_loss=True, packing=False,
-        dataloader_num_workers=0, seed=1, max_length=64,
+        dataloader_num_workers=0, seed=1, torch_compile=compile_, max_length=64,
     )  # fmt: skip
     trainer = SFTTrainer(model=lm, args=cfg, train_dataset=ds, processing_class=tokenizer, callbacks=[Clock()])
     trainer.train()
@@ -136,6 +141,12 @@ def main() -> None:
     p.add_argument("--workload", choices=["add2", "mixed", "both"], default="both")
     p.add_argument("--model", default="cleanrlhf/tiny", help="a model path or name, or qwen2-0.5b-shaped")
     p.add_argument("--bf16", action="store_true", help="bf16 (ours: bf16 weights; TRL: autocast); default fp32")
+    p.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile on both sides (ours: --ds.compile; TRL: "
+        "torch_compile=True); use a larger --warmup, the first steps compile",
+    )
     p.add_argument("--side", choices=["ours", "trl"], default=None, help=argparse.SUPPRESS)
     p.add_argument("--out", default="/tmp/cleanrlhf-bench-sft")
     a = p.parse_args()
@@ -143,7 +154,9 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     if a.side:
         t0 = time.perf_counter()
-        res = (run_ours if a.side == "ours" else run_trl)(a.steps, a.warmup, a.batch, out, a.workload, a.model, a.bf16)
+        res = (run_ours if a.side == "ours" else run_trl)(
+            a.steps, a.warmup, a.batch, out, a.workload, a.model, a.bf16, a.compile
+        )
         res["wall_s"] = time.perf_counter() - t0
         (out / f"{a.side}.json").write_text(json.dumps(res))
         return
@@ -151,15 +164,16 @@ def main() -> None:
     env = {**os.environ, "OMP_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "false"}
     import torch
 
+    precision = ("bf16" if a.bf16 else "fp32") + (", torch.compile on both sides" if a.compile else "")
     where = torch.cuda.get_device_name() if torch.cuda.is_available() else f"CPU, {threads} threads"
-    print(f"SFT, {a.model}, batch {a.batch}, {a.steps} timed steps, {where}, {'bf16' if a.bf16 else 'fp32'}")
+    print(f"SFT, {a.model}, batch {a.batch}, {a.steps} timed steps, {where}, {precision}")
     print(f"{'workload':10}{'':16}{'s/step':>10}{'tokens/s':>12}")
     for workload in ["add2", "mixed"] if a.workload == "both" else [a.workload]:
         for side in ("ours", "trl"):
             (out / f"{side}.json").unlink(missing_ok=True)
             cmd = [sys.executable, __file__, "--side", side, "--steps", str(a.steps), "--warmup", str(a.warmup),
                    "--batch", str(a.batch), "--out", str(out), "--workload", workload, "--model", a.model,
-                   *(["--bf16"] if a.bf16 else [])]  # fmt: skip
+                   *(["--bf16"] if a.bf16 else []), *(["--compile"] if a.compile else [])]  # fmt: skip
             subprocess.run(cmd, check=True, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         ours, trl = (json.loads((out / f"{side}.json").read_text())["step_s"] for side in ("ours", "trl"))
         per_sample = tokens_per_sample(pool(workload))
