@@ -181,7 +181,8 @@ def all_pair_logps(model, pairs: list[dict], chunk: int, rank: int, world: int, 
     out = torch.zeros(n, 2, device=device, dtype=torch.float64)
     for start in range(0, per_rank, chunk):
         idx = [rank * per_rank + i for i in range(start, min(start + chunk, per_rank))]
-        c, r = pair_logps(model, [pairs[i % n] for i in idx], device, share_prompt)
+        with torch.compiler.set_stance("force_eager"):  # one-off passes: --ds.compile pays off in training only
+            c, r = pair_logps(model, [pairs[i % n] for i in idx], device, share_prompt)
         keep = torch.tensor([i < n for i in idx], device=device)
         rows = torch.tensor([i % n for i in idx], device=device)
         out[rows[keep]] = torch.stack([c, r], dim=1)[keep].double()

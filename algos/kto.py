@@ -179,7 +179,8 @@ def all_seq_logps(model, seqs: list[dict], chunk: int, rank: int, world: int, de
     out = torch.zeros(n, device=device, dtype=torch.float64)
     for start in range(0, per_rank, chunk):
         idx = [rank * per_rank + i for i in range(start, min(start + chunk, per_rank))]
-        lp = seq_logps(model, [seqs[i % n] for i in idx], device).double()
+        with torch.compiler.set_stance("force_eager"):  # one-off passes: --ds.compile pays off in training only
+            lp = seq_logps(model, [seqs[i % n] for i in idx], device).double()
         keep = torch.tensor([i < n for i in idx], device=device)
         out[torch.tensor([i % n for i in idx], device=device)[keep]] = lp[keep]
     if world > 1:

@@ -167,7 +167,8 @@ def padded_scores(model, seqs: list[list[int]], pad_id: int, device) -> torch.Te
     width = max(len(s) for s in seqs)
     ids = torch.tensor([s + [pad_id] * (width - len(s)) for s in seqs], device=device)
     attn = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs], device=device)
-    return models.sequence_scores(model, ids, attn)
+    with torch.compiler.set_stance("force_eager"):  # eval and serving: --ds.compile pays off in training only
+        return models.sequence_scores(model, ids, attn)
 
 
 @torch.no_grad()

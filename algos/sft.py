@@ -154,7 +154,8 @@ def evaluate(engine, tokenizer, examples: list[dict], args: Args, rank: int, wor
         chunk = idx[start : start + args.eval.batch_size]
         w = torch.tensor(weight[start : start + args.eval.batch_size], device=device)[:, None]
         batch = packing.collate_padded([examples[i] for i in chunk], tokenizer.pad_token_id, device)
-        logp = packing.token_logprobs(model, batch)
+        with torch.compiler.set_stance("force_eager"):  # padded eval batches: --ds.compile pays off in training
+            logp = packing.token_logprobs(model, batch)
         nll -= (logp * batch["loss_mask"] * w).sum().item()
         tokens += (batch["loss_mask"] * w).sum().item()
     metrics = {"eval/loss": ds_engine.all_reduce(nll) / max(ds_engine.all_reduce(tokens), 1.0)}

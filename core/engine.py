@@ -128,6 +128,11 @@ def fused_adam(params, lr: float, betas: tuple[float, float], weight_decay: floa
         return None
 
 
+def cpp_compiler() -> str | None:
+    """The C++ compiler torch.compile would use on CPU (`$CXX`, else g++), or None when there is none."""
+    return shutil.which(os.environ.get("CXX", "g++"))
+
+
 def make_engine(model, ds: DSConfig, lr: float, total_steps: int, warmup_steps: int = 0, min_lr_ratio: float = 0.1,
                 weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.95), hybrid: bool = False):  # fmt: skip
     """Wrap `model` in a DeepSpeed engine with AdamW over its trainable parameters (DeepSpeed's FusedAdam on CUDA,
@@ -164,7 +169,7 @@ def make_engine(model, ds: DSConfig, lr: float, total_steps: int, warmup_steps: 
         if not dist.is_initialized() or dist.get_world_size() == 1:
             engine.enable_backward_allreduce = False  # a world of one: its "all-reduce" only flattens and copies back
     if ds.compile:
-        if not torch.cuda.is_available() and shutil.which(os.environ.get("CXX", "g++")) is None:
+        if not torch.cuda.is_available() and cpp_compiler() is None:
             raise ValueError("--ds.compile on CPU needs a C++ compiler (torch.compile writes C++ kernels): install "
                              "g++ or set CXX, or leave --ds.compile off")  # fmt: skip
         engine.compile()  # compiles engine.module in place (nn.Module.compile): parameter names stay as they are

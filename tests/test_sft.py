@@ -233,7 +233,9 @@ def test_compiled_engine_trains_like_the_eager_one(tmp_path):
 def test_compile_without_a_cpp_compiler_is_a_clear_error(tmp_path, monkeypatch):
     if torch.cuda.is_available():
         pytest.skip("the check is for CPU, where torch.compile writes C++ kernels")
-    monkeypatch.setenv("CXX", "no-such-compiler-cleanrlhf")
+    from core import engine
+
+    monkeypatch.setattr(engine, "cpp_compiler", lambda: None)
     args = small_args(tmp_path, max_steps=1, batch_size=8)
     args.ds.compile = True
     with pytest.raises(ValueError, match="needs a C\\+\\+ compiler"):
