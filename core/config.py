@@ -83,7 +83,7 @@ class DSConfig:
     """timeout of every collective; a dead rank fails after this instead of hanging."""
     compile: bool = False
     """torch.compile the trained model (DeepSpeed's `engine.compile`): fuses the element-wise work between matmuls
-    and drops per-op Python overhead. The first steps pay the compilation (20-40 s for the tiny model on CPU, which
+    and drops per-op Python overhead. The first steps pay the compilation (20-60 s for the tiny model on CPU, which
     needs a C++ compiler), and a new batch shape can compile again; HF generation (eval) stays eager."""
 
 

@@ -15,6 +15,7 @@ import torch
 
 from algos.sft import Args, main
 from core import embedded, models
+from core import engine as ds_engine
 
 REPO = Path(__file__).resolve().parent.parent
 SFT = REPO / "algos" / "sft.py"
@@ -204,9 +205,7 @@ def test_sft_engine_options_train_and_export(tmp_path, option, monkeypatch):
 
 
 @pytest.mark.slow
-@pytest.mark.skipif(
-    not torch.cuda.is_available() and shutil.which("g++") is None, reason="torch.compile on CPU needs g++"
-)
+@pytest.mark.skipif(not torch.cuda.is_available() and ds_engine.cpp_compiler() is None, reason="needs g++ on CPU")
 def test_compiled_engine_trains_like_the_eager_one(tmp_path):
     """--ds.compile gives the eager losses step for step (same seed and batches), and the eval's HF generation and
     the HF export still work on the compiled model (its parameter names are unchanged)."""
@@ -233,9 +232,7 @@ def test_compiled_engine_trains_like_the_eager_one(tmp_path):
 def test_compile_without_a_cpp_compiler_is_a_clear_error(tmp_path, monkeypatch):
     if torch.cuda.is_available():
         pytest.skip("the check is for CPU, where torch.compile writes C++ kernels")
-    from core import engine
-
-    monkeypatch.setattr(engine, "cpp_compiler", lambda: None)
+    monkeypatch.setattr(ds_engine, "cpp_compiler", lambda: None)
     args = small_args(tmp_path, max_steps=1, batch_size=8)
     args.ds.compile = True
     with pytest.raises(ValueError, match="needs a C\\+\\+ compiler"):
