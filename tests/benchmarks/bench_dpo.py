@@ -89,8 +89,8 @@ def run_trl(steps: int, warmup: int, batch: int, out: Path, model: str, bf16: bo
         output_dir=str(out / "trl"), per_device_train_batch_size=batch, max_steps=warmup + steps, learning_rate=LR,
         beta=BETA, lr_scheduler_type="constant", warmup_steps=0, use_cpu=not torch.cuda.is_available(), bf16=bf16,
         report_to="none",
-        logging_steps=10**6, save_strategy="no", gradient_checkpointing=False, dataloader_num_workers=0, seed=1, torch_compile=compile_,
-        max_length=64,
+        logging_steps=10**6, save_strategy="no", gradient_checkpointing=False, dataloader_num_workers=0, seed=1,
+        torch_compile=compile_, max_length=64,
     )  # fmt: skip
     trainer = DPOTrainer(model=lm, args=cfg, train_dataset=ds, processing_class=tokenizer, callbacks=[Clock()])
     trainer.train()
