@@ -12,6 +12,7 @@ is "predicted" from the previous sample's last token, which is meaningless.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from core.rl_math import logprobs_from_logits
@@ -133,63 +134,79 @@ def collate_prefix_shared(groups: list[list[dict]], device="cpu", row_len: int |
     the (row, position) of each sequence's last token (groups flattened in order, S sequences), and for every target
     token: `rows`, `logit_pos` (where its logits are), `targets`, `owner` (its sequence) and `weight` (its loss
     mask); the first token of a sequence is never a target."""
-    layouts, sizes = [], []
-    for group in groups:
-        ids = [ex["input_ids"] for ex in group]
-        s = 0  # the longest common prefix (a lone sequence is all prefix; 0: nothing shared, still correct)
-        while all(len(x) > s for x in ids) and all(x[s] == ids[0][s] for x in ids):
-            s += 1
-        layouts.append(s)
-        sizes.append(s + sum(len(x) - s for x in ids))
+    # Everything is laid out in plain Python lists, then converted once per key through numpy (several times faster
+    # than torch.tensor on a list): per-slice writes into torch tensors cost microseconds each, milliseconds a step.
+    prefix_lens = [_common_prefix_len([ex["input_ids"] for ex in group]) for group in groups]
+    sizes = [s + sum(len(ex["input_ids"]) - s for ex in group) for s, group in zip(prefix_lens, groups)]
     rows = [[g] for g in range(len(groups))] if row_len is None else first_fit_rows(sizes, row_len)
     width = max(sum(sizes[g] for g in row) for row in rows)
-    input_ids = torch.zeros((len(rows), width), dtype=torch.long)
-    position_ids = torch.zeros((len(rows), width), dtype=torch.long)
-    group_of = torch.full((len(rows), width), -1, dtype=torch.long)
-    branch_of = torch.zeros((len(rows), width), dtype=torch.long)
+    input_ids, position_ids, group_of, branch_of = [], [], [], []  # (R, L) each: one list per row
     where: dict[int, tuple[int, int, list[int]]] = {}  # group -> (row, prefix start, branch starts)
     for r, row in enumerate(rows):
-        start = 0
+        ids_r, pos_r, group_r, branch_r = [], [], [], []
         for g in row:
-            s, ids = layouts[g], [ex["input_ids"] for ex in groups[g]]
-            input_ids[r, start : start + s] = torch.tensor(ids[0][:s], dtype=torch.long)
-            position_ids[r, start : start + s] = torch.arange(s)
-            group_of[r, start : start + sizes[g]] = g
-            q, starts = start + s, []
-            for k, x in enumerate(ids):
-                n = len(x) - s
-                input_ids[r, q : q + n] = torch.tensor(x[s:], dtype=torch.long)
-                position_ids[r, q : q + n] = torch.arange(s, s + n)
-                branch_of[r, q : q + n] = k + 1
-                starts.append(q)
-                q += n
-            where[g] = (r, start, starts)
-            start = q
-        pad = width - start  # the pad tail: each position attends only to itself
-        group_of[r, start:] = -2 - torch.arange(pad)
-    causal = torch.ones(width, width, dtype=torch.bool).tril()
+            s, seqs = prefix_lens[g], [ex["input_ids"] for ex in groups[g]]
+            prefix_start, starts = len(ids_r), []
+            ids_r += seqs[0][:s]  # the shared prefix once, as branch 0: every branch of its group sees it
+            pos_r += range(s)
+            branch_r += [0] * s
+            for k, x in enumerate(seqs):  # then each sequence's remainder, its positions continuing the prefix's
+                starts.append(len(ids_r))
+                ids_r += x[s:]
+                pos_r += range(s, len(x))
+                branch_r += [k + 1] * (len(x) - s)
+            group_r += [g] * sizes[g]
+            where[g] = (r, prefix_start, starts)
+        pad = width - len(ids_r)  # the pad tail: each position is its own group, so it attends only to itself
+        input_ids.append(ids_r + [0] * pad)
+        position_ids.append(pos_r + [0] * pad)
+        group_of.append(group_r + list(range(-2, -2 - pad, -1)))
+        branch_of.append(branch_r + [0] * pad)
+    group_of, branch_of = np.array(group_of, dtype=np.int64), np.array(branch_of, dtype=np.int64)
+    causal = np.tri(width, dtype=bool)
     same_group = group_of[:, :, None] == group_of[:, None, :]
     visible_branch = (branch_of[:, None, :] == 0) | (branch_of[:, :, None] == branch_of[:, None, :])
     allowed = causal & same_group & visible_branch  # (R, L, L): query, key
-    gather: dict[str, list] = {k: [] for k in ("rows", "logit_pos", "targets", "owner", "weight", "last")}
+    rows_of, logit_pos, targets, owner_of, weight, last = [], [], [], [], [], []  # one entry per target token
     owner = 0
     for g, group in enumerate(groups):
         r, a, starts = where[g]
-        s = layouts[g]
+        s = prefix_lens[g]
         for k, ex in enumerate(group):
-            pos = [a + i if i < s else starts[k] + i - s for i in range(len(ex["input_ids"]))]
+            pos = [*range(a, a + s), *range(starts[k], starts[k] + len(ex["input_ids"]) - s)]  # its tokens' places
             n = len(pos) - 1
-            gather["rows"] += [r] * n
-            gather["logit_pos"] += pos[:-1]  # token j is predicted from token j - 1's logits
-            gather["targets"] += ex["input_ids"][1:]
-            gather["owner"] += [owner] * n
-            gather["weight"] += [float(m) for m in ex["loss_mask"][1:]]
-            gather["last"].append((r, pos[-1]))
+            rows_of += [r] * n
+            logit_pos += pos[:-1]  # token j is predicted from token j - 1's logits
+            targets += ex["input_ids"][1:]
+            owner_of += [owner] * n
+            weight += ex["loss_mask"][1:]
+            last += (r, pos[-1])  # flat (row, position) pairs, (S, 2) below
             owner += 1
-    out = {"input_ids": input_ids, "position_ids": position_ids, "allowed": allowed}
-    out.update({k: torch.tensor(v, dtype=torch.float32 if k == "weight" else torch.long) for k, v in gather.items()})
-    out["num_seqs"] = owner
-    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in out.items()}
+    out = {
+        "input_ids": np.array(input_ids, dtype=np.int64),
+        "position_ids": np.array(position_ids, dtype=np.int64),
+        "allowed": allowed,
+        "rows": np.array(rows_of, dtype=np.int64),
+        "logit_pos": np.array(logit_pos, dtype=np.int64),
+        "targets": np.array(targets, dtype=np.int64),
+        "owner": np.array(owner_of, dtype=np.int64),
+        "weight": np.array(weight, dtype=np.float64).astype(np.float32),  # each mask value as a float, then float32
+        "last": np.array(last, dtype=np.int64).reshape(-1, 2),
+    }
+    batch = {k: torch.from_numpy(v).to(device) for k, v in out.items()}
+    batch["num_seqs"] = owner
+    return batch
+
+
+def _common_prefix_len(seqs: list[list[int]]) -> int:
+    """Length of the longest common prefix of these token lists (a lone sequence is all prefix; 0: nothing shared)."""
+    s = min(len(x) for x in seqs)
+    for x in seqs[1:]:  # shrink s to where x first differs from the first sequence
+        for i in range(s):
+            if x[i] != seqs[0][i]:
+                s = i
+                break
+    return s
 
 
 def prefix_shared_mask(model, batch: dict) -> torch.Tensor:

@@ -178,6 +178,104 @@ def test_prefix_shared_layout_stores_the_common_prefix_once():
     assert batch["num_seqs"] == 2 and batch["weight"].sum() == 3 + 4
 
 
+def _collate_prefix_shared_reference(groups: list[list[dict]], device="cpu", row_len: int | None = None) -> dict:
+    """A frozen copy of the original slice-by-slice implementation, the reference for the faster one."""
+    layouts, sizes = [], []
+    for group in groups:
+        ids = [ex["input_ids"] for ex in group]
+        s = 0  # the longest common prefix (a lone sequence is all prefix; 0: nothing shared, still correct)
+        while all(len(x) > s for x in ids) and all(x[s] == ids[0][s] for x in ids):
+            s += 1
+        layouts.append(s)
+        sizes.append(s + sum(len(x) - s for x in ids))
+    rows = [[g] for g in range(len(groups))] if row_len is None else packing.first_fit_rows(sizes, row_len)
+    width = max(sum(sizes[g] for g in row) for row in rows)
+    input_ids = torch.zeros((len(rows), width), dtype=torch.long)
+    position_ids = torch.zeros((len(rows), width), dtype=torch.long)
+    group_of = torch.full((len(rows), width), -1, dtype=torch.long)
+    branch_of = torch.zeros((len(rows), width), dtype=torch.long)
+    where: dict[int, tuple[int, int, list[int]]] = {}  # group -> (row, prefix start, branch starts)
+    for r, row in enumerate(rows):
+        start = 0
+        for g in row:
+            s, ids = layouts[g], [ex["input_ids"] for ex in groups[g]]
+            input_ids[r, start : start + s] = torch.tensor(ids[0][:s], dtype=torch.long)
+            position_ids[r, start : start + s] = torch.arange(s)
+            group_of[r, start : start + sizes[g]] = g
+            q, starts = start + s, []
+            for k, x in enumerate(ids):
+                n = len(x) - s
+                input_ids[r, q : q + n] = torch.tensor(x[s:], dtype=torch.long)
+                position_ids[r, q : q + n] = torch.arange(s, s + n)
+                branch_of[r, q : q + n] = k + 1
+                starts.append(q)
+                q += n
+            where[g] = (r, start, starts)
+            start = q
+        pad = width - start  # the pad tail: each position attends only to itself
+        group_of[r, start:] = -2 - torch.arange(pad)
+    causal = torch.ones(width, width, dtype=torch.bool).tril()
+    same_group = group_of[:, :, None] == group_of[:, None, :]
+    visible_branch = (branch_of[:, None, :] == 0) | (branch_of[:, :, None] == branch_of[:, None, :])
+    allowed = causal & same_group & visible_branch  # (R, L, L): query, key
+    gather: dict[str, list] = {k: [] for k in ("rows", "logit_pos", "targets", "owner", "weight", "last")}
+    owner = 0
+    for g, group in enumerate(groups):
+        r, a, starts = where[g]
+        s = layouts[g]
+        for k, ex in enumerate(group):
+            pos = [a + i if i < s else starts[k] + i - s for i in range(len(ex["input_ids"]))]
+            n = len(pos) - 1
+            gather["rows"] += [r] * n
+            gather["logit_pos"] += pos[:-1]  # token j is predicted from token j - 1's logits
+            gather["targets"] += ex["input_ids"][1:]
+            gather["owner"] += [owner] * n
+            gather["weight"] += [float(m) for m in ex["loss_mask"][1:]]
+            gather["last"].append((r, pos[-1]))
+            owner += 1
+    out = {"input_ids": input_ids, "position_ids": position_ids, "allowed": allowed}
+    out.update({k: torch.tensor(v, dtype=torch.float32 if k == "weight" else torch.long) for k, v in gather.items()})
+    out["num_seqs"] = owner
+    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in out.items()}
+
+
+def random_prefix_groups(rng: random.Random, n_groups: int) -> list[list[dict]]:
+    """1-3 sequences per group (sometimes one more, a prefix of another) sharing 0-12 tokens, random loss masks."""
+    groups = []
+    for _ in range(n_groups):
+        prefix = [rng.randrange(4, 100) for _ in range(rng.randint(0, 12))]
+        members = []
+        for _ in range(rng.randint(1, 3)):
+            ids = prefix + [rng.randrange(4, 100) for _ in range(rng.randint(1 if prefix else 2, 8))]
+            mask = [0] + [rng.choice([0, 1, True, False]) for _ in ids[1:]]
+            members.append({"input_ids": ids, "loss_mask": mask})
+        if rng.random() < 0.3:  # a member that is a prefix of (or equal to) another: an empty or short branch
+            ex = rng.choice(members)
+            cut = rng.randint(1, len(ex["input_ids"]))
+            members.append({k: v[:cut] for k, v in ex.items()})
+        groups.append(members)
+    return groups
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_prefix_shared_layout_equals_the_reference(seed):
+    """The faster collate builds exactly what the original slice-by-slice one did: keys, dtypes, values."""
+    rng = random.Random(seed)
+    groups = random_prefix_groups(rng, rng.randint(1, 10))
+    if seed % 4 == 0:
+        groups.append([copy.deepcopy(groups[0][0])])  # a lone sequence: all prefix
+    longest = max(len(ex["input_ids"]) for g in groups for ex in g)
+    for row_len in [None, 1, longest, 2 * longest, 10 * longest]:
+        want = _collate_prefix_shared_reference(groups, row_len=row_len)
+        got = packing.collate_prefix_shared(groups, row_len=row_len)
+        assert got.keys() == want.keys() and list(got) == list(want)
+        assert got["num_seqs"] == want["num_seqs"]
+        for k, v in want.items():
+            if isinstance(v, torch.Tensor):
+                assert got[k].dtype == v.dtype and got[k].device == v.device, k
+                assert torch.equal(got[k], v), k
+
+
 # ------------------------------------------------------------------------------------------------------ bookkeeping
 def test_pack_respects_budget_and_order():
     examples = random_examples(0, n=50, max_len=30)
