@@ -33,12 +33,13 @@ def _small(module: str, run_dir, steps: int):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("module", ["grpo", "ppo"])
+@pytest.mark.parametrize("module", ["grpo", "ppo", "grpo_async"])
 def test_halt_and_resume_reproduces_the_uninterrupted_run(module, tmp_path, one_thread):
     """4 steps straight vs 2 steps, halt (checkpoint), then the same command resumes for steps 3-4: rewards, losses
     and eval are equal, because the data position, sampling seeds, RNGs, optimizer (and critic) state are restored
-    and the engine gets the checkpoint's weights (and PPO's adaptive KL coefficient its β). The best eval so far is
-    exported to <run>/best."""
+    and the engine gets the checkpoint's weights (and PPO's adaptive KL coefficient its β). grpo_async's step 3 was
+    sampled by the weights of update 2, which the resumed run no longer has: the checkpoint carries that rollout.
+    The best eval so far is exported to <run>/best."""
     mod, straight = _small(module, tmp_path / "straight", 4)
     _, part = _small(module, tmp_path / "part", 4)
     if module == "ppo":  # PPO with its KL in the reward, under the adaptive controller: its β is state to restore
