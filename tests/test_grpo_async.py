@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import short_rl_run
+from conftest import assert_first_step_agrees, ranks_2_vs_1, short_rl_run, zero3_other_reference
 
 from algos.grpo_async import Args, Pipeline
 
@@ -139,3 +139,15 @@ def test_async_grpo_raises_eval_pass_at_1_from_the_warm_start(tmp_path, one_thre
     assert all(0.5 < r["loss/is_weight"] < 2.0 for r in trained)
     assert summary["eval_pass@1_last"] >= summary["eval_pass@1_first"] + 0.1, summary
     assert (tmp_path / "run" / "hf" / "config.json").exists()
+
+
+@pytest.mark.slow
+def test_two_ray_ranks_train_like_one_process(tmp_path):
+    """`--train.ranks 2`: rank 0's producer generates the whole batch and broadcasts it; two ZeRO-3 ranks (with a
+    ZeRO-3 reference for the KL) then take the same first update as one process, and the second step is one update
+    stale on both."""
+    from algos.grpo_async import main
+
+    rows = ranks_2_vs_1(Args, main, tmp_path, zero3_other_reference)
+    assert_first_step_agrees(rows)
+    assert [r["rollout/lag"] for r in rows[2]] == [r["rollout/lag"] for r in rows[1]] == [0, 1]

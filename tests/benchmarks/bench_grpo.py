@@ -16,7 +16,10 @@ sampled, it does not stop), TRL gets `min_new_tokens=64` (eos is masked until th
 (reward, loss, backward, optimizer), and it has no sync. Not aligned, as it does not change the work: the lr schedule
 (ours cosine to 0.1 lr, TRL constant) and the order of the prompts. Before its first step grpo.py scores 8 eval
 prompts once (untimed). Our side runs twice: as shipped (vLLM eager on CPU) and with `--vllm.enforce-eager False`
-(vLLM compiles the model; the compile is start-up, not timed).
+(vLLM compiles the model; the compile is start-up, not timed). algos/grpo_async.py runs the same two ways: its vLLM
+engine is a Ray actor generating step t+1 while the trainer (one thread fewer: the engine has its core) trains on
+step t, one update stale (`--train.max-lag 1`). Its `perf/gen_s` overlaps training; `wait` is the time the trainer
+sat idle waiting for a rollout or for the engine to finish before the sync.
 """
 
 from __future__ import annotations
@@ -32,15 +35,20 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPTS, GROUP, TOKENS, LR = 8, 4, 64, 3e-4
+SIDES = ("ours", "ours-compiled", "async", "async-compiled", "trl")
+NAMES = {"ours": "grpo.py", "ours-compiled": "grpo.py, vLLM compiled", "async": "grpo_async.py",
+         "async-compiled": "grpo_async.py, vLLM compiled", "trl": "TRL GRPOTrainer"}  # fmt: skip
 
 
-def run_ours(steps: int, warmup: int, out: Path, compiled: bool = False) -> dict:
+def run_ours(steps: int, warmup: int, out: Path, compiled: bool = False, script: str = "grpo") -> dict:
     sys.argv = [sys.argv[0]]
+    import importlib
+
     import torch
 
-    import algos.grpo as grpo
     from core import rollout
 
+    grpo = importlib.import_module(f"algos.{script}")
     generate, log, ends = rollout.RolloutEngines.generate, grpo.RunLogger.log, []
     rollout.RolloutEngines.generate = lambda self, *a, **k: generate(self, *a, **{**k, "ignore_eos": True})
 
@@ -60,7 +68,7 @@ def run_ours(steps: int, warmup: int, out: Path, compiled: bool = False) -> dict
     args.run_dir = str(out / "ours")
     grpo.main(args)
     rows = [json.loads(line) for line in open(out / "ours" / "metrics.jsonl") if '"perf/gen_s"' in line][warmup:]
-    res = {k: sum(r[f"perf/{k}"] for r in rows) / steps for k in ("gen_s", "train_s", "sync_s")}
+    res = {k: sum(r.get(f"perf/{k}", 0.0) for r in rows) / steps for k in ("gen_s", "train_s", "sync_s", "wait_s")}
     res["tokens"] = sum(r["rollout/response_len_mean"] for r in rows) / steps
     return {**res, "step_s": (ends[-1] - ends[warmup]) / steps, "threads": torch.get_num_threads()}
 
@@ -119,7 +127,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--threads", type=int, default=2, help="torch threads on each side")
-    p.add_argument("--side", choices=["ours", "ours-compiled", "trl"], default=None, help=argparse.SUPPRESS)
+    p.add_argument("--side", choices=SIDES, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--sides", nargs="+", choices=SIDES, default=list(SIDES), help="which sides to run (default all)")
     p.add_argument("--out", default="/tmp/cleanrlhf-bench-grpo")
     a = p.parse_args()
     out = Path(a.out)
@@ -131,27 +140,29 @@ def main() -> None:
         if a.side == "trl":
             res = run_trl(a.steps, max(1, a.warmup), out)
         else:
-            res = run_ours(a.steps, max(1, a.warmup), out, compiled=a.side == "ours-compiled")
+            script = "grpo_async" if a.side.startswith("async") else "grpo"
+            res = run_ours(a.steps, max(1, a.warmup), out, compiled=a.side.endswith("compiled"), script=script)
         (out / f"{a.side}.json").write_text(json.dumps(res))
         return
     env = {**os.environ, "OMP_NUM_THREADS": str(a.threads), "TOKENIZERS_PARALLELISM": "false"}
-    sides = ("ours", "ours-compiled", "trl")
+    sides = [s for s in SIDES if s in a.sides]
     for side in sides:
         (out / f"{side}.json").unlink(missing_ok=True)
         cmd = [sys.executable, __file__, "--side", side, "--steps", str(a.steps), "--warmup", str(a.warmup),
                "--threads", str(a.threads), "--out", str(out)]  # fmt: skip
         subprocess.run(cmd, check=True, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    ours, compiled, trl = (json.loads((out / f"{side}.json").read_text()) for side in sides)
+    res = {side: json.loads((out / f"{side}.json").read_text()) for side in sides}
     print(f"GRPO, cleanrlhf/tiny-sft on cleanrlhf/add2, {PROMPTS} prompts x {GROUP} samples x {TOKENS} tokens per step, "
-          f"{a.steps} timed steps, torch threads {ours['threads']} / {trl['threads']}, fp32")  # fmt: skip
-    print(f"{'':16}{'s/step':>9}{'gen s':>9}{'train s':>9}{'sync s':>9}{'tokens':>8}{'tokens/s':>10}")
-    for name, r in (("CleanRLHF", ours), ("  vLLM compiled", compiled), ("TRL GRPOTrainer", trl)):
-        sync = f"{r['sync_s']:>9.4f}" if r is not trl else f"{'n/a':>9}"
-        print(f"{name:16}{r['step_s']:>9.4f}{r['gen_s']:>9.4f}{r['train_s']:>9.4f}{sync}{r['tokens']:>8.1f}"
+          f"{a.steps} timed steps, fp32, torch threads: " + ", ".join(f"{s} {r['threads']}" for s, r in res.items()))  # fmt: skip
+    print(f"{'':30}{'s/step':>9}{'gen s':>9}{'train s':>9}{'sync s':>9}{'wait s':>9}{'tokens':>8}{'tokens/s':>10}")
+    for side, r in res.items():
+        sync = f"{r['sync_s']:>9.4f}" if side != "trl" else f"{'n/a':>9}"
+        wait = f"{r['wait_s']:>9.4f}" if side.startswith("async") else f"{'':>9}"
+        print(f"{NAMES[side]:30}{r['step_s']:>9.4f}{r['gen_s']:>9.4f}{r['train_s']:>9.4f}{sync}{wait}{r['tokens']:>8.1f}"
               f"{PROMPTS * GROUP * r['tokens'] / r['step_s']:>10.0f}")  # fmt: skip
-    print(f"speed-up {trl['step_s'] / ours['step_s']:.2f}x (generation {trl['gen_s'] / ours['gen_s']:.2f}x, "
-          f"training {trl['train_s'] / ours['train_s']:.2f}x); with vLLM compiled "
-          f"{trl['step_s'] / compiled['step_s']:.2f}x (generation {trl['gen_s'] / compiled['gen_s']:.2f}x)")  # fmt: skip
+    if "trl" in res:
+        trl = res["trl"]["step_s"]
+        print("speed-up over TRL: " + ", ".join(f"{s} {trl / r['step_s']:.2f}x" for s, r in res.items() if s != "trl"))
 
 
 if __name__ == "__main__":
