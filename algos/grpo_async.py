@@ -386,13 +386,18 @@ def main(args: Args, engines: rollout.RolloutEngines | None = None) -> dict:
         ref_path = embedded.resolve_model(args.ref.name_or_path or actor_path)
         ref_model = models.load_causal_lm(ModelConfig(name_or_path=ref_path, dtype=args.actor.model.dtype))
         ref = ds_engine.make_frozen(ref_model, args.ref, device)
-    own_engines = engines is None  # started here (one process): shut down here
+    own_engines = engines is None  # started here (one process): shut down here, with Ray if it was started here
+    own_ray = False
     if own_engines and device.type == "cpu":
         # PLUMBING: the engines compute while this process trains: leave them their cores (one each per tensor-
         # parallel worker). Oversubscribed, a step took 12 s instead of 0.5 s on 2 cores (OpenMP threads spinning).
         free = len(os.sched_getaffinity(0)) - args.vllm.num_engines * args.vllm.tensor_parallel_size
         torch.set_num_threads(max(1, min(torch.get_num_threads(), free)))
     if own_engines:
+        import ray
+
+        own_ray = not ray.is_initialized()
+        placement.init_ray(args.ray)  # on this machine, or the cluster at --ray.address
         engines = rollout.create_engines(actor_path, args.vllm, seed=args.train.seed)
     elif rank == 0 and engines.backend == "broadcast":
         engines.init_broadcast()  # this rank sends the weights to the engine actors
@@ -601,7 +606,7 @@ def main(args: Args, engines: rollout.RolloutEngines | None = None) -> dict:
                 state = {"step": step, "first_eval": first_eval, "best": best, "kl_ctl": kl_ctl.state_dict(),
                          "ahead": ahead}  # fmt: skip
                 checkpoint.save({"actor": actor}, ckpt_dir, step, state, args.ckpt.keep_last)
-            if rank == 0:
+            if rank == 0 and not halted:
                 pipe.synced_update(step)  # the engines may generate again, now with these weights
             if halted:
                 logger.print(
@@ -623,6 +628,10 @@ def main(args: Args, engines: rollout.RolloutEngines | None = None) -> dict:
             pipe.stop()
         if own_engines:
             engines.shutdown()
+        if own_ray:
+            import ray
+
+            ray.shutdown()
 
 
 if __name__ == "__main__":
