@@ -24,8 +24,14 @@ Deviations from the paper (Noukhovitch et al. train online DPO on separate GPUs;
    after update max(t − L, first step) (the trainer waits for the engines rather than skipping ahead), so a run is
    reproducible and resumes exactly (the rollouts generated ahead are saved in the checkpoint).
 
+Everything else is grpo.py's, flag for flag (Dr.GRPO: `--algo.dr-grpo`; DAPO refill: `--algo.dynamic-filter-range`).
+
 Debug (embedded tiny model and task; Ray starts on this machine, the engine runs in a Ray actor):
     python algos/grpo_async.py --train.max-steps 5 --eval.every 5
+A real model (not yet run on GPUs; with --train.ranks the engines get GPUs of their own, no colocation by default):
+    python algos/grpo_async.py --actor.model.name-or-path Qwen/Qwen2.5-0.5B-Instruct --data.path prompts.jsonl \\
+        --data.apply-chat-template --reward.func my_reward.py --rollout.max-new-tokens 1024 --actor.lr 1e-6 \\
+        --train.ranks 2 --vllm.num-engines 2
 """
 
 from __future__ import annotations
@@ -629,8 +635,6 @@ def main(args: Args, engines: rollout.RolloutEngines | None = None) -> dict:
         if own_engines:
             engines.shutdown()
         if own_ray:
-            import ray
-
             ray.shutdown()
 
 

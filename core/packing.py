@@ -190,7 +190,7 @@ def collate_prefix_shared(groups: list[list[dict]], device="cpu", row_len: int |
         "logit_pos": np.array(logit_pos, dtype=np.int64),
         "targets": np.array(targets, dtype=np.int64),
         "owner": np.array(owner_of, dtype=np.int64),
-        "weight": np.array(weight, dtype=np.float64).astype(np.float32),  # each mask value as a float, then float32
+        "weight": np.array(weight, dtype=np.float32),  # the loss mask (0/1, or bools) as floats
         "last": np.array(last, dtype=np.int64).reshape(-1, 2),
     }
     batch = {k: torch.from_numpy(v).to(device) for k, v in out.items()}
