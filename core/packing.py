@@ -61,24 +61,25 @@ def collate_packed(examples: list[dict], device="cpu", row_len: int | None = Non
     lens = [len(ex["input_ids"]) for ex in examples]
     rows = [list(range(len(examples)))] if row_len is None else first_fit_rows(lens, row_len)
     width = max(sum(lens[i] for i in row) for row in rows)
-    ids = torch.zeros((len(rows), width), dtype=torch.long)
-    pos = torch.zeros((len(rows), width), dtype=torch.long)
-    mask = torch.zeros((len(rows), width), dtype=torch.bool)
+    # Laid out in Python lists and converted once per key (see collate_prefix_shared): per-sample writes into torch
+    # tensors cost milliseconds a step.
+    ids, pos, mask = [], [], []  # (R, L) each: one list per row
     segments: list = [None] * len(examples)
     for r, row in enumerate(rows):
-        start = 0
+        ids_r, pos_r, mask_r = [], [], []
         for i in row:
-            n = lens[i]
-            ids[r, start : start + n] = torch.tensor(examples[i]["input_ids"])
-            pos[r, start : start + n] = torch.arange(n)
-            mask[r, start : start + n] = torch.tensor(examples[i]["loss_mask"], dtype=torch.bool)
-            segments[i] = (r, start, n)
-            start += n
-        pos[r, start:] = torch.arange(width - start)  # pad segment: attends only to itself
+            segments[i] = (r, len(ids_r), lens[i])
+            ids_r += examples[i]["input_ids"]
+            pos_r += range(lens[i])
+            mask_r += examples[i]["loss_mask"]
+        pad = width - len(ids_r)
+        ids.append(ids_r + [0] * pad)
+        pos.append(pos_r + list(range(pad)))  # pad segment: attends only to itself
+        mask.append(mask_r + [0] * pad)
     return {
-        "input_ids": ids.to(device),
-        "position_ids": pos.to(device),
-        "loss_mask": mask.to(device),
+        "input_ids": torch.from_numpy(np.array(ids, dtype=np.int64)).to(device),
+        "position_ids": torch.from_numpy(np.array(pos, dtype=np.int64)).to(device),
+        "loss_mask": torch.from_numpy(np.array(mask, dtype=bool)).to(device),
         "seq_lens": lens,
         "segments": segments,
     }
@@ -87,15 +88,15 @@ def collate_packed(examples: list[dict], device="cpu", row_len: int | None = Non
 def collate_padded(examples: list[dict], pad_id: int, device="cpu") -> dict:
     """Right-padded batch (B, T): input_ids, attention_mask, loss_mask (the reference for packing)."""
     width = max(len(ex["input_ids"]) for ex in examples)
-    ids = torch.full((len(examples), width), pad_id, dtype=torch.long)
-    attn = torch.zeros((len(examples), width), dtype=torch.long)
-    mask = torch.zeros((len(examples), width), dtype=torch.bool)
-    for i, ex in enumerate(examples):
-        n = len(ex["input_ids"])
-        ids[i, :n] = torch.tensor(ex["input_ids"])
-        attn[i, :n] = 1
-        mask[i, :n] = torch.tensor(ex["loss_mask"], dtype=torch.bool)
-    return {"input_ids": ids.to(device), "attention_mask": attn.to(device), "loss_mask": mask.to(device)}
+    pads = [width - len(ex["input_ids"]) for ex in examples]
+    ids = [[*ex["input_ids"], *[pad_id] * p] for ex, p in zip(examples, pads)]
+    attn = [[1] * (width - p) + [0] * p for p in pads]
+    mask = [[*ex["loss_mask"], *[0] * p] for ex, p in zip(examples, pads)]
+    return {
+        "input_ids": torch.from_numpy(np.array(ids, dtype=np.int64)).to(device),
+        "attention_mask": torch.from_numpy(np.array(attn, dtype=np.int64)).to(device),
+        "loss_mask": torch.from_numpy(np.array(mask, dtype=bool)).to(device),
+    }
 
 
 def token_logprobs(model, batch: dict, temperature: float = 1.0) -> torch.Tensor:

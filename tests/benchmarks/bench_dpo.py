@@ -5,7 +5,9 @@
 
 Both sides train the SFT warm start `cleanrlhf/tiny-sft` on the embedded pairs `cleanrlhf/add2-pref` (the same
 pool, random order) with AdamW lr 5e-4, β 0.1, sigmoid loss, fp32, one process, and are timed over the same
-optimizer steps after a few warm-up steps. Each side runs in its own subprocess with the same thread count.
+optimizer steps after a few warm-up steps: the wall time of whole iterations on both sides (batch building and
+logging included), from the end of the last warm-up step. Each side runs in its own subprocess with the same
+thread count.
 
 The reference model is handled the way each side does it by default: TRL runs a frozen reference copy on every
 step; algos/dpo.py computes the reference log-probs of the pairs its batches will use once, before the first step.
@@ -45,7 +47,12 @@ def model_path(name: str, out: Path) -> str:
 
 def run_ours(steps: int, warmup: int, batch: int, out: Path, model: str, bf16: bool, compile_: bool = False) -> dict:
     sys.argv = [sys.argv[0]]
+    from bench_sft import clock_steps
+
+    import algos.dpo as dpo
     from algos.dpo import Args, main
+
+    ends = clock_steps(dpo, "loss/dpo")
 
     data_file = out / "pairs.jsonl"
     data_file.write_text("".join(json.dumps(r) + "\n" for r in pool()))
@@ -60,11 +67,7 @@ def run_ours(steps: int, warmup: int, batch: int, out: Path, model: str, bf16: b
     args.run_dir = str(out / "ours")
     args.ds.compile = compile_
     summary = main(args)
-    rows = [json.loads(line) for line in open(out / "ours" / "metrics.jsonl") if '"loss/dpo"' in line]
-    # perf/step_s is the running mean over the run's steps; recover each step's own time from it
-    total = [r["perf/step_s"] * r["step"] for r in rows]
-    timed = total[-1] - total[warmup - 1]
-    return {"step_s": timed / steps, "ref_s": summary["ref_s"]}
+    return {"step_s": (ends[-1] - ends[warmup - 1]) / steps, "ref_s": summary["ref_s"]}
 
 
 def run_trl(steps: int, warmup: int, batch: int, out: Path, model: str, bf16: bool, compile_: bool = False) -> dict:
