@@ -39,8 +39,8 @@ CHAT_TEMPLATE = (
 TEST_SIZE = 500
 # Written into each artifact's `.complete`; an artifact built with another version is rebuilt. Bump it whenever
 # what the builders produce changes (2: byte-level tokenizer that keeps spaces and newlines; 3: fixed-width task;
-# 4: tied head not saved twice; 5: warm start stops at 45 % instead of 25 %; 6: the warm start sft.py builds today,
-# 460 steps to 0.48, where caches of version 5 hold an earlier sft.py's 520 steps to 0.522).
+# 4: tied head not saved twice; 5: warm start stops at 45 % instead of 25 %; 6: rebuilt by the current sft.py, 460
+# steps to 0.48, where version-5 caches hold an earlier sft.py's 520 steps to 0.522).
 ARTIFACT_VERSION = "6"
 WARM_START_ARGS = [
     "--model.name-or-path", "cleanrlhf/tiny",

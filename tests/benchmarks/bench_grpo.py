@@ -45,18 +45,13 @@ def run_ours(steps: int, warmup: int, out: Path, compiled: bool = False, script:
     import importlib
 
     import torch
+    from bench_sft import clock_steps  # tests/benchmarks/ is sys.path[0] when run as a script
 
     from core import rollout
 
     grpo = importlib.import_module(f"algos.{script}")
-    generate, log, ends = rollout.RolloutEngines.generate, grpo.RunLogger.log, []
+    generate, ends = rollout.RolloutEngines.generate, clock_steps(grpo, "perf/gen_s")
     rollout.RolloutEngines.generate = lambda self, *a, **k: generate(self, *a, **{**k, "ignore_eos": True})
-
-    def timed_log(self, *a, **k):  # called once for the first eval, then once at the end of every step
-        log(self, *a, **k)
-        ends.append(time.perf_counter())
-
-    grpo.RunLogger.log = timed_log
     shutil.rmtree(out / "ours", ignore_errors=True)  # metrics.jsonl appends; a stale run would mix into the timing
     args = grpo.Args()
     args.rollout.batch_size, args.rollout.n_samples, args.rollout.max_new_tokens = PROMPTS, GROUP, TOKENS
@@ -70,7 +65,7 @@ def run_ours(steps: int, warmup: int, out: Path, compiled: bool = False, script:
     rows = [json.loads(line) for line in open(out / "ours" / "metrics.jsonl") if '"perf/gen_s"' in line][warmup:]
     res = {k: sum(r.get(f"perf/{k}", 0.0) for r in rows) / steps for k in ("gen_s", "train_s", "sync_s", "wait_s")}
     res["tokens"] = sum(r["rollout/response_len_mean"] for r in rows) / steps
-    return {**res, "step_s": (ends[-1] - ends[warmup]) / steps, "threads": torch.get_num_threads()}
+    return {**res, "step_s": (ends[-1] - ends[warmup - 1]) / steps, "threads": torch.get_num_threads()}
 
 
 def run_trl(steps: int, warmup: int, out: Path) -> dict:
