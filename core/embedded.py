@@ -41,8 +41,9 @@ TEST_SIZE = 500
 # Written into each artifact's `.complete`; an artifact built with another version is rebuilt. Bump it whenever
 # what the builders produce changes (2: byte-level tokenizer that keeps spaces and newlines; 3: fixed-width task;
 # 4: tied head not saved twice; 5: warm start stops at 45 % instead of 25 %; 6: rebuilt by the current sft.py, 460
-# steps to 0.48, where version-5 caches hold an earlier sft.py's 520 steps to 0.522; 8: built with
-# `reproducible_cpu_env`, where an unpinned AVX-512 machine built a version-6 warm start of 520 steps to 0.634).
+# steps to 0.48, where version-5 caches hold an earlier sft.py's 520 steps to 0.522; 7: an attempt that never landed;
+# 8: built with `reproducible_cpu_env`, where an unpinned AVX-512 machine built a version-6 warm start of 520 steps
+# to 0.634).
 ARTIFACT_VERSION = "8"
 WARM_START_ARGS = [
     "--model.name-or-path", "cleanrlhf/tiny",

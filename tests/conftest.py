@@ -1,4 +1,5 @@
-"""Shared test setup: quiet tokenizers, AVX2 CPU math on every x86-64 machine, one torch thread (CI is a shared 2-core machine), and the embedded tiny model.
+"""Shared test setup: quiet tokenizers, AVX2 CPU math on every x86-64 machine, one torch thread (CI is a shared
+2-core machine), and the embedded tiny model.
 
 The embedded artifacts are built in the user's normal cache ($CLEANRLHF_HOME, default ~/.cache/cleanrlhf), so CI
 and repeated runs build them once.

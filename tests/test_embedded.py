@@ -1,6 +1,7 @@
 """Tests for core/embedded.py (the synthetic addition task and artifact builds) and rewards/arithmetic.py."""
 
 import json
+import os
 
 import pytest
 import torch
@@ -62,6 +63,15 @@ def test_artifact_from_another_build_version_is_rebuilt(tmp_path, monkeypatch):
     assert embedded.ensure_task_data("add1") == folder
     assert (folder / "train.jsonl").read_text().splitlines()[0].startswith("{")
     assert (folder / ".complete").read_text() == embedded.ARTIFACT_VERSION
+
+
+def test_the_suite_runs_with_the_reproducible_cpu_math():
+    """conftest.py pins ATen/MKL/oneDNN to AVX2 before torch loads: the learning thresholds hold on any x86-64 CPU."""
+    pin = embedded.reproducible_cpu_env()
+    if not pin:
+        pytest.skip("not an x86-64 machine with AVX2: nothing to pin")
+    assert {k: os.environ.get(k) for k in pin} == pin
+    assert torch.backends.cpu.get_cpu_capability() == "AVX2"
 
 
 @pytest.mark.parametrize("name", ["cleanrlhf/foo", "cleanrlhf/add0", "cleanrlhf/add10", "cleanrlhf/add"])
