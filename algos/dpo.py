@@ -232,7 +232,7 @@ def main(args: Args) -> dict:
     if args.train.beta <= 0 or not 0.0 <= args.train.label_smoothing < 0.5:
         raise ValueError(f"--train.beta must be > 0 and --train.label-smoothing in [0, 0.5), got "
                          f"{args.train.beta} and {args.train.label_smoothing}")  # fmt: skip
-    if args.train.share_prompt and args.model.attn_implementation not in ("sdpa", "eager"):
+    if args.train.share_prompt and args.model.attn_implementation not in ("auto", "sdpa", "eager"):
         raise ValueError(f"--train.share-prompt needs a 4D attention mask (sdpa or eager), not --model.attn-"
                          f"implementation {args.model.attn_implementation}: add --train.no-share-prompt")  # fmt: skip
     tokenizer = models.load_tokenizer(args.model.tokenizer or args.model.name_or_path)

@@ -480,7 +480,8 @@ def main(args: Args, engines: rollout.RolloutEngines | None = None) -> dict:
     # PLUMBING: the critic, a causal LM body + scalar head, as a second DeepSpeed engine with its own optimizer
     critic_path = embedded.resolve_model(args.critic.name_or_path or actor_path)
     # the engine's own forward must run (ZeRO-3 gradient accumulation): the wrapper's forward gives per-token values
-    critic_model = models.TokenValues(models.load_scalar_model(critic_path, args.actor.model.dtype)).to(device)
+    critic_lm = models.load_scalar_model(critic_path, args.actor.model.dtype, args.actor.model.attn_implementation)
+    critic_model = models.TokenValues(critic_lm).to(device)
     critic = ds_engine.make_engine(critic_model, args.ds, args.critic.lr, args.train.max_steps * updates_per_step,
                                    args.critic.lr_warmup_steps, hybrid=args.vllm.enable_sleep)  # fmt: skip
     ref = None

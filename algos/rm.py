@@ -216,7 +216,7 @@ def main(args: Args) -> dict:
         raise ValueError("--model.lora-rank: LoRA is not supported for reward models here (train all parameters)")
     if args.margin_key and args.train.loss != "sigmoid":
         raise ValueError(f"--margin-key {args.margin_key!r} needs --train.loss sigmoid (logexp takes no margin)")
-    if args.train.share_prompt and args.model.attn_implementation not in ("sdpa", "eager"):
+    if args.train.share_prompt and args.model.attn_implementation not in ("auto", "sdpa", "eager"):
         raise ValueError(f"--train.share-prompt needs a 4D attention mask (sdpa or eager), not --model.attn-"
                          f"implementation {args.model.attn_implementation}: add --train.no-share-prompt")  # fmt: skip
     tokenizer = models.load_tokenizer(args.model.tokenizer or args.model.name_or_path)
@@ -227,7 +227,8 @@ def main(args: Args) -> dict:
     train_set = data.mix(data.build_examples(sources, make, args.data, log), args.data.probs, args.train.seed)
     eval_sources = data.load_sources(args.data.eval_path or args.data.path, args.data.eval_split, args.eval.max_samples)
     eval_set = [ex for g in data.build_examples(eval_sources, make, args.data, log) for ex in g]
-    model = models.load_scalar_model(args.model.name_or_path, args.model.dtype).to(device)
+    model = models.load_scalar_model(args.model.name_or_path, args.model.dtype, args.model.attn_implementation)
+    model = model.to(device)
     if args.model.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     torch.manual_seed(args.train.seed + rank)

@@ -20,8 +20,9 @@ class ModelConfig:
     """tokenizer id or path; defaults to the model's."""
     dtype: Literal["auto", "bf16", "fp32"] = "auto"
     """parameter and compute dtype: `auto` is bf16 on GPU and fp32 on CPU."""
-    attn_implementation: str = "sdpa"
-    """transformers attention backend (`sdpa`, `eager`, `flash_attention_2` on GPU)."""
+    attn_implementation: str = "auto"
+    """transformers attention backend: `sdpa`, `eager`, `flash_attention_2` (GPU), or `auto`: eager for bf16 on
+    CPU (torch's bf16 sdpa kernels are slower there than eager's matmuls; see README, Benchmarks), else sdpa."""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass to save memory."""
     lora_rank: int = 0

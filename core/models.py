@@ -15,10 +15,20 @@ from core.config import ModelConfig
 
 
 def torch_dtype(dtype: str) -> torch.dtype:
-    """`auto` is bf16 when CUDA is present and fp32 on CPU (fp32 is as fast there and exact for tests)."""
+    """`auto` is bf16 when CUDA is present and fp32 on CPU (exact for tests, and every CPU has fast fp32 kernels)."""
     if dtype == "auto":
         return torch.bfloat16 if torch.cuda.is_available() else torch.float32
     return {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
+
+
+def attn_implementation(name: str, dtype: torch.dtype) -> str:
+    """The transformers attention backend for `--model.attn-implementation name`: `auto` is eager for bf16 without
+    CUDA and sdpa otherwise; any other name is returned as given. On a CPU with AVX-512 bf16, torch 2.13's bf16
+    flash-attention kernel (the backward pass above all) ran 2-4x slower than the fp32 one on these short rows,
+    so bf16 training through sdpa was slower than fp32, while eager attention's bf16 matmuls are fast."""
+    if name != "auto":
+        return name
+    return "eager" if dtype == torch.bfloat16 and not torch.cuda.is_available() else "sdpa"
 
 
 def load_tokenizer(name_or_path: str):
@@ -54,8 +64,9 @@ def load_causal_lm(cfg: ModelConfig):
 
     path = _check_model_path(cfg.name_or_path)
     try:
+        dtype = torch_dtype(cfg.dtype)
         model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=torch_dtype(cfg.dtype), attn_implementation=cfg.attn_implementation
+            path, dtype=dtype, attn_implementation=attn_implementation(cfg.attn_implementation, dtype)
         )
     except OSError as e:
         raise ValueError(f"--model.name-or-path {cfg.name_or_path!r}: cannot load a causal LM: {e}") from None
@@ -77,15 +88,18 @@ def load_causal_lm(cfg: ModelConfig):
     return model
 
 
-def load_scalar_model(name_or_path: str, dtype: str = "auto"):
+def load_scalar_model(name_or_path: str, dtype: str = "auto", attn: str = "auto"):
     """A causal LM body with a scalar head (`AutoModelForSequenceClassification`, num_labels=1): the reward model
     and the critic. Loading a plain causal LM initialises a fresh head; `save_pretrained` output loads back with
-    `AutoModelForSequenceClassification.from_pretrained`."""
+    `AutoModelForSequenceClassification.from_pretrained`. `attn`: as `--model.attn-implementation`."""
     from transformers import AutoModelForSequenceClassification
 
     path = _check_model_path(name_or_path)
     try:
-        model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1, dtype=torch_dtype(dtype))
+        torch_dt = torch_dtype(dtype)
+        model = AutoModelForSequenceClassification.from_pretrained(
+            path, num_labels=1, dtype=torch_dt, attn_implementation=attn_implementation(attn, torch_dt)
+        )
     except OSError as e:
         raise ValueError(f"{name_or_path!r}: cannot load a scalar-head model: {e}") from None
     model.config.pad_token_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
