@@ -56,6 +56,16 @@ def tiny_model(tiny_path):
     return AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.float32).eval()
 
 
+def in_process_engines(path: str, dtype: str):
+    """Body of a module fixture (`yield from`): one in-process vLLM engine over `path`, shut down afterwards."""
+    from core import rollout
+
+    cfg = rollout.VLLMConfig(in_process=True, dtype=dtype, kv_cache_gib=0.5, timeout_s=120)
+    engines = rollout.create_engines(path, cfg, seed=0)
+    yield engines
+    engines.shutdown()
+
+
 def short_rl_run(main, args, run_dir, steps: int = 20) -> tuple[dict, list[dict]]:
     """The learning check every RL script's slow test makes: `steps` steps of the script's defaults (64 prompts x 8
     samples; 12 x 32 was too noisy to test), eval at the start and end, and `--debug` so the engine's log-probs must

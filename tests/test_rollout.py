@@ -14,6 +14,7 @@ import time
 
 import pytest
 import torch
+from conftest import in_process_engines
 
 from core import rollout
 from core.rl_math import logprobs_from_logits
@@ -96,10 +97,7 @@ def base_dir(tiny_path) -> str:
 
 @pytest.fixture(scope="module")
 def engines(base_dir):
-    cfg = rollout.VLLMConfig(in_process=True, dtype="float32", kv_cache_gib=0.5, timeout_s=120)
-    engines = rollout.create_engines(base_dir, cfg, seed=0)
-    yield engines
-    engines.shutdown()
+    yield from in_process_engines(base_dir, "float32")
 
 
 def _hf(base_dir):

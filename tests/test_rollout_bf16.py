@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import in_process_engines
 
 from core import embedded, models, rollout
 from core.config import ModelConfig
@@ -18,10 +19,7 @@ def sft_path() -> str:
 
 @pytest.fixture(scope="module")
 def engines(sft_path):
-    cfg = rollout.VLLMConfig(in_process=True, dtype="bfloat16", kv_cache_gib=0.5, timeout_s=120)
-    engines = rollout.create_engines(sft_path, cfg, seed=0)
-    yield engines
-    engines.shutdown()
+    yield from in_process_engines(sft_path, "bfloat16")
 
 
 def test_bf16_check_passes_when_synced_and_catches_other_weights(engines, sft_path, tiny_path, tokenizer):
