@@ -728,8 +728,8 @@ def check_weights(engines: RolloutEngines, model, token_ids: list[list[int]], at
     `model` is the trainer's HF causal LM with full (e.g. ZeRO-3-gathered) parameters. Default atol: 1e-3 when the
     engine runs in fp32 (measured here: ~1e-6), 0.25 in bf16. In bf16 the two sides' kernels round the logits
     differently: a synced engine was up to 0.15 apart from the trainer (mean 0.01) on the trained tiny model on CPU,
-    as far as one optimizer step moves the log-probs. So a bf16 check catches a missing, stale-from-the-start or
-    scrambled tensor (several nats), not one step of staleness."""
+    as far as one optimizer step moves the log-probs. So a bf16 check catches an engine holding other weights
+    (tests/test_rollout_bf16.py), not one step of staleness."""
     from core.packing import collate_padded, token_logprobs
 
     atol = atol if atol is not None else (1e-3 if engines.dtype == torch.float32 else 0.25)
