@@ -15,14 +15,10 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
 def median_ms(fn, warmup: int, repeats: int) -> float:
