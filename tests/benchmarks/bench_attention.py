@@ -8,7 +8,7 @@ measurements, each the median of `--repeats` timed calls after warm-up:
    with the block-diagonal mask of packing, forward + backward: `F.scaled_dot_product_attention` against the
    eager formula (matmul, masked softmax, matmul);
 2. a training step of the embedded tiny model (forward, backward, AdamW) loaded with each backend, on a packed
-   batch of the `add2` shape (64 samples of 13 tokens in rows of 26).
+   batch of 64 samples of 13 tokens in rows of 26 (a little longer than `add2`'s 11-token samples).
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ def main() -> None:
         for name, dtype in dtypes.items():
             t = [attention_op(rows, length, seg, dtype, b, a.warmup, a.repeats) for b in ("sdpa", "eager")]
             print(f"{f'{rows} x {length} ({seg})':28}{name:>6}{t[0]:>9.2f}{t[1]:>9.2f}")
-    print("2. tiny model training step on a packed add2 batch (64 x 13 tokens), ms (median)")
+    print("2. tiny model training step on a packed batch of 64 x 13 tokens, ms (median)")
     print(f"{'dtype':>6}{'sdpa':>9}{'eager':>9}")
     for name, dtype in dtypes.items():
         t = [model_step(dtype, b, a.warmup, a.repeats) for b in ("sdpa", "eager")]

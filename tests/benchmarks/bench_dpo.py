@@ -12,7 +12,9 @@ thread count.
 The reference model is handled the way each side does it by default: TRL runs a frozen reference copy on every
 step; algos/dpo.py computes the reference log-probs of the pairs its batches will use once, before the first step.
 The table shows our step time without that up-front pass (`s/step`) and with it spread over the timed steps
-(`s/step incl. ref`), so neither side is flattered.
+(`s/step incl. ref`), so neither side is flattered. In eager runs it also gives the token positions each side's
+model computes per step and their work ratio (see bench_sft.py): the speed-up the two designs give at equal speed
+per token, with and without our up-front reference pass.
 """
 
 from __future__ import annotations
@@ -47,18 +49,20 @@ def model_path(name: str, out: Path) -> str:
 
 def run_ours(steps: int, warmup: int, batch: int, out: Path, model: str, bf16: bool, compile_: bool = False) -> dict:
     sys.argv = [sys.argv[0]]
-    from bench_sft import clock_steps
+    from bench_sft import clock_steps, count_tokens, per_step
 
     import algos.dpo as dpo
     from algos.dpo import Args, main
 
-    ends = clock_steps(dpo, "loss/dpo")
+    path = model_path(model, out)
+    counts, snaps = (None, None) if compile_ else (count_tokens(path), [])
+    ends = clock_steps(dpo, "loss/dpo", counts, snaps)
 
     data_file = out / "pairs.jsonl"
     data_file.write_text("".join(json.dumps(r) + "\n" for r in pool()))
     shutil.rmtree(out / "ours", ignore_errors=True)  # metrics.jsonl appends; a stale run would mix into the timing
     args = Args()
-    args.model.name_or_path, args.model.dtype = model_path(model, out), ("bf16" if bf16 else "fp32")
+    args.model.name_or_path, args.model.dtype = path, ("bf16" if bf16 else "fp32")
     args.data.path, args.data.eval_path, args.eval.max_samples = str(data_file), "cleanrlhf/add2-pref", 8
     args.train.max_steps, args.train.batch_size, args.train.lr, args.train.beta = warmup + steps, batch, LR, BETA
     args.train.warmup_steps = 0
@@ -67,11 +71,15 @@ def run_ours(steps: int, warmup: int, batch: int, out: Path, model: str, bf16: b
     args.run_dir = str(out / "ours")
     args.ds.compile = compile_
     summary = main(args)
-    return {"step_s": (ends[-1] - ends[warmup - 1]) / steps, "ref_s": summary["ref_s"]}
+    res = {"step_s": (ends[-1] - ends[warmup - 1]) / steps, "ref_s": summary["ref_s"]}
+    if snaps:  # the up-front reference (and first eval) forwards, spread over all steps as ref_s is
+        res["tokens"] = {**per_step(snaps, warmup, steps), "upfront": snaps[-1]["forward"] / (warmup + steps)}
+    return res
 
 
 def run_trl(steps: int, warmup: int, batch: int, out: Path, model: str, bf16: bool, compile_: bool = False) -> dict:
     import torch
+    from bench_sft import count_tokens, per_step
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, TrainerCallback
     from trl import DPOConfig, DPOTrainer
@@ -83,10 +91,13 @@ def run_trl(steps: int, warmup: int, batch: int, out: Path, model: str, bf16: bo
     lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)  # bf16: autocast over fp32 weights (TRL's way)
     ds = Dataset.from_list([{"prompt": r["prompt"], "chosen": r["chosen"], "rejected": r["rejected"]} for r in pool()])
     times: list[float] = []
+    counts, snaps = (None, []) if compile_ else (count_tokens(path), [])
 
     class Clock(TrainerCallback):
         def on_step_end(self, *a, **k):
             times.append(time.perf_counter())
+            if counts is not None:
+                snaps.append(dict(counts))
 
     cfg = DPOConfig(
         output_dir=str(out / "trl"), per_device_train_batch_size=batch, max_steps=warmup + steps, learning_rate=LR,
@@ -97,7 +108,8 @@ def run_trl(steps: int, warmup: int, batch: int, out: Path, model: str, bf16: bo
     )  # fmt: skip
     trainer = DPOTrainer(model=lm, args=cfg, train_dataset=ds, processing_class=tokenizer, callbacks=[Clock()])
     trainer.train()
-    return {"step_s": (times[-1] - times[warmup - 1]) / steps}
+    res = {"step_s": (times[-1] - times[warmup - 1]) / steps}
+    return {**res, "tokens": per_step(snaps, warmup, steps)} if snaps else res
 
 
 def main() -> None:
@@ -124,6 +136,8 @@ def main() -> None:
         )
         (out / f"{a.side}.json").write_text(json.dumps(res))
         return
+    from bench_sft import work_ratio
+
     threads = os.environ.get("OMP_NUM_THREADS", str(os.cpu_count()))
     env = {**os.environ, "OMP_NUM_THREADS": threads, "TOKENIZERS_PARALLELISM": "false"}
     import torch
@@ -146,6 +160,12 @@ def main() -> None:
             f"{batch:>5}  {'TRL DPOTrainer':16}{trl['step_s']:>10.4f}{trl['step_s']:>18.4f}{batch / trl['step_s']:>10.0f}"
         )
         print(f"{batch:>5}  speed-up {trl['step_s'] / ours['step_s']:.2f}x ({trl['step_s'] / with_ref:.2f}x incl. ref)")
+        if "tokens" in ours and "tokens" in trl:
+            t, u = trl["tokens"], ours["tokens"]
+            print(f"{batch:>5}  tokens through the model per step (trained + forward-only): ours {u['train']:.0f} + "
+                  f"{u['forward']:.0f} (+ {u['upfront']:.0f} up front), TRL {t['train']:.0f} + {t['forward']:.0f}; "
+                  f"work ratio {work_ratio(t, u):.2f} "
+                  f"({work_ratio(t, {**u, 'forward': u['forward'] + u['upfront']}):.2f} incl. ref)")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -6,16 +6,22 @@
 Both sides train `cleanrlhf/tiny` (loss on the answer only) with batch 64, AdamW lr 3e-3, fp32, no gradient
 checkpointing, one process, and are timed over the same optimizer steps after a few warm-up steps: the wall time
 of whole iterations on both sides (batch building and logging included), from the end of the last warm-up step.
-Two workloads from the same sample pool for both sides: `add2`, the embedded default (every sample is 13 tokens,
-so padding costs nothing), and `mixed`, additions of 1 to 8 digits (7 to 29 tokens), where TRL pads each batch to
+Two workloads from the same sample pool for both sides: `add2`, the embedded default (every sample is 11 tokens,
+so padding costs nothing), and `mixed`, additions of 1 to 8 digits (8 to 29 tokens), where TRL pads each batch to
 its longest sample and algos/sft.py packs. Each side runs in its own subprocess (same thread count) so neither
 inherits the other's state. Tokens are the real (non-pad) tokens of the samples consumed, counted the same way for
 both.
+
+In eager runs each side also counts the token positions its model computes per step, padding included (`count_tokens`),
+and the table gives the work ratio: TRL's model work over ours (a trained token counting 3, a forward-only one 1).
+On a machine where the step is compute-bound that ratio is about the speed-up the step's design can give; the rest is
+per-token speed and overhead.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import shutil
@@ -73,16 +79,58 @@ def model_path(name: str, out: Path) -> str:
     return shaped_model(out) if name == "qwen2-0.5b-shaped" else embedded.resolve_model(name)
 
 
-def clock_steps(script, loss_key: str) -> list[float]:
+def count_tokens(path: str) -> dict:
+    """Count the token positions the model is run on, from now on in this process: `train` (grad enabled: forward +
+    backward) and `forward` (no grad: reference, eval), padding and pad segments included, since the model computes
+    them. Patches the forward of the model's decoder class (`Qwen2Model` under `Qwen2ForCausalLM`; TRL's fused
+    LM-head loss calls the decoder directly), so every instance counts: TRL's frozen reference copy as well as the
+    policy. Eager only (a compiled graph would trace the counter)."""
+    import torch
+    import transformers
+    from transformers import AutoConfig
+
+    arch = AutoConfig.from_pretrained(path).architectures[0]
+    cls = getattr(transformers, arch.replace("ForCausalLM", "Model"))
+    counts, forward = {"train": 0, "forward": 0}, cls.forward
+
+    @functools.wraps(forward)  # keep the signature: HF's Trainer picks the batch columns it passes from it
+    def counted(self, *a, **k):
+        x = k.get("input_ids", a[0] if a else None)
+        x = k.get("inputs_embeds") if x is None else x
+        if x is not None:
+            counts["train" if torch.is_grad_enabled() else "forward"] += x.shape[0] * x.shape[1]
+        return forward(self, *a, **k)
+
+    cls.forward = counted
+    return counts
+
+
+def per_step(snaps: list[dict], warmup: int, steps: int) -> dict:
+    """Mean tokens per timed step from `counts` snapshots taken at every step end (the window the clock times)."""
+    return {k: (snaps[-1][k] - snaps[warmup - 1][k]) / steps for k in snaps[-1]}
+
+
+def work_ratio(trl: dict, ours: dict) -> float:
+    """TRL's model work per step over ours, in forward-equivalents of the linear layers: a trained token costs 3 (its
+    backward computes two matmuls per forward one), a forward-only token 1. At equal speed per token this would be
+    the speed-up; attention's share (small at these lengths) is left out."""
+    work = lambda t: 3 * t["train"] + t["forward"]  # noqa: E731
+    return work(trl) / work(ours)
+
+
+def clock_steps(script, loss_key: str, counts: dict | None = None, snaps: list | None = None) -> list[float]:
     """Wall-clock time at the end of every training step of `script` (an imported algos module): its logger's call
     for the step's metrics row is the last thing an iteration does, so the gap between two calls is the whole
-    iteration (batch building, forward, backward, optimizer, logging), the span TRL's `on_step_end` clock measures."""
+    iteration (batch building, forward, backward, optimizer, logging), the span TRL's `on_step_end` clock measures.
+    With `counts` (from `count_tokens`), a copy of it is appended to `snaps` at the same moments."""
     log, ends = script.RunLogger.log, []
 
     def timed_log(self, metrics, *a, **k):
         log(self, metrics, *a, **k)
         if loss_key in metrics:
             ends.append(time.perf_counter())
+            if counts is not None:
+                snaps.append(dict(counts))
 
     script.RunLogger.log = timed_log
     return ends
@@ -95,13 +143,15 @@ def run_ours(
     import algos.sft as sft
     from algos.sft import Args, main
 
-    ends = clock_steps(sft, "loss/sft")
+    path = model_path(model, out)
+    counts, snaps = (None, None) if compile_ else (count_tokens(path), [])
+    ends = clock_steps(sft, "loss/sft", counts, snaps)
 
     data_file = out / f"{workload}.jsonl"
     data_file.write_text("".join(json.dumps(r) + "\n" for r in pool(workload)))
     shutil.rmtree(out / "ours", ignore_errors=True)  # metrics.jsonl appends; a stale run would mix into the timing
     args = Args()
-    args.model.name_or_path, args.model.dtype = model_path(model, out), ("bf16" if bf16 else "fp32")
+    args.model.name_or_path, args.model.dtype = path, ("bf16" if bf16 else "fp32")
     args.data.path, args.data.eval_path, args.eval.max_samples, args.eval.generate = (
         str(data_file),
         "cleanrlhf/add2",
@@ -116,7 +166,8 @@ def run_ours(
     main(args)
     rows = [json.loads(line) for line in open(out / "ours" / "metrics.jsonl") if '"loss/sft"' in line]
     compute = [r["perf/train_s"] for r in rows[warmup:]]  # forward + backward + optimizer step only
-    return {"step_s": (ends[-1] - ends[warmup - 1]) / steps, "compute_s": sum(compute) / len(compute)}
+    res = {"step_s": (ends[-1] - ends[warmup - 1]) / steps, "compute_s": sum(compute) / len(compute)}
+    return {**res, "tokens": per_step(snaps, warmup, steps)} if snaps else res
 
 
 def run_trl(
@@ -135,10 +186,13 @@ def run_trl(
     rows = pool(workload)
     ds = Dataset.from_list([{"prompt": r["prompt"], "completion": r["answer"]} for r in rows])
     times: list[float] = []
+    counts, snaps = (None, []) if compile_ else (count_tokens(path), [])
 
     class Clock(TrainerCallback):
         def on_step_end(self, *a, **k):
             times.append(time.perf_counter())
+            if counts is not None:
+                snaps.append(dict(counts))
 
     cfg = SFTConfig(
         output_dir=str(out / "trl"), per_device_train_batch_size=batch, max_steps=warmup + steps, learning_rate=3e-3,
@@ -150,7 +204,7 @@ def run_trl(
     trainer = SFTTrainer(model=lm, args=cfg, train_dataset=ds, processing_class=tokenizer, callbacks=[Clock()])
     trainer.train()
     timed = times[-1] - times[warmup - 1]
-    return {"step_s": timed / steps}
+    return {"step_s": timed / steps, **({"tokens": per_step(snaps, warmup, steps)} if snaps else {})}
 
 
 def main() -> None:
@@ -204,6 +258,11 @@ def main() -> None:
             f"{workload:10}speed-up {trl / ours:.2f}x (our forward + backward + optimizer alone: "
             f"{res['ours']['compute_s']:.4f} s/step)"
         )
+        if "tokens" in res["ours"] and "tokens" in res["trl"]:
+            t_ours, t_trl = res["ours"]["tokens"], res["trl"]["tokens"]
+            print(f"{workload:10}tokens through the model per step (trained + forward-only): ours "
+                  f"{t_ours['train']:.0f} + {t_ours['forward']:.0f}, TRL {t_trl['train']:.0f} + {t_trl['forward']:.0f}; "
+                  f"work ratio {work_ratio(t_trl, t_ours):.2f} (the speed-up at equal speed per token)")  # fmt: skip
 
 
 if __name__ == "__main__":
