@@ -55,7 +55,7 @@ def run_ours(steps: int, warmup: int, batch: int, out: Path, model: str, bf16: b
     from algos.dpo import Args, main
 
     path = model_path(model, out)
-    counts, snaps = (None, None) if compile_ else (count_tokens(path), [])
+    counts, snaps = (None if compile_ else count_tokens(path)), []
     ends = clock_steps(dpo, "loss/dpo", counts, snaps)
 
     data_file = out / "pairs.jsonl"
@@ -91,7 +91,7 @@ def run_trl(steps: int, warmup: int, batch: int, out: Path, model: str, bf16: bo
     lm = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)  # bf16: autocast over fp32 weights (TRL's way)
     ds = Dataset.from_list([{"prompt": r["prompt"], "chosen": r["chosen"], "rejected": r["rejected"]} for r in pool()])
     times: list[float] = []
-    counts, snaps = (None, []) if compile_ else (count_tokens(path), [])
+    counts, snaps = (None if compile_ else count_tokens(path)), []
 
     class Clock(TrainerCallback):
         def on_step_end(self, *a, **k):

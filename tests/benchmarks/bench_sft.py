@@ -144,7 +144,7 @@ def run_ours(
     from algos.sft import Args, main
 
     path = model_path(model, out)
-    counts, snaps = (None, None) if compile_ else (count_tokens(path), [])
+    counts, snaps = (None if compile_ else count_tokens(path)), []
     ends = clock_steps(sft, "loss/sft", counts, snaps)
 
     data_file = out / f"{workload}.jsonl"
@@ -186,7 +186,7 @@ def run_trl(
     rows = pool(workload)
     ds = Dataset.from_list([{"prompt": r["prompt"], "completion": r["answer"]} for r in rows])
     times: list[float] = []
-    counts, snaps = (None, []) if compile_ else (count_tokens(path), [])
+    counts, snaps = (None if compile_ else count_tokens(path)), []
 
     class Clock(TrainerCallback):
         def on_step_end(self, *a, **k):
