@@ -203,8 +203,8 @@ def run_trl(
     )  # fmt: skip
     trainer = SFTTrainer(model=lm, args=cfg, train_dataset=ds, processing_class=tokenizer, callbacks=[Clock()])
     trainer.train()
-    timed = times[-1] - times[warmup - 1]
-    return {"step_s": timed / steps, **({"tokens": per_step(snaps, warmup, steps)} if snaps else {})}
+    res = {"step_s": (times[-1] - times[warmup - 1]) / steps}
+    return {**res, "tokens": per_step(snaps, warmup, steps)} if snaps else res
 
 
 def main() -> None:
