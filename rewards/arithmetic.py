@@ -21,7 +21,12 @@ def parse_answer(response: str) -> str | None:
 
 
 def score(response: str, label: str) -> float:
-    """1.0 when the response's leading integer equals the label exactly, else 0.0."""
+    """1.0 when the response's leading integer equals the label exactly, else 0.0. The label is text or an int (data
+    files' JSON numbers arrive as text, see `core.data.prompt_example`); anything else (a float, a bool, a list) is a
+    ValueError naming its type, not a silent 0."""
+    if isinstance(label, bool) or not isinstance(label, str | int):
+        raise ValueError(f"rewards/arithmetic.py: label {label!r} is a {type(label).__name__}, expected text (the "
+                         "answer as written, e.g. '042') or an int")  # fmt: skip
     return float(parse_answer(response) == str(label).strip())
 
 

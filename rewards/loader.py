@@ -5,11 +5,17 @@
 - `load_reward_func(cfg)`: the chosen source as one `reward_func(queries, prompts, labels)` (OpenRLHF's contract).
 - `score(...)`: calls it on one batch and checks the result (one finite reward per query), so a bad reward file
   fails with a message naming the file and the batch instead of a shape error deep inside the update.
+
+A python reward function (the user's file or the embedded rule) runs under `--reward.timeout-s`, so one that never
+returns stops the run with an error naming the file and the batch instead of hanging it.
 """
 
 from __future__ import annotations
 
+import functools
 import importlib.util
+import numbers
+import threading
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -21,9 +27,9 @@ from rewards.remote import ModelReward, RemoteReward
 @dataclass
 class RewardConfig:
     func: str | None = None
-    """python file defining `reward_func(queries, prompts, labels)` returning a tensor/list of rewards or a dict
-    with `rewards`, optional `scores` (0-1) and `extra_logs` (OpenRLHF's contract). Default: rewards/arithmetic.py,
-    the embedded task's exact-match rule."""
+    """python file defining `reward_func(queries, prompts, labels)` returning a 1-D tensor/list of rewards (one number
+    per query; booleans count as 1.0 / 0.0) or a dict with `rewards`, optional `scores` (0-1) and `extra_logs`
+    (OpenRLHF's contract). Default: rewards/arithmetic.py, the embedded task's exact-match rule."""
     model: str | None = None
     """reward model (an `algos/rm.py` export or any one-label `AutoModelForSequenceClassification`) scored
     in-process on prompt + response; instead of `func`."""
@@ -33,7 +39,10 @@ class RewardConfig:
     normalize: bool = False
     """with `model`: score (r − reward_mean) / reward_std using the statistics `algos/rm.py` saved."""
     timeout_s: float = 60.0
-    """with `remote_url`: seconds per request before it is retried."""
+    """seconds a python reward function (`func`, or the default rule) may take on one batch before the run stops with
+    an error naming the file and the batch (it runs in a daemon thread, which is left behind); with `remote_url`,
+    seconds per request before it is retried. 0: no limit (a python function then runs in the calling thread, e.g.
+    for reward code that sets signal handlers, which only the main thread may). `model` is not timed."""
     retries: int = 3
     """with `remote_url`: retries per request (after a timeout, connection error or 5xx) before a clear error."""
     clip: float = 10.0
@@ -53,14 +62,16 @@ def load_reward_func(cfg: RewardConfig):
     chosen = [name for name, on in (("func", cfg.func), ("model", cfg.model), ("remote-url", cfg.remote_url)) if on]
     if len(chosen) > 1:
         raise ValueError(f"--reward.{chosen[0]} and --reward.{chosen[1]}: give one reward source")
+    if cfg.timeout_s < 0:
+        raise ValueError(f"--reward.timeout-s {cfg.timeout_s}: must be >= 0 (0: no limit)")
     if cfg.remote_url:
-        return RemoteReward(cfg.remote_url, cfg.timeout_s, cfg.retries), ", ".join(cfg.remote_url)
+        return RemoteReward(cfg.remote_url, cfg.timeout_s or None, cfg.retries), ", ".join(cfg.remote_url)
     if cfg.model:
         return ModelReward(cfg.model, cfg.normalize), cfg.model
     if cfg.func is None:
         from rewards.arithmetic import reward_func
 
-        return reward_func, "rewards/arithmetic.py"
+        return with_timeout(reward_func, cfg.timeout_s), "rewards/arithmetic.py"
     path = cfg.func
     if not Path(path).is_file():
         raise ValueError(f"--reward.func {path}: no such file")
@@ -69,30 +80,117 @@ def load_reward_func(cfg: RewardConfig):
     spec.loader.exec_module(module)
     if not hasattr(module, "reward_func"):
         raise ValueError(f"--reward.func {path}: defines no `reward_func(queries, prompts, labels)`")
-    return module.reward_func, path
+    return with_timeout(module.reward_func, cfg.timeout_s), path
+
+
+class RewardTimeout(Exception):
+    """A python reward function did not return within `--reward.timeout-s`."""
+
+
+def with_timeout(reward_func, timeout_s: float):
+    """`reward_func` called in a daemon thread and waited for at most `timeout_s` seconds (`RewardTimeout` after
+    that); its exceptions reach the caller unchanged, and the caller's grad mode carries over. A thread that never
+    returns cannot be stopped: it is left behind as a daemon, which does not keep the interpreter from exiting (a
+    ThreadPoolExecutor's workers would). 0: `reward_func` itself, no thread and no limit."""
+    if not timeout_s:
+        return reward_func
+
+    @functools.wraps(reward_func)
+    def timed(queries, prompts, labels):
+        result, grad = {}, torch.is_grad_enabled()
+
+        def call():
+            try:
+                with torch.set_grad_enabled(grad):
+                    result["out"] = reward_func(queries=queries, prompts=prompts, labels=labels)
+            except BaseException as e:  # handed to the caller below
+                result["error"] = e
+
+        thread = threading.Thread(target=call, name="reward_func", daemon=True)
+        thread.start()
+        thread.join(timeout_s)
+        if thread.is_alive():
+            raise RewardTimeout(f"did not return within {timeout_s:g} s (--reward.timeout-s)")
+        if "error" in result:
+            raise result["error"]
+        return result["out"]
+
+    return timed
+
+
+def _is_number(v) -> bool:
+    """A real number: int, float, bool, or a 0-d numpy / torch value of a real or bool dtype."""
+    if isinstance(v, numbers.Real):
+        return True
+    if getattr(v, "ndim", None) != 0 or not hasattr(v, "dtype"):
+        return False
+    try:
+        return not torch.as_tensor(v).is_complex()
+    except (TypeError, ValueError, RuntimeError):  # e.g. a numpy object or string scalar
+        return False
+
+
+def _not_one_per_query(source: str, what: str, step: int, n: int) -> ValueError:
+    return ValueError(f"reward function {source} returned {what} on batch {step}: expected one number per query "
+                      f"({n} queries) as a list or a 1-D tensor, or a dict with them as 'rewards'")  # fmt: skip
+
+
+def _one_per_query(values, name: str, source: str, step: int, n: int) -> torch.Tensor:
+    """`values` (the function's `rewards` or `scores`) as a float32 tensor of shape (n,), or a ValueError naming the
+    file and the batch. Accepted: a list / tuple of numbers, or a 1-D tensor / numpy array of a real dtype. Booleans
+    count as numbers (True = 1.0), so an exact-match rule may return its comparisons as they are. Rejected: strings,
+    None, dicts, nested lists and 2-D results, even (n, 1): flattening would hide a function that scores something
+    else than one number per query."""
+
+    def bad(what: str) -> ValueError:
+        return _not_one_per_query(source, what, step, n)
+
+    if isinstance(values, (list, tuple)):
+        for i, v in enumerate(values):
+            if not _is_number(v):
+                raise bad(f"{name}[{i}] = {str(v)[:40]!r} of type {type(v).__name__}, not a number")
+        values = torch.tensor([float(v) for v in values], dtype=torch.float32)
+    elif torch.is_tensor(values) or hasattr(values, "__array__"):
+        try:
+            values = torch.as_tensor(values)
+        except (TypeError, ValueError, RuntimeError):
+            raise bad(f"{name} of type {type(values).__name__} holding {getattr(values, 'dtype', '?')}") from None
+        if values.is_complex():
+            raise bad(f"{name} of dtype {values.dtype}")
+        if values.ndim != 1:
+            raise bad(f"{name} of shape {tuple(values.shape)}")
+        values = values.to(torch.float32)
+    else:
+        raise bad(f"{name} of type {type(values).__name__}")
+    if values.numel() != n:
+        raise ValueError(f"reward function {source} returned {values.numel()} {name} for {n} queries on batch {step}")
+    if not torch.isfinite(values).all():
+        bad_idx = (~torch.isfinite(values)).nonzero().flatten().tolist()[:5]
+        raise ValueError(f"reward function {source} returned NaN/inf on batch {step} ({name} of queries {bad_idx})")
+    return values
 
 
 def score(reward_func, source: str, queries, prompts, labels,
           step: int) -> tuple[torch.Tensor, dict, torch.Tensor]:  # fmt: skip
-    """Call the reward function and check what it returned: one finite reward per query. Returns (rewards, logs,
-    scores): `scores` are the function's optional 0-1 scores (for dynamic filtering), else the rewards."""
+    """Call the reward function and check what it returned: one finite reward per query (see `_one_per_query` for
+    what counts), and likewise the optional `scores`. Returns (rewards, logs, scores): `scores` are the function's
+    optional 0-1 scores (for dynamic filtering), else the rewards."""
     try:
         out = reward_func(queries=queries, prompts=prompts, labels=labels)
+    except RewardTimeout as e:
+        raise ValueError(f"reward function {source} {e} on batch {step}") from None
     except Exception as e:
         raise ValueError(f"reward function {source} raised on batch {step}: {type(e).__name__}: {e}") from e
-    rewards = out["rewards"] if isinstance(out, dict) else out
-    rewards = torch.as_tensor(rewards, dtype=torch.float32).flatten()
-    if rewards.numel() != len(queries):
-        raise ValueError(f"reward function {source} returned {rewards.numel()} rewards for {len(queries)} queries "
-                         f"on batch {step}")  # fmt: skip
-    if not torch.isfinite(rewards).all():
-        bad = (~torch.isfinite(rewards)).nonzero().flatten().tolist()[:5]
-        raise ValueError(f"reward function {source} returned NaN/inf on batch {step} (queries {bad})")
-    logs = {f"rollout/{k}": torch.as_tensor(v, dtype=torch.float32).mean().item()
-            for k, v in (out.get("extra_logs", {}) if isinstance(out, dict) else {}).items()}  # fmt: skip
+    if isinstance(out, dict) and "rewards" not in out:
+        raise _not_one_per_query(source, f"a dict without 'rewards' (keys {sorted(map(str, out))})", step, len(queries))
+    rewards = _one_per_query(out["rewards"] if isinstance(out, dict) else out, "rewards", source, step, len(queries))
+    logs = {}
+    for k, v in (out.get("extra_logs") or {} if isinstance(out, dict) else {}).items():
+        try:
+            logs[f"rollout/{k}"] = torch.as_tensor(v, dtype=torch.float32).mean().item()
+        except (TypeError, ValueError, RuntimeError) as e:
+            raise ValueError(f"reward function {source} returned extra_logs[{k!r}] that is not numbers on batch "
+                             f"{step}: {type(e).__name__}: {e}") from None  # fmt: skip
     scores = out.get("scores") if isinstance(out, dict) else None
-    scores = rewards if scores is None else torch.as_tensor(scores, dtype=torch.float32).flatten()
-    if scores.shape != rewards.shape:
-        raise ValueError(f"reward function {source} returned {scores.numel()} scores for {len(queries)} queries "
-                         f"on batch {step}")  # fmt: skip
+    scores = rewards if scores is None else _one_per_query(scores, "scores", source, step, len(queries))
     return rewards, logs, scores

@@ -21,7 +21,7 @@ class RemoteReward:
     several servers share the work; each request is retried `retries` times (with 1 s, 2 s, ... pauses) after a
     timeout, a connection error or a 5xx, and fails at once on a 4xx (a bad request will not get better)."""
 
-    def __init__(self, urls: list[str], timeout_s: float = 60.0, retries: int = 3):
+    def __init__(self, urls: list[str], timeout_s: float | None = 60.0, retries: int = 3):  # None: no time limit
         if not urls:
             raise ValueError("RemoteReward needs at least one URL")
         self.urls = [u if u.rstrip("/").endswith("/get_reward") else u.rstrip("/") + "/get_reward" for u in urls]

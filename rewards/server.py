@@ -13,7 +13,14 @@ with an eos appended (`core.data.reward_ids`, exactly as `algos/rm.py` trained) 
 
 Errors: a body that is not JSON or has the wrong shape -> 422 with pydantic's description of the offending field;
 mismatched list lengths, too many texts or an over-long text -> 400 naming the field and index. A bad request never
-stops the server.
+stops the server. A text is over-long past `--max-len` or the model's own `max_position_embeddings`, whichever is
+smaller: the model has no positions for more.
+
+Bounded work: each request is scored in a worker thread that checks a cancel event before it takes the model and
+between forward batches (`--batch-size` texts each). The event is set when the request's time runs out
+(`--request-timeout-s`: the client gets 504), when its client disconnects (a client that timed out and retries does
+not leave the abandoned job computing ahead of the retry), and on SIGTERM / SIGINT, so the server stops within a
+forward batch and a few seconds of grace (in-flight requests get 503).
 
 Run:
     python -m rewards.server --model runs/rm__1__<time>/hf --normalize --port 5000
@@ -21,12 +28,13 @@ Run:
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from dataclasses import dataclass
 
 import torch
 import tyro
-from fastapi import FastAPI, HTTPException
+from fastapi import FastAPI, HTTPException, Request
 from pydantic import BaseModel
 
 from core import data, models
@@ -45,11 +53,25 @@ class ServerArgs:
     batch_size: int = 64
     """texts per forward pass."""
     max_len: int = 2048
-    """reject texts longer than this many tokens (400), rather than truncate them silently."""
+    """reject texts longer than this many tokens (400), rather than truncate them silently; the model's
+    `max_position_embeddings` caps it."""
     max_texts: int = 4096
     """reject requests with more texts than this (400)."""
+    request_timeout_s: float = 60.0
+    """seconds one request may take, waiting for the model included; past it scoring stops and the client gets 504
+    (the default matches the RL scripts' `--reward.timeout-s`, after which they stop waiting anyway). 0: no limit."""
     dtype: str = "auto"
     """`auto` (bf16 on GPU, fp32 on CPU), `bf16` or `fp32`."""
+
+
+GRACE_S = 3.0
+"""on SIGTERM / SIGINT, seconds uvicorn waits for in-flight requests (told to stop) before cancelling them."""
+POLL_S = 0.1
+"""how often a waiting request checks its time limit and whether its client is still connected."""
+
+
+class ScoringCancelled(Exception):
+    """The request's cancel event was set: its time ran out, its client left, or the server is shutting down."""
 
 
 class RewardRequest(BaseModel):
@@ -59,7 +81,8 @@ class RewardRequest(BaseModel):
 
 
 class RewardScorer:
-    """The model, tokenizer and normalization; `scorer(texts)` returns one float per text (thread-safe)."""
+    """The model, tokenizer and normalization; `scorer(texts)` returns one float per text (thread-safe). `max_len`
+    is capped by the model's `max_position_embeddings` (`n_positions` for GPT-2-like configs)."""
 
     def __init__(self, path: str, normalize: bool = False, batch_size: int = 64, max_len: int = 2048,
                  dtype: str = "auto", device: str | None = None):  # fmt: skip
@@ -74,7 +97,9 @@ class RewardScorer:
                 raise ValueError(f"{path}: --normalize needs reward_mean / reward_std in config.json (algos/rm.py "
                                  "writes them); serve without --normalize")  # fmt: skip
             self.mean, self.std = float(config.reward_mean), max(float(config.reward_std), 1e-8)
-        self.path, self.normalize, self.batch_size, self.max_len = path, normalize, batch_size, max_len
+        self.positions = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+        self.max_len = max_len if self.positions is None else min(max_len, int(self.positions))
+        self.path, self.normalize, self.batch_size, self.requested_max_len = path, normalize, batch_size, max_len
         self.lock = threading.Lock()
 
     def token_ids(self, texts: list[str]) -> list[list[int]]:
@@ -82,33 +107,55 @@ class RewardScorer:
         ids = [data.reward_ids(self.tokenizer, t, self.add_special_tokens) for t in texts]
         for i, x in enumerate(ids):
             if len(x) > self.max_len:
-                raise ValueError(f"query[{i}]: {len(x)} tokens > max_len {self.max_len}")
+                why = (f" (the model's max_position_embeddings; --max-len is {self.requested_max_len})"
+                       if self.max_len < self.requested_max_len else "")  # fmt: skip
+                raise ValueError(f"query[{i}]: {len(x)} tokens > max_len {self.max_len}{why}")
         return ids
 
     @torch.no_grad()
-    def __call__(self, texts: list[str]) -> list[float]:
+    def __call__(self, texts: list[str], cancel: threading.Event | None = None) -> list[float]:
+        """One score per text. `cancel`, once set, stops the call with `ScoringCancelled` before it takes the model
+        or between forward batches, leaving the model to the next caller."""
         ids, out = self.token_ids(texts), []
         pad = self.tokenizer.pad_token_id
-        with self.lock:  # one forward at a time: requests run in a thread pool
+        while not self.lock.acquire(timeout=POLL_S):  # one forward at a time: each request has its own thread
+            if cancel is not None and cancel.is_set():
+                raise ScoringCancelled
+        try:
             for i in range(0, len(ids), self.batch_size):
+                if cancel is not None and cancel.is_set():
+                    raise ScoringCancelled
                 chunk = ids[i : i + self.batch_size]
                 width = max(len(x) for x in chunk)
                 input_ids = torch.tensor([x + [pad] * (width - len(x)) for x in chunk], device=self.device)
                 mask = torch.tensor([[1] * len(x) + [0] * (width - len(x)) for x in chunk], device=self.device)
                 scores = models.sequence_scores(self.model, input_ids, mask)
                 out += ((scores - self.mean) / self.std).tolist()
+        finally:
+            self.lock.release()
         return out
 
 
-def create_app(scorer: RewardScorer, max_texts: int = 4096) -> FastAPI:
+def create_app(scorer: RewardScorer, max_texts: int = 4096, request_timeout_s: float = 60.0) -> FastAPI:
+    """The FastAPI app. `app.state.cancel_all()` stops every in-flight request's scoring and answers new ones 503
+    (the server is shutting down)."""
     app = FastAPI(title="CleanRLHF reward server")
+    in_flight: set[threading.Event] = set()
+    closing = threading.Event()
+
+    def cancel_all() -> None:
+        closing.set()
+        for event in list(in_flight):
+            event.set()
+
+    app.state.cancel_all = cancel_all
 
     @app.get("/health")
     def health() -> dict:
         return {"status": "ok", "model": scorer.path, "normalize": scorer.normalize}
 
     @app.post("/get_reward")
-    def get_reward(req: RewardRequest) -> dict:
+    async def get_reward(req: RewardRequest, request: Request) -> dict:
         n = len(req.query)
         for name, values in (("prompts", req.prompts), ("labels", req.labels)):
             if values is not None and len(values) != n:
@@ -117,11 +164,59 @@ def create_app(scorer: RewardScorer, max_texts: int = 4096) -> FastAPI:
             raise HTTPException(400, f"{n} texts in one request > max_texts {max_texts}: split the batch")
         if n == 0:
             return {"rewards": [], "scores": []}
+        if closing.is_set():
+            raise HTTPException(503, "the reward server is shutting down")
+        cancel = threading.Event()
+        in_flight.add(cancel)
         try:
-            rewards = scorer(req.query)
+            rewards = await score_in_thread(req.query, cancel, request)
         except ValueError as e:  # an over-long text: the client's mistake
             raise HTTPException(400, str(e)) from None
+        except (ScoringCancelled, asyncio.CancelledError):  # the latter: a forward outlasted the shutdown's grace
+            raise HTTPException(503, "the reward server is shutting down: request not scored") from None
+        finally:
+            cancel.set()  # a request cancelled by the server (shutdown) stops its worker too
+            in_flight.discard(cancel)
         return {"rewards": rewards, "scores": rewards}
+
+    async def score_in_thread(texts: list[str], cancel: threading.Event, request: Request) -> list[float]:
+        """`scorer(texts, cancel)` in a daemon thread (one that never finishes cannot hold up the exit), waited for
+        while checking the time limit and the client; either sets `cancel` and answers at once."""
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+
+        def settle(result: tuple) -> None:
+            if not done.done():
+                done.set_result(result)
+
+        def work() -> None:
+            try:
+                result = (scorer(texts, cancel), None)
+            except BaseException as e:  # handed to the request below
+                result = (None, e)
+            try:
+                loop.call_soon_threadsafe(settle, result)
+            except RuntimeError:  # the event loop is closed: the server has stopped
+                pass
+
+        threading.Thread(target=work, name="reward-scoring", daemon=True).start()
+        deadline = loop.time() + request_timeout_s if request_timeout_s > 0 else float("inf")
+        while not done.done():
+            await asyncio.wait([done], timeout=max(min(POLL_S, deadline - loop.time()), 0))
+            if done.done():
+                break
+            if loop.time() >= deadline:
+                cancel.set()
+                raise HTTPException(504, f"scoring {len(texts)} texts took longer than --request-timeout-s "
+                                         f"{request_timeout_s:g} s (waiting for the model included) and was stopped: "
+                                         "send fewer texts per request or raise the limit")  # fmt: skip
+            if await request.is_disconnected():
+                cancel.set()
+                raise HTTPException(499, "the client disconnected: scoring stopped")  # nobody reads this
+        rewards, error = done.result()
+        if error is not None:
+            raise error
+        return rewards
 
     return app
 
@@ -130,7 +225,15 @@ def main(args: ServerArgs) -> None:
     import uvicorn
 
     scorer = RewardScorer(args.model, args.normalize, args.batch_size, args.max_len, args.dtype)
-    uvicorn.run(create_app(scorer, args.max_texts), host=args.host, port=args.port)
+    app = create_app(scorer, args.max_texts, args.request_timeout_s)
+
+    class Server(uvicorn.Server):
+        def handle_exit(self, sig, frame) -> None:  # SIGTERM / SIGINT: stop in-flight scoring now, then shut down
+            app.state.cancel_all()
+            super().handle_exit(sig, frame)
+
+    config = uvicorn.Config(app, host=args.host, port=args.port, timeout_graceful_shutdown=GRACE_S)
+    Server(config).run()
 
 
 if __name__ == "__main__":

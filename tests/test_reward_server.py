@@ -3,10 +3,16 @@ uses the statistics saved in config.json, malformed requests get a 4xx with a me
 
 The server runs in a thread of this process (uvicorn.Server) on a free port, is waited for with a bounded timeout and
 is always shut down. The reward model is the embedded tiny body with a seeded scalar head (no training needed).
+The bounded-work tests (time limit, a client that gives up, SIGTERM) start the real `python -m rewards.server` process.
 """
 
+import os
+import signal
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import requests
@@ -162,3 +168,114 @@ def test_rl_scripts_take_one_reward_source(rm_path, tmp_path):
         load_reward_func(RewardConfig(func=str(tmp_path / "r.py"), model=rm_path))
     func, name = load_reward_func(RewardConfig(model=rm_path))
     assert name == rm_path and func(["1+2=3"], ["1+2="], [None])["rewards"].shape == (1,)
+
+
+# ------------------------------------------------------------------ bounded work: the real server process
+SLOW = ["1" * 500] * 1500  # with --batch-size 1: 1500 forwards of 502 tokens, ~45 s on one CPU core: far past 4 s
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def start_server(rm_path, log_path, *flags):
+    """`python -m rewards.server` on a free port; (process, url) once /health answers."""
+    port = free_port()
+    with open(log_path, "w") as log:  # the server writes to its own copy of the file descriptor
+        proc = subprocess.Popen([sys.executable, "-m", "rewards.server", "--model", rm_path, "--port", str(port),
+                                 *flags], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+                                env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
+    url, deadline = f"http://127.0.0.1:{port}", time.monotonic() + 90
+    while True:
+        assert proc.poll() is None, f"reward server exited: {open(log_path).read()[-3000:]}"
+        assert time.monotonic() < deadline, "reward server did not start"
+        try:
+            if requests.get(f"{url}/health", timeout=1).status_code == 200:
+                return proc, url
+        except requests.ConnectionError:
+            pass
+        time.sleep(0.2)
+
+
+def stop(proc):
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait(timeout=TIMEOUT)
+
+
+@pytest.fixture(scope="module")
+def bounded_server(rm_path, tmp_path_factory):
+    """The server process, one forward per text, each request limited to 4 s."""
+    proc, url = start_server(rm_path, tmp_path_factory.mktemp("srv") / "server.log", "--batch-size", "1",
+                             "--request-timeout-s", "4", "--max-texts", "100000")  # fmt: skip
+    try:
+        yield url
+    finally:
+        stop(proc)
+
+
+def timed_post(url, texts, timeout=TIMEOUT):
+    t0 = time.monotonic()
+    r = requests.post(f"{url}/get_reward", json={"query": texts}, timeout=timeout)
+    return r, time.monotonic() - t0
+
+
+def test_a_client_that_gives_up_does_not_delay_the_next_request(bounded_server):
+    """The server stops scoring a request whose client disconnected, instead of finishing it ahead of the retry.
+    The client waits 1.5 s (tokenizing SLOW takes ~0.6 s, then the model is busy); the abandoned request's own 4 s
+    limit alone would hold the model 2.5 s more."""
+    with pytest.raises(requests.ReadTimeout):
+        requests.post(f"{bounded_server}/get_reward", json={"query": SLOW}, timeout=1.5)
+    r, took = timed_post(bounded_server, TEXTS[:2])
+    assert r.status_code == 200, r.text
+    assert took < 1.5, f"the next request waited {took:.1f} s behind the abandoned one"
+
+
+def test_a_request_over_its_time_limit_gets_504_and_frees_the_model(bounded_server):
+    r, took = timed_post(bounded_server, SLOW)
+    assert r.status_code == 504, r.text[:300]
+    assert "--request-timeout-s 4 s" in r.text and 3.5 < took < 8
+    r, took = timed_post(bounded_server, TEXTS[:2])
+    assert r.status_code == 200 and took < 3, (r.text, took)
+
+
+def test_a_text_longer_than_the_model_positions_gets_400(bounded_server, rm_path):
+    """--max-len is 2048 by default, but the tiny model has 512 positions."""
+    assert models.load_scalar_model(rm_path, "fp32").config.max_position_embeddings == 512
+    r, _ = timed_post(bounded_server, ["1+1=2", "9" * 600])
+    assert r.status_code == 400, r.text[:300]
+    assert "query[1]: 602 tokens > max_len 512 (the model's max_position_embeddings; --max-len is 2048)" in r.text
+    assert timed_post(bounded_server, ["9" * 509])[0].status_code == 200  # 510 tokens + eos: fits
+
+
+def test_remote_reward_retries_a_timeout_and_a_504_then_names_the_url(bounded_server):
+    """The RL scripts' client against both limits: its own timeout and the server's (504 with the server's message),
+    each retried, then an error naming the URL; afterwards the model is free for the next batch."""
+    from rewards.remote import RemoteReward
+
+    url, n = f"{bounded_server}/get_reward", len(SLOW)
+    with pytest.raises(RuntimeError, match=rf"{url} failed after 2 attempt\(s\): ReadTimeout"):
+        RemoteReward([bounded_server], timeout_s=1.5, retries=1)(SLOW, SLOW, [None] * n)
+    r, took = timed_post(bounded_server, TEXTS[:2])
+    assert r.status_code == 200 and took < 2, (r.text, took)
+    t0 = time.monotonic()
+    with pytest.raises(RuntimeError, match=rf"{url} failed after 2 attempt\(s\): HTTP 504: .*--request-timeout-s 4 s"):
+        RemoteReward([bounded_server], timeout_s=TIMEOUT, retries=1)(SLOW, SLOW, [None] * n)
+    assert time.monotonic() - t0 < 15  # two attempts of at most 4 s each and a 1 s pause
+    assert RemoteReward([bounded_server], timeout_s=3, retries=0)(TEXTS, TEXTS, [None] * 7)["rewards"].shape == (7,)
+
+
+def test_sigterm_stops_a_busy_server_within_seconds(rm_path, tmp_path):
+    proc, url = start_server(rm_path, tmp_path / "server.log", "--batch-size", "1")
+    try:
+        answer = {}
+        client = threading.Thread(target=lambda: answer.update(r=timed_post(url, SLOW)[0]), daemon=True)
+        client.start()
+        time.sleep(1.5)  # the request is computing
+        assert client.is_alive()
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(timeout=10)
+        took = time.monotonic() - t0
+        client.join(timeout=5)
+        assert took < 5, f"the server took {took:.1f} s to stop"
+        assert answer["r"].status_code == 503 and "shutting down" in answer["r"].text
+    finally:
+        stop(proc)
