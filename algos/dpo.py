@@ -48,7 +48,7 @@ import tyro
 
 from core import checkpoint, data, models, packing
 from core import engine as ds_engine
-from core.config import CkptConfig, DataConfig, DSConfig, LoggerConfig, ModelConfig
+from core.config import CkptConfig, DataConfig, DSConfig, LoggerConfig, ModelConfig, check_args
 from core.logger import RunLogger, run_name, timer
 
 
@@ -90,6 +90,9 @@ class TrainArgs:
     """pairs per packed forward in the no-grad passes (reference cache, eval)."""
     seed: int = 1
     """seed of the data order and of every rank's RNG."""
+    halt_after: int | None = None
+    """stop this invocation after this many optimizer steps (the schedule still spans max-steps), saving a
+    checkpoint: the next invocation on the same --run-dir resumes. For time-limited cluster jobs."""
 
 
 @dataclass
@@ -222,6 +225,7 @@ def evaluate(model, pairs: list[dict], ref: torch.Tensor, args: Args, rank: int,
 
 def main(args: Args) -> dict:
     # 1. setup ------------------------------------------------------------------------------------------------
+    check_args(args)  # PLUMBING: generic flag rules (sizes > 0, finite floats, ...) before anything is loaded
     # PLUMBING: process group (world of one for `python algos/dpo.py`), tokenizer, pairs, policy, DeepSpeed engine.
     rank, world, device = ds_engine.init_distributed(args.ds.backend, args.ds.timeout_s)
     # Same seed on every rank for the data order (each rank slices the same global batch); per-rank offset for
@@ -235,6 +239,9 @@ def main(args: Args) -> dict:
     if args.train.share_prompt and args.model.attn_implementation not in ("auto", "sdpa", "eager"):
         raise ValueError(f"--train.share-prompt needs a 4D attention mask (sdpa or eager), not --model.attn-"
                          f"implementation {args.model.attn_implementation}: add --train.no-share-prompt")  # fmt: skip
+    # a sample longer than the model's context is skipped and counted, not trained past the position embeddings
+    limits = {"max_position_embeddings of --model.name-or-path": models.max_positions(args.model.name_or_path)}
+    args.data.max_len = data.resolve_max_len(args.data.max_len, limits)
     tokenizer = models.load_tokenizer(args.model.tokenizer or args.model.name_or_path)
     log = print if rank == 0 else (lambda *_: None)
     make = partial(data.preference_example, tokenizer=tokenizer, cfg=args.data, chosen_key=args.chosen_key,
@@ -253,12 +260,9 @@ def main(args: Args) -> dict:
 
     run_dir = Path(args.run_dir or Path(args.logger.run_root) / run_name(args.exp_name, args.train.seed))
     ckpt_dir = Path(args.ckpt.dir or run_dir / "checkpoints")
-    start_step, client = 0, {}
-    if args.ckpt.resume and checkpoint.latest(ckpt_dir):
-        client = checkpoint.load({"model": engine}, checkpoint.latest(ckpt_dir))
-        start_step = client["step"] + 1
-        log(f"[dpo] resumed from {checkpoint.latest(ckpt_dir)} at step {start_step}")
-    logger = RunLogger(args.logger, run_dir, args, args.train.max_steps, enabled=rank == 0)
+    # PLUMBING: resume from the newest intact checkpoint (flags checked against config.json); (0, {}) if new
+    start_step, client = checkpoint.resume({"model": engine}, ckpt_dir, run_dir, args)
+    logger = RunLogger(args.logger, run_dir, args, args.train.max_steps, enabled=rank == 0, resume_step=start_step)
     logger.print(f"[dpo] {len(train_set)} train / {len(eval_set)} eval pairs, world size {world}, "
                  f"ZeRO-{engine.zero_optimization_stage()}, run dir {run_dir}")  # fmt: skip
 
@@ -283,7 +287,8 @@ def main(args: Args) -> dict:
                 train_ref[used] = all_pair_logps(engine.module, [train_set[i] for i in used], chunk, rank, world,
                                                  device, args.train.share_prompt).cpu()  # fmt: skip
     first_eval = client.get("first_eval") or evaluate(engine.module, eval_set, eval_ref, args, rank, world, device)
-    logger.log({**first_eval, **perf}, start_step)
+    if start_step == 0:  # a resumed run logged it when it started
+        logger.log({**first_eval, **perf}, 0)
     tokens_seen, t_train, step = 0, 0.0, start_step - 1
 
     for step in range(start_step, args.train.max_steps):
@@ -308,13 +313,14 @@ def main(args: Args) -> dict:
             nll = -pc.sum() / num_chosen  # RPO term: token mean over all chosen tokens of the global batch
             # mean over the global batch; DeepSpeed averages gradients over ranks, so scale by world.
             loss = (dpo * len(g) / args.train.batch_size + args.train.nll_coef * nll) * world * weight
+            ds_engine.check_finite(loss, step)  # PLUMBING: a NaN/inf loss or gradient stops the run before the step
             engine.set_gradient_accumulation_boundary(i == n_micro - 1)
             engine.backward(loss)
             n_tok = sum(len(p["chosen"]["input_ids"]) + len(p["rejected"]["input_ids"]) for p in pairs)
             correct = ((rc > rr).sum() + 0.5 * (rc == rr).sum()).item()  # ties (policy == reference) count half
             stats += weight * torch.tensor([dpo.item() * len(g), nll.item(), rc.sum().item(), rr.sum().item(), correct,
                                             pc.sum().item(), pr.sum().item(), n_tok])  # fmt: skip
-        engine.step()
+        grad_norm = ds_engine.optimizer_step(engine, step)
         t_train += time.perf_counter() - t0
 
         # 5. logging, eval, checkpoint
@@ -331,7 +337,7 @@ def main(args: Args) -> dict:
             "train/chosen_logp": s[5] / b,
             "train/rejected_logp": s[6] / b,
             "train/lr": engine.lr_scheduler.get_last_lr()[0],
-            "train/grad_norm": float(engine.get_global_grad_norm() or 0.0),
+            "train/grad_norm": grad_norm,
             "train/tokens": s[7],
             "perf/step_s": t_train / (step + 1 - start_step),
             "perf/tokens_per_s": tokens_seen / max(t_train, 1e-9),
@@ -341,9 +347,14 @@ def main(args: Args) -> dict:
             with timer(metrics, "perf/eval_s"):
                 metrics.update(evaluate(engine.module, eval_set, eval_ref, args, rank, world, device))
         logger.log(metrics, step + 1, shown=("loss/dpo", "train/reward_accuracy", "eval/pref_accuracy"))
-        if args.ckpt.every and ((step + 1) % args.ckpt.every == 0 or last):
+        halted = args.train.halt_after is not None and step + 1 - start_step >= args.train.halt_after and not last
+        if halted or (args.ckpt.every and ((step + 1) % args.ckpt.every == 0 or last)):
             checkpoint.save({"model": engine}, ckpt_dir, step, {"step": step, "first_eval": first_eval,
                             "train_ref": train_ref, "eval_ref": eval_ref}, args.ckpt.keep_last)  # fmt: skip
+        if halted:
+            logger.print(f"[dpo] halted after {args.train.halt_after} steps; resume with --run-dir {run_dir}")
+            logger.close({"steps": step + 1, "halted": True})
+            return {"steps": step + 1, "halted": True, "run_dir": str(run_dir)}
 
     # 6. export and summary
     export_dir = Path(args.export_dir or run_dir / "hf")

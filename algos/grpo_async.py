@@ -52,7 +52,7 @@ import tyro
 from agents.executor import Episode, MultiTurnExecutor, Rollout, SingleTurnExecutor, load_env_factory
 from core import checkpoint, data, embedded, models, packing, placement, rl_math, rollout
 from core import engine as ds_engine
-from core.config import CkptConfig, DataConfig, DSConfig, LoggerConfig, ModelConfig, RefConfig
+from core.config import CkptConfig, DataConfig, DSConfig, LoggerConfig, ModelConfig, RefConfig, check_args
 from core.logger import RunLogger, run_name, timer
 from core.placement import RayConfig, all_ranks, shard_minibatch
 from core.rollout import VLLMConfig
@@ -354,6 +354,10 @@ class Pipeline:
 
 def main(args: Args, engines: rollout.RolloutEngines | None = None) -> dict:
     # 1. setup ------------------------------------------------------------------------------------------------
+    check_args(args)  # PLUMBING: generic flag rules (sizes > 0, finite floats, ...) before anything is loaded
+    if args.rollout.n_samples < 2:  # ALGO LOGIC: a group of one has advantage 0 (NaN with the std scaling)
+        raise ValueError(f"--rollout.n-samples {args.rollout.n_samples}: GRPO's group-relative advantage needs at least "
+                         "2 samples per prompt (with --algo.filter-zero-variance every group of 1 is dropped)")  # fmt: skip
     # PLUMBING: `--train.ranks 1`: this process holds the DeepSpeed actor, the vLLM engines are Ray actors (their own
     # processes, so that they generate while this one trains). N > 1: the driver starts Ray, the engine actors and N
     # ranks, each of which runs this function with the engines given.
@@ -376,21 +380,32 @@ def main(args: Args, engines: rollout.RolloutEngines | None = None) -> dict:
         args.algo.scale_by_std, args.algo.loss_agg = False, "seq-mean-token-sum-norm"
     actor_path = embedded.resolve_model(args.actor.model.name_or_path)
     args.actor.model.name_or_path = actor_path
-    tokenizer = models.load_tokenizer(args.actor.model.tokenizer or actor_path)
-    make = partial(data.prompt_example, tokenizer=tokenizer, cfg=args.data)
+    # PLUMBING: each prompt must leave room for its response in the model's context: rows that cannot fit are
+    # skipped and counted here, instead of failing inside the rollout engine mid-run
+    multi_turn = args.rollout.env_file is not None
+    reserve = args.rollout.max_new_tokens + (args.rollout.max_total_tokens if multi_turn else 0)
+    reserve_flag = "--rollout.max-new-tokens" + (" + --rollout.max-total-tokens" if multi_turn else "")
+    limits = {"max_position_embeddings of --actor.model.name-or-path":
+              models.max_positions(actor_path, "--actor.model.name-or-path"),
+              "--vllm.max-model-len": args.vllm.max_model_len}  # fmt: skip
+    args.data.max_len = data.resolve_max_len(args.data.max_len, limits, reserve, reserve_flag)
+    tokenizer = models.load_tokenizer(args.actor.model.tokenizer or actor_path,
+                                      "--actor.model.name-or-path / --actor.model.tokenizer")  # fmt: skip
+    make = partial(data.prompt_example, tokenizer=tokenizer, cfg=args.data, reserve=reserve)
     train_set = data.mix(data.build_examples(data.load_sources(args.data.path, args.data.split, args.data.max_samples),
                                              make, args.data), args.data.probs, args.train.seed)  # fmt: skip
     eval_sources = data.load_sources(args.data.eval_path or args.data.path, args.data.eval_split, args.eval.max_samples)
     eval_set = [e for g in data.build_examples(eval_sources, make, args.data) for e in g]
     reward_func, reward_source = load_reward_func(args.reward)
 
-    model = models.load_causal_lm(args.actor.model).to(device)
+    model = models.load_causal_lm(args.actor.model, "--actor.model.name-or-path").to(device)
     total_updates = args.train.max_steps * args.train.minibatches * args.train.epochs
     actor = ds_engine.make_engine(model, args.ds, args.actor.lr, total_updates, args.actor.warmup_steps)
     ref = None
     if args.algo.kl_coef > 0:  # PLUMBING: frozen reference policy (--ref.*), only when the KL penalty is on
         ref_path = embedded.resolve_model(args.ref.name_or_path or actor_path)
-        ref_model = models.load_causal_lm(ModelConfig(name_or_path=ref_path, dtype=args.actor.model.dtype))
+        ref_flag = "--ref.name-or-path" if args.ref.name_or_path else "--actor.model.name-or-path"
+        ref_model = models.load_causal_lm(ModelConfig(name_or_path=ref_path, dtype=args.actor.model.dtype), ref_flag)
         ref = ds_engine.make_frozen(ref_model, args.ref, device)
     own_engines = engines is None  # started here (one process): shut down here, with Ray if it was started here
     own_ray = False
@@ -411,15 +426,14 @@ def main(args: Args, engines: rollout.RolloutEngines | None = None) -> dict:
     try:
         run_dir = Path(args.run_dir or Path(args.logger.run_root) / run_name(args.exp_name, args.train.seed))
         ckpt_dir = Path(args.ckpt.dir or run_dir / "checkpoints")
-        start_step, client = 0, {}
-        if args.ckpt.resume and checkpoint.latest(ckpt_dir):
-            client = checkpoint.load({"actor": actor}, checkpoint.latest(ckpt_dir))
-            start_step = client["step"] + 1
+        # PLUMBING: resume from the newest intact checkpoint (flags checked against config.json); (0, {}) if new
+        start_step, client = checkpoint.resume({"actor": actor}, ckpt_dir, run_dir, args)
+        if start_step:
             placement.sync_weights(engines, actor, rank)  # the engines start from the checkpoint's weights
         kl_ctl = (rl_math.AdaptiveKLController(args.algo.kl_coef, args.algo.kl_target, args.algo.kl_horizon)
                   if args.algo.kl_target else rl_math.FixedKLController(args.algo.kl_coef))  # fmt: skip
         kl_ctl.load_state_dict(client.get("kl_ctl", kl_ctl.state_dict()))
-        logger = RunLogger(args.logger, run_dir, args, args.train.max_steps, enabled=rank == 0)
+        logger = RunLogger(args.logger, run_dir, args, args.train.max_steps, enabled=rank == 0, resume_step=start_step)
         # PLUMBING: the agent executor (single turn, or turns with an environment), called from the producer thread
         if args.rollout.env_file:
             executor = MultiTurnExecutor(engines, tokenizer, load_env_factory(args.rollout.env_file),
@@ -433,7 +447,8 @@ def main(args: Args, engines: rollout.RolloutEngines | None = None) -> dict:
         first_eval = client.get("first_eval") or all_ranks(evaluate(executor, eval_set, args) if rank == 0 else None,
                                                            world)  # fmt: skip
         best = client.get("best", -math.inf)  # the best eval so far (`--eval.best-metric`), exported to <run>/best
-        logger.log(first_eval, start_step, shown=("eval/pass@1",))
+        if start_step == 0:  # a resumed run logged it when it started
+            logger.log(first_eval, 0, shown=("eval/pass@1",))
         logger.print(f"[grpo_async] {len(train_set)} prompts, {world} trainer rank(s), max lag "
                      f"{args.train.max_lag}, eval pass@1 {first_eval['eval/pass@1']:.3f} at step {start_step}")  # fmt: skip
 
@@ -564,9 +579,7 @@ def main(args: Args, engines: rollout.RolloutEngines | None = None) -> dict:
                                     loss = loss - args.actor.entropy_coef * ent_mean
                                     if real:
                                         ents.append(rl_math.masked_mean(ent, mb["loss_mask"]).item())
-                                if not torch.isfinite(loss):
-                                    raise FloatingPointError(f"NaN/inf loss at step {step}: stopped before the "
-                                                             f"optimizer step, weights untouched")  # fmt: skip
+                                ds_engine.check_finite(loss, step)  # stops before the optimizer step
                                 # DeepSpeed averages gradients over ranks: × world makes them sum to the token mean
                                 loss = loss * (world if real else 0.0)
                                 actor.set_gradient_accumulation_boundary(j == len(micro) - 1)
@@ -576,8 +589,7 @@ def main(args: Args, engines: rollout.RolloutEngines | None = None) -> dict:
                                     clipfracs.append(pstats["clipfrac"].item())
                                     if "is_weight_mean" in pstats:
                                         isw.append(pstats["is_weight_mean"].item())
-                            actor.step()
-                            norms.append(float(actor.get_global_grad_norm() or 0.0))
+                            norms.append(ds_engine.optimizer_step(actor, step, "actor"))  # NaN/inf gradients: raise
                     upd = {"loss/policy": float(np.mean(losses)), "train/grad_norm": float(np.mean(norms))}
                     upd.update({k: float(np.mean(v)) for k, v in (("loss/clipfrac", clipfracs), ("loss/kl", kls),
                                                                   ("loss/entropy", ents), ("loss/is_weight", isw)) if v})  # fmt: skip

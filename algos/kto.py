@@ -49,7 +49,7 @@ import tyro
 
 from core import checkpoint, data, models, packing
 from core import engine as ds_engine
-from core.config import CkptConfig, DataConfig, DSConfig, LoggerConfig, ModelConfig
+from core.config import CkptConfig, DataConfig, DSConfig, LoggerConfig, ModelConfig, check_args
 from core.logger import RunLogger, run_name, timer
 
 
@@ -82,6 +82,9 @@ class TrainArgs:
     """sequences per packed forward in the no-grad passes (reference cache, eval)."""
     seed: int = 1
     """seed of the data order, of the mismatched partners and of every rank's RNG."""
+    halt_after: int | None = None
+    """stop this invocation after this many optimizer steps (the schedule still spans max-steps), saving a
+    checkpoint: the next invocation on the same --run-dir resumes. For time-limited cluster jobs."""
 
 
 @dataclass
@@ -213,6 +216,7 @@ def evaluate(model, examples: list[dict], ref: torch.Tensor, args: Args, rank: i
 
 def main(args: Args) -> dict:
     # 1. setup ------------------------------------------------------------------------------------------------
+    check_args(args)  # PLUMBING: generic flag rules (sizes > 0, finite floats, ...) before anything is loaded
     # PLUMBING: process group (world of one for `python algos/kto.py`), tokenizer, examples, policy, engine.
     rank, world, device = ds_engine.init_distributed(args.ds.backend, args.ds.timeout_s)
     # Same seed on every rank for the data order (each rank slices the same global batch); per-rank offset for
@@ -222,6 +226,9 @@ def main(args: Args) -> dict:
     torch.manual_seed(args.train.seed + rank)
     if args.train.batch_size < 2:
         raise ValueError("--train.batch-size must be >= 2: the KL reference point needs mismatched pairs")
+    # a sample longer than the model's context is skipped and counted, not trained past the position embeddings
+    limits = {"max_position_embeddings of --model.name-or-path": models.max_positions(args.model.name_or_path)}
+    args.data.max_len = data.resolve_max_len(args.data.max_len, limits)
     tokenizer = models.load_tokenizer(args.model.tokenizer or args.model.name_or_path)
     log = print if rank == 0 else (lambda *_: None)
     make = partial(kto_example, tokenizer=tokenizer, cfg=args.data, completion_key=args.completion_key,
@@ -239,12 +246,9 @@ def main(args: Args) -> dict:
 
     run_dir = Path(args.run_dir or Path(args.logger.run_root) / run_name(args.exp_name, args.train.seed))
     ckpt_dir = Path(args.ckpt.dir or run_dir / "checkpoints")
-    start_step, client = 0, {}
-    if args.ckpt.resume and checkpoint.latest(ckpt_dir):
-        client = checkpoint.load({"model": engine}, checkpoint.latest(ckpt_dir))
-        start_step = client["step"] + 1
-        log(f"[kto] resumed from {checkpoint.latest(ckpt_dir)} at step {start_step}")
-    logger = RunLogger(args.logger, run_dir, args, args.train.max_steps, enabled=rank == 0)
+    # PLUMBING: resume from the newest intact checkpoint (flags checked against config.json); (0, {}) if new
+    start_step, client = checkpoint.resume({"model": engine}, ckpt_dir, run_dir, args)
+    logger = RunLogger(args.logger, run_dir, args, args.train.max_steps, enabled=rank == 0, resume_step=start_step)
     n_good = sum(ex["desirable"] for ex in train_set)
     ratio = args.train.desirable_weight * n_good / max(args.train.undesirable_weight * (len(train_set) - n_good), 1e-9)
     logger.print(f"[kto] {len(train_set)} train ({n_good} desirable) / {len(eval_set)} eval examples, "
@@ -267,7 +271,8 @@ def main(args: Args) -> dict:
             train_ref = torch.full((len(train_set), 2), float("nan"))  # [completion, mismatched]; NaN: never used
             train_ref[used] = all_seq_logps(engine.module, seqs, chunk, rank, world, device).view(2, -1).T
     first_eval = client.get("first_eval") or evaluate(engine.module, eval_set, eval_ref, args, rank, world, device)
-    logger.log({**first_eval, **perf}, start_step)
+    if start_step == 0:  # a resumed run logged it when it started
+        logger.log({**first_eval, **perf}, 0)
     tokens_seen, t_train, step = 0.0, 0.0, start_step - 1
 
     for step in range(start_step, args.train.max_steps):
@@ -297,13 +302,14 @@ def main(args: Args) -> dict:
             logps = seq_logps(engine, examples, device)
             loss, rewards = kto_loss(logps, train_ref[g, 0].to(device), good, z_ref, t.beta, t.desirable_weight,
                                      t.undesirable_weight)  # fmt: skip
+            ds_engine.check_finite(loss, step)  # PLUMBING: a NaN/inf loss or gradient stops the run before the step
             # mean over the global batch; DeepSpeed averages gradients over ranks, so scale by world.
             engine.set_gradient_accumulation_boundary(i == n_micro - 1)
             engine.backward(loss * len(g) / t.batch_size * world * weight)
             n_tok = sum(len(ex["input_ids"]) for ex in examples)
             stats += weight * torch.tensor([loss.item() * len(g), rewards[good].sum().item(), good.sum().item(),
                                             rewards[~good].sum().item(), (~good).sum().item(), n_tok])  # fmt: skip
-        engine.step()
+        grad_norm = ds_engine.optimizer_step(engine, step)
         t_train += time.perf_counter() - t0
 
         # 6. logging, eval, checkpoint
@@ -317,7 +323,7 @@ def main(args: Args) -> dict:
             "train/reward_undesirable": s[3] / max(s[4], 1.0),
             "train/desirable_frac": s[2] / t.batch_size,
             "train/lr": engine.lr_scheduler.get_last_lr()[0],
-            "train/grad_norm": float(engine.get_global_grad_norm() or 0.0),
+            "train/grad_norm": grad_norm,
             "train/tokens": s[5],
             "perf/step_s": t_train / (step + 1 - start_step),
             "perf/tokens_per_s": tokens_seen / max(t_train, 1e-9),
@@ -327,9 +333,14 @@ def main(args: Args) -> dict:
             with timer(metrics, "perf/eval_s"):
                 metrics.update(evaluate(engine.module, eval_set, eval_ref, args, rank, world, device))
         logger.log(metrics, step + 1, shown=("loss/kto", "train/kl", "eval/logp_gap"))
-        if args.ckpt.every and ((step + 1) % args.ckpt.every == 0 or last):
+        halted = t.halt_after is not None and step + 1 - start_step >= t.halt_after and not last
+        if halted or (args.ckpt.every and ((step + 1) % args.ckpt.every == 0 or last)):
             checkpoint.save({"model": engine}, ckpt_dir, step, {"step": step, "first_eval": first_eval,
                             "train_ref": train_ref, "eval_ref": eval_ref}, args.ckpt.keep_last)  # fmt: skip
+        if halted:
+            logger.print(f"[kto] halted after {t.halt_after} steps; resume with --run-dir {run_dir}")
+            logger.close({"steps": step + 1, "halted": True})
+            return {"steps": step + 1, "halted": True, "run_dir": str(run_dir)}
 
     # 7. export and summary
     export_dir = Path(args.export_dir or run_dir / "hf")

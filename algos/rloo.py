@@ -50,7 +50,7 @@ import tyro
 from agents.executor import Episode, MultiTurnExecutor, Rollout, SingleTurnExecutor, load_env_factory
 from core import checkpoint, data, embedded, models, packing, placement, rl_math, rollout
 from core import engine as ds_engine
-from core.config import CkptConfig, DataConfig, DSConfig, LoggerConfig, ModelConfig, RefConfig
+from core.config import CkptConfig, DataConfig, DSConfig, LoggerConfig, ModelConfig, RefConfig, check_args
 from core.logger import RunLogger, run_name, timer
 from core.placement import RayConfig, all_ranks, shard_minibatch
 from core.rollout import VLLMConfig
@@ -285,6 +285,7 @@ def _run_rank(worker, args: Args, engines, cwd: str) -> dict:
 
 def main(args: Args, engines: rollout.RolloutEngines | None = None) -> dict:
     # 1. setup ------------------------------------------------------------------------------------------------
+    check_args(args)  # PLUMBING: generic flag rules (sizes > 0, finite floats, ...) before anything is loaded
     if args.rollout.n_samples < 2:
         raise ValueError(f"--rollout.n-samples {args.rollout.n_samples}: RLOO needs at least 2 samples per prompt")
     # PLUMBING: `--train.ranks 1`: this process holds the DeepSpeed actor and an in-process vLLM engine. N > 1: the
@@ -301,15 +302,25 @@ def main(args: Args, engines: rollout.RolloutEngines | None = None) -> dict:
     torch.manual_seed(args.train.seed)
     actor_path = embedded.resolve_model(args.actor.model.name_or_path)
     args.actor.model.name_or_path = actor_path
-    tokenizer = models.load_tokenizer(args.actor.model.tokenizer or actor_path)
-    make = partial(data.prompt_example, tokenizer=tokenizer, cfg=args.data)
+    # PLUMBING: each prompt must leave room for its response in the model's context: rows that cannot fit are
+    # skipped and counted here, instead of failing inside the rollout engine mid-run
+    multi_turn = args.rollout.env_file is not None
+    reserve = args.rollout.max_new_tokens + (args.rollout.max_total_tokens if multi_turn else 0)
+    reserve_flag = "--rollout.max-new-tokens" + (" + --rollout.max-total-tokens" if multi_turn else "")
+    limits = {"max_position_embeddings of --actor.model.name-or-path":
+              models.max_positions(actor_path, "--actor.model.name-or-path"),
+              "--vllm.max-model-len": args.vllm.max_model_len}  # fmt: skip
+    args.data.max_len = data.resolve_max_len(args.data.max_len, limits, reserve, reserve_flag)
+    tokenizer = models.load_tokenizer(args.actor.model.tokenizer or actor_path,
+                                      "--actor.model.name-or-path / --actor.model.tokenizer")  # fmt: skip
+    make = partial(data.prompt_example, tokenizer=tokenizer, cfg=args.data, reserve=reserve)
     train_set = data.mix(data.build_examples(data.load_sources(args.data.path, args.data.split, args.data.max_samples),
                                              make, args.data), args.data.probs, args.train.seed)  # fmt: skip
     eval_sources = data.load_sources(args.data.eval_path or args.data.path, args.data.eval_split, args.eval.max_samples)
     eval_set = [e for g in data.build_examples(eval_sources, make, args.data) for e in g]
     reward_func, reward_source = load_reward_func(args.reward)
 
-    model = models.load_causal_lm(args.actor.model).to(device)
+    model = models.load_causal_lm(args.actor.model, "--actor.model.name-or-path").to(device)
     total_updates = args.train.max_steps * args.train.minibatches * args.train.epochs
     actor = ds_engine.make_engine(
         model, args.ds, args.actor.lr, total_updates, args.actor.warmup_steps, hybrid=args.vllm.enable_sleep
@@ -317,7 +328,8 @@ def main(args: Args, engines: rollout.RolloutEngines | None = None) -> dict:
     ref = None
     if args.algo.kl_coef > 0:  # PLUMBING: frozen reference policy (--ref.*), only when the KL penalty is on
         ref_path = embedded.resolve_model(args.ref.name_or_path or actor_path)
-        ref_model = models.load_causal_lm(ModelConfig(name_or_path=ref_path, dtype=args.actor.model.dtype))
+        ref_flag = "--ref.name-or-path" if args.ref.name_or_path else "--actor.model.name-or-path"
+        ref_model = models.load_causal_lm(ModelConfig(name_or_path=ref_path, dtype=args.actor.model.dtype), ref_flag)
         ref = ds_engine.make_frozen(ref_model, args.ref, device)
     if engines is None:
         engines = rollout.create_engines(actor_path, args.vllm, seed=args.train.seed)
@@ -326,15 +338,14 @@ def main(args: Args, engines: rollout.RolloutEngines | None = None) -> dict:
 
     run_dir = Path(args.run_dir or Path(args.logger.run_root) / run_name(args.exp_name, args.train.seed))
     ckpt_dir = Path(args.ckpt.dir or run_dir / "checkpoints")
-    start_step, client = 0, {}
-    if args.ckpt.resume and checkpoint.latest(ckpt_dir):
-        client = checkpoint.load({"actor": actor}, checkpoint.latest(ckpt_dir))
-        start_step = client["step"] + 1
+    # PLUMBING: resume from the newest intact checkpoint (flags checked against config.json); (0, {}) if new
+    start_step, client = checkpoint.resume({"actor": actor}, ckpt_dir, run_dir, args)
+    if start_step:
         placement.sync_weights(engines, actor, rank)  # the engines start from the checkpoint's weights
     kl_ctl = (rl_math.AdaptiveKLController(args.algo.kl_coef, args.algo.kl_target, args.algo.kl_horizon)
               if args.algo.kl_target else rl_math.FixedKLController(args.algo.kl_coef))  # fmt: skip
     kl_ctl.load_state_dict(client.get("kl_ctl", kl_ctl.state_dict()))
-    logger = RunLogger(args.logger, run_dir, args, args.train.max_steps, enabled=rank == 0)
+    logger = RunLogger(args.logger, run_dir, args, args.train.max_steps, enabled=rank == 0, resume_step=start_step)
     # PLUMBING: the agent executor: prompt tokens -> vLLM generation -> checked reward (single turn), or turns of
     # generation and environment feedback (`--rollout.env-file`); the loop below is the same for both
     if args.rollout.env_file:
@@ -348,7 +359,8 @@ def main(args: Args, engines: rollout.RolloutEngines | None = None) -> dict:
         placement.offload_states(actor)
     first_eval = client.get("first_eval") or all_ranks(evaluate(executor, eval_set, args) if rank == 0 else None, world)
     best = client.get("best", -math.inf)  # the best eval so far (`--eval.best-metric`), exported to <run>/best
-    logger.log(first_eval, start_step, shown=("eval/pass@1",))
+    if start_step == 0:  # a resumed run logged it when it started
+        logger.log(first_eval, 0, shown=("eval/pass@1",))
     logger.print(f"[rloo] {len(train_set)} prompts, {world} trainer rank(s), eval pass@1 "
                  f"{first_eval['eval/pass@1']:.3f} at step {start_step}")  # fmt: skip
 
@@ -473,9 +485,7 @@ def main(args: Args, engines: rollout.RolloutEngines | None = None) -> dict:
                                 loss = loss - args.actor.entropy_coef * ent_mean
                                 if real:
                                     ents.append(rl_math.masked_mean(ent, mb["loss_mask"]).item())
-                            if not torch.isfinite(loss):
-                                raise FloatingPointError(f"NaN/inf loss at step {step}: stopped before the "
-                                                         f"optimizer step, weights untouched")  # fmt: skip
+                            ds_engine.check_finite(loss, step)  # stops before the optimizer step
                             # DeepSpeed averages gradients over ranks: × world makes them sum to the global token mean
                             loss = loss * (world if real else 0.0)
                             actor.set_gradient_accumulation_boundary(j == len(micro) - 1)
@@ -483,8 +493,7 @@ def main(args: Args, engines: rollout.RolloutEngines | None = None) -> dict:
                             losses[-1] += loss.item()  # the ranks' shares add up to the minibatch loss × world
                             if real:
                                 clipfracs.append(pstats["clipfrac"].item())
-                        actor.step()
-                        norms.append(float(actor.get_global_grad_norm() or 0.0))
+                        norms.append(ds_engine.optimizer_step(actor, step, "actor"))  # NaN/inf gradients: raise
                 upd = {"loss/policy": float(np.mean(losses)), "train/grad_norm": float(np.mean(norms))}
                 upd.update({k: float(np.mean(v)) for k, v in
                             (("loss/clipfrac", clipfracs), ("loss/kl", kls), ("loss/entropy", ents)) if v})  # fmt: skip

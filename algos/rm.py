@@ -44,7 +44,7 @@ import tyro
 
 from core import checkpoint, data, models, packing
 from core import engine as ds_engine
-from core.config import CkptConfig, DataConfig, DSConfig, LoggerConfig, ModelConfig
+from core.config import CkptConfig, DataConfig, DSConfig, LoggerConfig, ModelConfig, check_args
 from core.logger import RunLogger, run_name, timer
 
 
@@ -73,6 +73,9 @@ class TrainArgs:
     row (exact: each sees only the prompt and itself). Needs sdpa or eager attention; off packs them whole."""
     seed: int = 1
     """seed of the data order, of the head's initialisation and of every rank's RNG."""
+    halt_after: int | None = None
+    """stop this invocation after this many optimizer steps (the schedule still spans max-steps), saving a
+    checkpoint: the next invocation on the same --run-dir resumes. For time-limited cluster jobs."""
 
 
 @dataclass
@@ -205,6 +208,7 @@ def evaluate(model, pairs: list[dict], args: Args, pad_id: int, rank: int, world
 
 def main(args: Args) -> dict:
     # 1. setup ------------------------------------------------------------------------------------------------
+    check_args(args)  # PLUMBING: generic flag rules (sizes > 0, finite floats, ...) before anything is loaded
     # PLUMBING: process group (world of one for `python algos/rm.py`), tokenizer, pairs, model, DeepSpeed engine.
     rank, world, device = ds_engine.init_distributed(args.ds.backend, args.ds.timeout_s)
     # Same seed on every rank for the data order and the head's init (each rank must build the same model);
@@ -219,6 +223,9 @@ def main(args: Args) -> dict:
     if args.train.share_prompt and args.model.attn_implementation not in ("auto", "sdpa", "eager"):
         raise ValueError(f"--train.share-prompt needs a 4D attention mask (sdpa or eager), not --model.attn-"
                          f"implementation {args.model.attn_implementation}: add --train.no-share-prompt")  # fmt: skip
+    # a sample longer than the model's context is skipped and counted, not trained past the position embeddings
+    limits = {"max_position_embeddings of --model.name-or-path": models.max_positions(args.model.name_or_path)}
+    args.data.max_len = data.resolve_max_len(args.data.max_len, limits)
     tokenizer = models.load_tokenizer(args.model.tokenizer or args.model.name_or_path)
     log = print if rank == 0 else (lambda *_: None)
     make = partial(data.reward_pair_example, tokenizer=tokenizer, cfg=args.data, chosen_key=args.chosen_key,
@@ -238,16 +245,14 @@ def main(args: Args) -> dict:
 
     run_dir = Path(args.run_dir or Path(args.logger.run_root) / run_name(args.exp_name, args.train.seed))
     ckpt_dir = Path(args.ckpt.dir or run_dir / "checkpoints")
-    start_step, client = 0, {}
-    if args.ckpt.resume and checkpoint.latest(ckpt_dir):
-        client = checkpoint.load({"model": engine}, checkpoint.latest(ckpt_dir))
-        start_step = client["step"] + 1
-        log(f"[rm] resumed from {checkpoint.latest(ckpt_dir)} at step {start_step}")
-    logger = RunLogger(args.logger, run_dir, args, args.train.max_steps, enabled=rank == 0)
+    # PLUMBING: resume from the newest intact checkpoint (flags checked against config.json); (0, {}) if new
+    start_step, client = checkpoint.resume({"model": engine}, ckpt_dir, run_dir, args)
+    logger = RunLogger(args.logger, run_dir, args, args.train.max_steps, enabled=rank == 0, resume_step=start_step)
     logger.print(f"[rm] {len(train_set)} train / {len(eval_set)} eval pairs, world size {world}, "
                  f"ZeRO-{engine.zero_optimization_stage()}, run dir {run_dir}")  # fmt: skip
     first_eval = client.get("first_eval") or evaluate(model, eval_set, args, pad_id, rank, world, device)
-    logger.log(first_eval, start_step)
+    if start_step == 0:  # a resumed run logged it when it started
+        logger.log(first_eval, 0)
     tokens_seen, t_train, step = 0.0, 0.0, start_step - 1
 
     for step in range(start_step, args.train.max_steps):
@@ -265,13 +270,14 @@ def main(args: Args) -> dict:
             rc, rr = pair_scores(engine, pairs, device, args.train.share_prompt)
             margin = torch.tensor([p["margin"] for p in pairs], device=device) if args.margin_key else None
             rm_loss = reward_loss(rc, rr, margin, args.train.loss)
+            ds_engine.check_finite(rm_loss, step)  # PLUMBING: a NaN/inf loss or gradient stops the run before the step
             # mean over the global batch; DeepSpeed averages gradients over ranks, so scale by world.
             engine.set_gradient_accumulation_boundary(i == n_micro - 1)
             engine.backward(rm_loss * len(g) / args.train.batch_size * world * weight)
             n_tok = sum(len(p["chosen"]) + len(p["rejected"]) for p in pairs)
             stats += weight * torch.tensor([rm_loss.item() * len(g), rc.sum().item(), rr.sum().item(),
                                             (rc > rr).sum().item(), n_tok])  # fmt: skip
-        engine.step()
+        grad_norm = ds_engine.optimizer_step(engine, step)
         t_train += time.perf_counter() - t0
 
         # 4. logging, eval, checkpoint
@@ -285,7 +291,7 @@ def main(args: Args) -> dict:
             "train/rejected_reward": s[2] / b,
             "train/margin": (s[1] - s[2]) / b,
             "train/lr": engine.lr_scheduler.get_last_lr()[0],
-            "train/grad_norm": float(engine.get_global_grad_norm() or 0.0),
+            "train/grad_norm": grad_norm,
             "train/tokens": s[4],
             "perf/step_s": t_train / (step + 1 - start_step),
             "perf/tokens_per_s": tokens_seen / max(t_train, 1e-9),
@@ -295,9 +301,14 @@ def main(args: Args) -> dict:
             with timer(metrics, "perf/eval_s"):
                 metrics.update(evaluate(model, eval_set, args, pad_id, rank, world, device))
         logger.log(metrics, step + 1, shown=("loss/rm", "train/accuracy", "eval/accuracy"))
-        if args.ckpt.every and ((step + 1) % args.ckpt.every == 0 or last):
+        halted = args.train.halt_after is not None and step + 1 - start_step >= args.train.halt_after and not last
+        if halted or (args.ckpt.every and ((step + 1) % args.ckpt.every == 0 or last)):
             checkpoint.save({"model": engine}, ckpt_dir, step, {"step": step, "first_eval": first_eval},
                             args.ckpt.keep_last)  # fmt: skip
+        if halted:
+            logger.print(f"[rm] halted after {args.train.halt_after} steps; resume with --run-dir {run_dir}")
+            logger.close({"steps": step + 1, "halted": True})
+            return {"steps": step + 1, "halted": True, "run_dir": str(run_dir)}
 
     # 5. normalization statistics, export and summary
     # The held-out reward mean / std go into config.json: the server's `--normalize` serves (r − mean) / std.

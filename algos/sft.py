@@ -40,7 +40,7 @@ import tyro
 
 from core import checkpoint, data, models, packing
 from core import engine as ds_engine
-from core.config import CkptConfig, DataConfig, DSConfig, LoggerConfig, ModelConfig
+from core.config import CkptConfig, DataConfig, DSConfig, LoggerConfig, ModelConfig, check_args
 from core.logger import RunLogger, run_name, timer
 
 
@@ -75,8 +75,8 @@ class TrainArgs:
     seed: int = 1
     """seed of the data order and of every rank's RNG."""
     halt_after: int | None = None
-    """stop this invocation after this many optimizer steps (the schedule still spans max-steps); with
-    --ckpt.every, the next invocation on the same --run-dir resumes. For time-limited cluster jobs."""
+    """stop this invocation after this many optimizer steps (the schedule still spans max-steps), saving a
+    checkpoint: the next invocation on the same --run-dir resumes. For time-limited cluster jobs."""
 
 
 @dataclass
@@ -174,6 +174,7 @@ def evaluate(engine, tokenizer, examples: list[dict], args: Args, rank: int, wor
 
 def main(args: Args) -> dict:
     # 1. setup ------------------------------------------------------------------------------------------------
+    check_args(args)  # PLUMBING: generic flag rules (sizes > 0, finite floats, ...) before anything is loaded
     # PLUMBING: process group (world of one for `python algos/sft.py`), tokenizer, data, model, DeepSpeed engine.
     rank, world, device = ds_engine.init_distributed(args.ds.backend, args.ds.timeout_s)
     # Same seed on every rank for the data order (each rank slices the same global batch); per-rank offset for
@@ -183,6 +184,9 @@ def main(args: Args) -> dict:
     torch.manual_seed(args.train.seed + rank)
     if args.data.output_key is None and args.train.mode == "single":
         raise ValueError("--data.output-key is required in --train.mode single")
+    # a sample longer than the model's context is skipped and counted, not trained past the position embeddings
+    limits = {"max_position_embeddings of --model.name-or-path": models.max_positions(args.model.name_or_path)}
+    args.data.max_len = data.resolve_max_len(args.data.max_len, limits)
     tokenizer = models.load_tokenizer(args.model.tokenizer or args.model.name_or_path)
     log = print if rank == 0 else (lambda *_: None)
     make = partial(sft_example_with_label, tokenizer=tokenizer, cfg=args.data, mode=args.train.mode)
@@ -197,16 +201,14 @@ def main(args: Args) -> dict:
 
     run_dir = Path(args.run_dir or Path(args.logger.run_root) / run_name(args.exp_name, args.train.seed))
     ckpt_dir = Path(args.ckpt.dir or run_dir / "checkpoints")
-    start_step, client = 0, {}
-    if args.ckpt.resume and checkpoint.latest(ckpt_dir):
-        client = checkpoint.load({"model": engine}, checkpoint.latest(ckpt_dir))
-        start_step = client["step"] + 1
-        log(f"[sft] resumed from {checkpoint.latest(ckpt_dir)} at step {start_step}")
-    logger = RunLogger(args.logger, run_dir, args, args.train.max_steps, enabled=rank == 0)
+    # PLUMBING: resume from the newest intact checkpoint (flags checked against config.json); (0, {}) if new
+    start_step, client = checkpoint.resume({"model": engine}, ckpt_dir, run_dir, args)
+    logger = RunLogger(args.logger, run_dir, args, args.train.max_steps, enabled=rank == 0, resume_step=start_step)
     logger.print(f"[sft] {len(train_set)} train / {len(eval_set)} eval examples, world size {world}, "
                  f"ZeRO-{engine.zero_optimization_stage()}, run dir {run_dir}")  # fmt: skip
     first_eval = client.get("first_eval") or evaluate(engine, tokenizer, eval_set, args, rank, world, device)
-    logger.log(first_eval, start_step)
+    if start_step == 0:  # a resumed run logged it when it started
+        logger.log(first_eval, 0)
     perf: dict = {}
     tokens_seen, t_train, step = 0, 0.0, start_step - 1
 
@@ -225,11 +227,12 @@ def main(args: Args) -> dict:
             logp = packing.token_logprobs(engine, mb)
             # DeepSpeed averages gradients over ranks; scale by world so the sum over ranks is the global mean.
             loss = sft_loss(logp, mb["loss_mask"], num_tokens) * world
+            ds_engine.check_finite(loss, step)  # PLUMBING: a NaN/inf loss or gradient stops the run before the step
             engine.set_gradient_accumulation_boundary(i == n_micro - 1)
             engine.backward(loss)
             total_loss += loss.item() / world
             tokens_seen += int(mb["input_ids"].numel()) if i < len(mbs) else 0
-        engine.step()
+        grad_norm = ds_engine.optimizer_step(engine, step)
         t_step = time.perf_counter() - t0
         t_train += t_step
 
@@ -237,7 +240,7 @@ def main(args: Args) -> dict:
         metrics = {
             "loss/sft": ds_engine.all_reduce(total_loss),
             "train/lr": engine.lr_scheduler.get_last_lr()[0],
-            "train/grad_norm": float(engine.get_global_grad_norm() or 0.0),
+            "train/grad_norm": grad_norm,
             "train/tokens": num_tokens,
             "perf/train_s": t_step,
             "perf/tokens_per_s": ds_engine.all_reduce(tokens_seen) / max(t_train, 1e-9),
@@ -250,8 +253,8 @@ def main(args: Args) -> dict:
         reached = (
             args.eval.stop_at_accuracy is not None and metrics.get("eval/accuracy", -1) >= args.eval.stop_at_accuracy
         )
-        halted = args.train.halt_after is not None and step + 1 - start_step >= args.train.halt_after
-        if args.ckpt.every and ((step + 1) % args.ckpt.every == 0 or last or reached or halted):
+        halted = args.train.halt_after is not None and step + 1 - start_step >= args.train.halt_after and not last
+        if halted or (args.ckpt.every and ((step + 1) % args.ckpt.every == 0 or last or reached)):
             checkpoint.save({"model": engine}, ckpt_dir, step, {"step": step, "first_eval": first_eval},
                             args.ckpt.keep_last)  # fmt: skip
         if reached:

@@ -2,20 +2,32 @@
 data position, KL controller, ...) + every rank's RNG streams.
 
 Layout: `<dir>/step_00000042/` per checkpoint and `<dir>/latest` naming the newest complete one. A checkpoint is
-written as `<dir>/.tmp_step_.../`, renamed when every rank has finished, and only then does `latest` move
-(atomically, by `os.replace`): a kill during a save leaves the previous checkpoint as the one that resumes.
+written as `<dir>/.tmp_step_.../`, gets a `manifest.json` (every file's path, size and sha256) as its last file when
+every rank has finished, is renamed, and only then does `latest` move (atomically, by `os.replace`): a kill during a
+save leaves the previous checkpoint as the one that resumes, and its leftover `.tmp_*` folder is removed by the next
+save. On resume the newest checkpoint whose files match its manifest is used (`latest`); a damaged one (a file
+deleted, truncated or overwritten) is named in a warning and skipped, and if none is intact the run stops instead of
+starting over.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import random
 import shutil
+import sys
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
 import torch
 import torch.distributed as dist
+
+from core import engine as ds_engine
+
+MANIFEST = "manifest.json"
 
 
 def rng_state() -> dict:
@@ -38,15 +50,94 @@ def _barrier() -> None:
         dist.barrier()
 
 
+def _rank() -> int:
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _warn(msg: str) -> None:
+    if _rank() == 0:
+        print(f"[checkpoint] warning: {msg}", file=sys.stderr, flush=True)
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 24):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _files(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.rglob("*") if p.is_file() and p.name != MANIFEST)
+
+
+def write_manifest(folder: str | Path) -> Path:
+    """Write `<folder>/manifest.json`: every other file's relative path, size and sha256 (hashed in threads; hashlib
+    releases the GIL on large buffers)."""
+    folder = Path(folder)
+    files = _files(folder)
+    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+        digests = list(pool.map(_sha256, files))
+    entries = [{"path": f.relative_to(folder).as_posix(), "size": f.stat().st_size, "sha256": d}
+               for f, d in zip(files, digests)]  # fmt: skip
+    tmp = folder / f".{MANIFEST}.tmp"
+    tmp.write_text(json.dumps({"files": entries}, indent=1))
+    os.replace(tmp, folder / MANIFEST)
+    return folder / MANIFEST
+
+
+_intact: dict[str, tuple] = {}  # folder -> (path, size, mtime) of its files when last verified intact
+
+
+def _stat_key(folder: Path) -> tuple:
+    return tuple((str(p), p.stat().st_size, p.stat().st_mtime_ns) for p in sorted(folder.rglob("*")) if p.is_file())
+
+
+def verify(path: str | Path) -> str | None:
+    """None when every file in the manifest of checkpoint folder `path` is there with its recorded size and sha256;
+    else a message naming what is wrong (the folder or manifest missing, a file missing, of the wrong size or with
+    the wrong hash). Files not in the manifest are ignored. An intact result is remembered until a file changes."""
+    path = Path(path)
+    if not path.is_dir():
+        return f"{path}: folder missing"
+    manifest = path / MANIFEST
+    if not manifest.is_file():
+        return f"{manifest}: missing (an incomplete checkpoint, or one written before manifests)"
+    key = _stat_key(path)
+    if _intact.get(str(path)) == key:
+        return None
+    try:
+        entries = json.loads(manifest.read_text())["files"]
+    except (ValueError, KeyError, TypeError) as e:
+        return f"{manifest}: unreadable ({e})"
+    for e in entries:  # cheap checks first
+        f = path / e["path"]
+        if not f.is_file():
+            return f"{f}: missing"
+        if f.stat().st_size != e["size"]:
+            return f"{f}: {f.stat().st_size} bytes, the manifest says {e['size']} (truncated or overwritten)"
+    with ThreadPoolExecutor(max_workers=min(8, os.cpu_count() or 1)) as pool:
+        digests = list(pool.map(_sha256, [path / e["path"] for e in entries]))
+    for e, d in zip(entries, digests):
+        if d != e["sha256"]:
+            return f"{path / e['path']}: sha256 differs from the manifest (overwritten or corrupted)"
+    _intact[str(path)] = key
+    return None
+
+
 def save(engines: dict, ckpt_dir: str | Path, step: int, client_state: dict, keep_last: int = 2) -> Path:
     """Save every engine in `engines` (name -> DeepSpeed engine, e.g. {"actor": ..., "critic": ...}) plus
-    `client_state` and per-rank RNG. Collective: call on every rank."""
+    `client_state` and per-rank RNG. Raises FloatingPointError naming the engine, writing nothing, when a parameter
+    on any rank is NaN/inf. Collective: call on every rank."""
     ckpt_dir = Path(ckpt_dir)
+    for name, engine in engines.items():  # no checkpoint ever holds NaN/inf weights
+        ds_engine.check_weights_finite(engine, step, name)
     tag = f"step_{step:08d}"
     tmp = ckpt_dir / f".tmp_{tag}"
-    rank = dist.get_rank() if dist.is_initialized() else 0
+    rank = _rank()
     if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
+        for leftover in ckpt_dir.glob(".tmp_step_*"):  # from a kill during an earlier save
+            shutil.rmtree(leftover, ignore_errors=True)
         tmp.mkdir(parents=True)
     _barrier()
     for name, engine in engines.items():
@@ -55,6 +146,7 @@ def save(engines: dict, ckpt_dir: str | Path, step: int, client_state: dict, kee
     torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
     _barrier()
     if rank == 0:
+        write_manifest(tmp)  # last: a folder with a manifest is complete
         final = ckpt_dir / tag
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
@@ -68,18 +160,47 @@ def save(engines: dict, ckpt_dir: str | Path, step: int, client_state: dict, kee
     return ckpt_dir / tag
 
 
+def _step_folders(ckpt_dir: Path) -> list[Path]:
+    """`step_<n>` folders, newest first (`.tmp_step_*` leftovers of a killed save are not among them)."""
+    found = [p for p in ckpt_dir.glob("step_*") if p.is_dir() and p.name[5:].isdigit()]
+    return sorted(found, key=lambda p: int(p.name[5:]), reverse=True)
+
+
 def latest(ckpt_dir: str | Path) -> Path | None:
-    """The newest complete checkpoint folder, or None."""
-    pointer = Path(ckpt_dir) / "latest"
-    if not pointer.exists():
+    """The newest intact checkpoint folder, or None when `ckpt_dir` holds none at all. A damaged newer one (or a
+    `latest` pointer naming a missing or damaged folder) gives a warning naming the bad file and the next newest intact
+    one is used. Raises ValueError, listing what is wrong with each, when checkpoints exist but none is intact."""
+    ckpt_dir = Path(ckpt_dir)
+    pointer = ckpt_dir / "latest"
+    named = pointer.read_text().strip() if pointer.is_file() else None
+    folders = _step_folders(ckpt_dir)
+    if not folders:
+        if named:
+            raise ValueError(f"{pointer} names {named}, but {ckpt_dir} holds no step_* checkpoint folder; restore it, "
+                             f"or delete {pointer} (or pass --ckpt.no-resume) to start over")  # fmt: skip
         return None
-    path = Path(ckpt_dir) / pointer.read_text().strip()
-    return path if path.is_dir() else None
+    if named and not (ckpt_dir / named).is_dir():
+        _warn(f"{pointer} names {ckpt_dir / named}, which is missing")
+    problems = []
+    for folder in folders:
+        err = verify(folder)
+        if err is None:
+            if problems or (named and named != folder.name):
+                _warn(f"resuming from {folder} (the newest intact checkpoint), not {ckpt_dir / (named or '?')}")
+            return folder
+        _warn(f"damaged checkpoint {folder}: {err}")
+        problems.append(f"  {folder.name}: {err}")
+    raise ValueError(f"no intact checkpoint in {ckpt_dir} to resume from:\n" + "\n".join(problems) +
+                     "\nrestore or remove the damaged folders, or pass --ckpt.no-resume to start over")  # fmt: skip
 
 
 def load(engines: dict, path: str | Path) -> dict:
-    """Restore engines (weights, optimizer, scheduler), this rank's RNG, and return the saved client state."""
+    """Restore engines (weights, optimizer, scheduler), this rank's RNG, and return the saved client state. Raises
+    ValueError naming the bad file when the checkpoint does not match its manifest."""
     path = Path(path)
+    err = verify(path)
+    if err is not None:
+        raise ValueError(f"damaged checkpoint {path}: {err}")
     client_state: dict = {}
     for i, (name, engine) in enumerate(engines.items()):
         _, state = engine.load_checkpoint(
@@ -89,9 +210,28 @@ def load(engines: dict, path: str | Path) -> dict:
             raise ValueError(f"{path}/{name}: not a loadable DeepSpeed checkpoint")
         if i == 0:
             client_state = state
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    rng_file = path / f"rng_rank{rank}.pt"
+    rng_file = path / f"rng_rank{_rank()}.pt"
     if not rng_file.exists():
         raise ValueError(f"{rng_file}: missing (checkpoint written with a different world size?)")
     set_rng_state(torch.load(rng_file, weights_only=False))
     return client_state
+
+
+def resume(engines: dict, ckpt_dir: str | Path, run_dir: str | Path, args) -> tuple[int, dict]:
+    """The scripts' resume: with `--ckpt.resume` and an intact checkpoint in `ckpt_dir`, check the flags against the
+    run's saved config (`core.logger.check_config`: a run-altering change needs `--ckpt.allow-changes`), restore the
+    engines and RNG, and return (first step to run, saved client state); else (0, {}). Collective: every rank calls
+    it."""
+    from core.logger import check_config
+
+    if not args.ckpt.resume:
+        return 0, {}
+    path = latest(ckpt_dir)
+    if path is None:
+        return 0, {}
+    check_config(run_dir, args)
+    client = load(engines, path)
+    start_step = client["step"] + 1
+    if _rank() == 0:
+        print(f"[checkpoint] resumed from {path} at step {start_step}", flush=True)
+    return start_step, client

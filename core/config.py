@@ -1,5 +1,5 @@
 """Infrastructure config sections shared by the scripts: `--model.*`, `--data.*`, `--ds.*`, `--ref.*`, `--ckpt.*`,
-`--logger.*`.
+`--logger.*`, and `check_args`, the flag checks every script runs first thing in `main`.
 
 Each script owns one flat-ish `Args` dataclass (its algorithm knobs) and nests these sections, so
 `python algos/<name>.py --help` prints grouped, documented flags. Every field's docstring is its help text.
@@ -7,7 +7,11 @@ Each script owns one flat-ish `Args` dataclass (its algorithm knobs) and nests t
 
 from __future__ import annotations
 
+import dataclasses
+import math
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 
@@ -60,8 +64,11 @@ class DataConfig:
     """render prompts (and responses) with the tokenizer's chat template."""
     max_samples: int = 100_000_000
     """keep at most this many rows per dataset."""
-    max_len: int = 2048
-    """drop (or reject, see on-bad-row) samples longer than this many tokens."""
+    max_len: int | None = None
+    """longest sequence in tokens: the whole sample (SFT, DPO, KTO, RM), or the prompt plus the response budget
+    (`--rollout.max-new-tokens`, plus `--rollout.max-total-tokens` in multi-turn) in the RL scripts. Longer rows are
+    skipped and counted (or raise, see on-bad-row). None: the model's context, `max_position_embeddings` of its
+    config; a larger value is an error. (The functions of core/data.py check no length when it is None.)"""
     on_bad_row: Literal["skip", "raise"] = "skip"
     """bad rows (missing key, empty text, too long): skip and count them in the log, or raise naming file/row/key."""
 
@@ -113,6 +120,11 @@ class CkptConfig:
     """checkpoint folder; default `<run_dir>/checkpoints`."""
     resume: bool = True
     """resume from the latest checkpoint in `dir` when one exists."""
+    allow_changes: bool = False
+    """on resume, accept flags that differ from the run's saved `config.json` in ways that alter the run (lr, data,
+    model, ...); without it such a resume stops with the list of changed flags. Operational flags (logging,
+    checkpointing, timeouts, ...; see `core.logger.HARMLESS_FLAGS`) may always change. Every change is recorded in
+    `<run>/config_changes.jsonl`; `config.json` keeps the original flags."""
 
 
 @dataclass
@@ -129,3 +141,88 @@ class LoggerConfig:
     """`offline` writes W&B runs locally (sync later with `wandb sync`)."""
     quiet: bool = False
     """no progress bar or summary table (used when a run is nested in another, e.g. the warm-start build)."""
+
+
+# ------------------------------------------------------------------------------------------------- flag checks
+# The rules of `check_args`, by field name wherever the field sits in a script's `Args` (`--rollout.batch-size` and
+# `--train.batch-size` are both `batch_size`). They hold for int and float fields alike; None always passes (it
+# means "off" or "the default"), bools and strings are not numbers here.
+POSITIVE = frozenset({
+    # sizes and counts: 0 trains nothing, divides by zero or gives NaN metrics
+    "batch_size", "n_samples", "micro_batch_size", "max_tokens_per_micro_batch", "max_new_tokens", "minibatches",
+    "epochs", "max_steps", "halt_after", "max_samples", "max_len", "pack_row_len", "max_turns", "max_total_tokens",
+    "k", "ranks", "num_engines", "tensor_parallel_size", "max_model_len", "num_cpus", "lora_alpha",
+    "dynamic_filter_max_rounds", "kl_horizon", "ref_pairs_per_forward", "ref_seqs_per_forward", "sleep_level",
+    # rates, scales and limits that have no "off" at 0
+    "lr", "temperature", "top_p", "beta", "clip", "kl_target", "timeout_s", "sync_bucket_mb", "kv_cache_gib",
+    "gpu_memory_utilization",
+})  # fmt: skip
+NON_NEGATIVE = frozenset({
+    # 0 means off, none or "from the start"
+    "every", "keep_last", "warmup_steps", "lr_warmup_steps", "seed", "max_lag", "retries", "lora_rank", "lora_dropout",
+    "overlong_buffer", "overlong_penalty_factor", "kl_coef", "entropy_coef", "nll_coef", "weight_decay", "grad_clip",
+    "min_lr_ratio", "label_smoothing", "clip_low", "clip_high", "value_clip", "desirable_weight",
+    "undesirable_weight", "gamma", "lam", "stop_at_accuracy",
+})  # fmt: skip
+# fractions and probabilities (on top of the rules above)
+AT_MOST_ONE = frozenset({"top_p", "gpu_memory_utilization", "min_lr_ratio", "lora_dropout", "gamma", "lam",
+                         "stop_at_accuracy"})  # fmt: skip
+MODEL_PATHS = frozenset({"name_or_path", "tokenizer", "model"})  # str fields naming a model; local ones must exist
+FLOAT32_MAX = 3.4028234663852886e38  # every float flag ends up in float32 tensors (rewards, losses, clip bounds)
+
+
+def flag_name(path: tuple[str, ...]) -> str:
+    """The command-line flag of a field path: ("rollout", "batch_size") -> `--rollout.batch-size`."""
+    return "--" + ".".join(p.replace("_", "-") for p in path)
+
+
+def _check_value(flag: str, name: str, value) -> list[str]:
+    if isinstance(value, bool) or value is None:
+        return []
+    if isinstance(value, tuple | list):
+        return [err for v in value for err in _check_value(flag, "", v)]
+    if isinstance(value, str):
+        local = value.startswith((".", "/", "~"))
+        if name in MODEL_PATHS and local and not (Path(value).expanduser() / "config.json").exists():
+            if name != "tokenizer":
+                return [f"{flag} {value!r}: no such model folder (no config.json in {os.path.expanduser(value)})"]
+            if not Path(value).expanduser().exists():
+                return [f"{flag} {value!r}: no such tokenizer folder"]
+        return []
+    if not isinstance(value, int | float):
+        return []
+    if isinstance(value, float) and not math.isfinite(value):
+        return [f"{flag} {value}: must be a finite number"]
+    if abs(value) > FLOAT32_MAX:
+        return [f"{flag} {value:g}: beyond float32's range (|x| <= {FLOAT32_MAX:.4g}), where it would become inf"]
+    if name in POSITIVE and value <= 0:
+        return [f"{flag} {value}: must be > 0"]
+    if name in NON_NEGATIVE and value < 0:
+        return [f"{flag} {value}: must be >= 0 (0 turns it off)"]
+    if name in AT_MOST_ONE and value > 1:
+        return [f"{flag} {value}: must be <= 1"]
+    return []
+
+
+def _errors(args, path: tuple[str, ...]) -> list[str]:
+    out = []
+    for f in dataclasses.fields(args):
+        value = getattr(args, f.name)
+        if dataclasses.is_dataclass(value):
+            out += _errors(value, (*path, f.name))
+        else:
+            out += _check_value(flag_name((*path, f.name)), f.name, value)
+    return out
+
+
+def check_args(args) -> None:
+    """Check a script's `Args` (nested dataclasses) against the generic flag rules before anything is loaded: sizes
+    and counts (`POSITIVE`) > 0, "0 means off" values (`NON_NEGATIVE`) >= 0, fractions (`AT_MOST_ONE`) <= 1, every
+    float finite and within float32's range, local model folders (`MODEL_PATHS`) present. One ValueError lists
+    every violation, each naming its flag as typed (`--rollout.batch-size 0: must be > 0`). Cross-field rules (group
+    size vs a filter, ...) stay in the scripts, next to the algorithm they protect."""
+    errors = _errors(args, ())
+    if len(errors) == 1:
+        raise ValueError(errors[0])
+    if errors:
+        raise ValueError("invalid flags:\n  " + "\n  ".join(errors))

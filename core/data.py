@@ -2,7 +2,8 @@
 examples, mix several sources, and cut deterministic batches.
 
 Every user mistake becomes one `ValueError` naming the file, the row and the key. Bad rows (missing key, empty text,
-too long after tokenization) are skipped and counted, or raise, as `--data.on-bad-row` says.
+too long after tokenization) are skipped and counted, or raise, as `--data.on-bad-row` says. "Too long" is measured
+against `--data.max-len`, which the scripts first resolve against the model's context (`resolve_max_len`).
 """
 
 from __future__ import annotations
@@ -22,11 +23,39 @@ KNOWN_SPLITS = {"train", "test", "validation", "valid", "val", "dev", "eval"}
 
 
 class BadRow(Exception):
-    """A row that cannot become an example; `key` names the offending field."""
+    """A row that cannot become an example; `key` names the offending field. `kind` (default: the reason) is what
+    the skipped rows are counted by, so rows too long by different amounts are one count."""
 
-    def __init__(self, key: str, reason: str):
+    def __init__(self, key: str, reason: str, kind: str | None = None):
         super().__init__(reason)
-        self.key, self.reason = key, reason
+        self.key, self.reason, self.kind = key, reason, kind or reason
+
+
+def resolve_max_len(max_len: int | None, limits: dict[str, int | None], reserve: int = 0,
+                    reserve_flag: str = "") -> int:  # fmt: skip
+    """The sequence limit rows are checked against: `--data.max-len` (`max_len`), by default the smallest of the
+    context `limits` ({what it is: tokens}, e.g. {"max_position_embeddings of --model.name-or-path": 512}; None:
+    unknown). An explicit `max_len` above a limit is a ValueError naming both numbers. `reserve` tokens (RL: the
+    response budget, from the flag(s) `reserve_flag`) must leave room for a prompt of at least one token."""
+    known = {what: n for what, n in limits.items() if n is not None}
+    if max_len is None:
+        if not known:
+            raise ValueError(f"--data.max-len: the model's config names no context length ({', '.join(limits)}); "
+                             "set --data.max-len")  # fmt: skip
+        max_len = min(known.values())
+    for what, n in known.items():
+        if max_len > n:
+            raise ValueError(f"--data.max-len {max_len} exceeds the {what}, {n}: sequences that long cannot fit")
+    if reserve >= max_len:
+        raise ValueError(f"{reserve_flag} {reserve} leaves no room for a prompt within {max_len} tokens "
+                         "(--data.max-len, default the model's max_position_embeddings)")  # fmt: skip
+    return max_len
+
+
+def _too_long(key: str, n: int, cfg: DataConfig, what: str = "tokens", reserve: int = 0) -> None:
+    if cfg.max_len is not None and n + reserve > cfg.max_len:
+        budget = f" + {reserve} response tokens" if reserve else ""
+        raise BadRow(key, f"{n} {what}{budget} > --data.max-len {cfg.max_len}", f"longer than {cfg.max_len} tokens")
 
 
 @dataclass
@@ -175,21 +204,37 @@ def sft_example(row: dict, tokenizer, cfg: DataConfig, mode: str = "single") -> 
         example = {"input_ids": prompt_ids + response_ids, "loss_mask": [0] * len(prompt_ids) + [1] * len(response_ids)}
     else:
         raise ValueError(f"unknown SFT mode {mode!r}: expected single, multiturn or pretrain")
-    if len(example["input_ids"]) > cfg.max_len:
-        raise BadRow(cfg.input_key, f"{len(example['input_ids'])} tokens > --data.max-len {cfg.max_len}")
+    _too_long(cfg.input_key, len(example["input_ids"]), cfg)
     return example
 
 
-def prompt_example(row: dict, tokenizer, cfg: DataConfig) -> dict:
-    """One RL prompt: token ids, text, label for the reward function and the data source (for per-source eval)."""
+def _label(value):
+    """A JSON number's text (see `prompt_example`); an integral float loses its `.0`, since `datasets` loads a JSON
+    column mixing 42 and 3.5 as float64, 42 as 42.0."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return value
+    return str(int(value)) if isinstance(value, float) and value.is_integer() else str(value)
+
+
+def prompt_example(row: dict, tokenizer, cfg: DataConfig, reserve: int = 0) -> dict:
+    """One RL prompt: token ids, text, label for the reward function and the data source (for per-source eval).
+
+    `reserve`: response tokens the prompt must leave room for (the RL scripts pass `--rollout.max-new-tokens`, plus
+    `--rollout.max-total-tokens` in multi-turn): a prompt of more than `cfg.max_len - reserve` tokens is a BadRow,
+    so a row that cannot fit in the model's context is skipped and counted at load time instead of failing in the
+    rollout engine.
+
+    Labels: a JSON number (int or float, not bool) becomes its text, `42` -> "42", `42.0` -> "42", `2.5` -> "2.5",
+    so rule rewards comparing text (rewards/arithmetic.py) see what the file says. Any other label (text, a list, a
+    dict, a bool) is passed through unchanged, for custom reward functions that want structure; rewards/arithmetic.py
+    raises naming the type when it gets a label that is neither text nor an int."""
     text = format_prompt(_text(row, cfg.input_key), tokenizer, cfg)
     ids = _ids(tokenizer, text, not cfg.apply_chat_template)
-    if len(ids) > cfg.max_len:
-        raise BadRow(cfg.input_key, f"{len(ids)} prompt tokens > --data.max-len {cfg.max_len}")
+    _too_long(cfg.input_key, len(ids), cfg, "prompt tokens", reserve)
     return {
         "prompt_ids": ids,
         "prompt": text,
-        "label": _text(row, cfg.label_key),
+        "label": _label(_text(row, cfg.label_key)),
         "datasource": row.get("datasource", "default"),
     }
 
@@ -206,7 +251,7 @@ def build_examples(sources: list[Source], make, cfg: DataConfig, log=print) -> l
                 msg = f"{src.name}: row {i}: key {e.key!r}: {e.reason}"
                 if cfg.on_bad_row == "raise":
                     raise ValueError(msg) from None
-                skipped[e.reason] += 1
+                skipped[e.kind] += 1
                 first = first or msg
         if skipped:
             log(f"[data] skipped {sum(skipped.values())} of {len(src.rows)} rows in {src.name} "
@@ -281,8 +326,7 @@ def reward_pair_example(row: dict, tokenizer, cfg: DataConfig, chosen_key: str =
         if not isinstance(response, str):
             raise BadRow(key, f"key {key!r} must hold text")
         out[name] = reward_ids(tokenizer, prompt + response, special)
-        if len(out[name]) > cfg.max_len:
-            raise BadRow(key, f"{len(out[name])} tokens > --data.max-len {cfg.max_len}")
+        _too_long(key, len(out[name]), cfg)
     if out["chosen"] == out["rejected"]:
         raise BadRow(rejected_key, f"keys {chosen_key!r} and {rejected_key!r} hold identical responses")
     if margin_key is not None:

@@ -228,6 +228,92 @@ def all_reduce(x: float | int | torch.Tensor, op: str = "sum") -> float:
     return t.item()
 
 
+def check_finite(loss: torch.Tensor, step: int, what: str = "loss") -> None:
+    """Raise FloatingPointError naming `what` and `step` when `loss` holds a NaN or inf. Call it before the loss's
+    backward: the optimizer step is then never taken and the weights stay as they were."""
+    if not bool(torch.isfinite(loss.detach()).all()):
+        raise FloatingPointError(f"non-finite {what} ({loss.detach().float().sum().item()}) at step {step}: "
+                                 f"stopped before the optimizer step, weights untouched")  # fmt: skip
+
+
+def _local_grads(engine):
+    """This rank's share of the gradients the next `engine.step()` applies, and whether the shares of the ranks are
+    disjoint (ZeRO ≥ 1: add them up) or copies of one full gradient (ZeRO-0: every rank holds it all-reduced).
+
+    Where DeepSpeed 0.19.8 keeps them after the last backward of a step (`deepspeed.utils.safe_get_full_grad` reads
+    the same places, then gathers them over the ranks, a collective per parameter):
+      ZeRO-3: `deepspeed.utils.safe_get_local_grad`, this rank's fp32 partition (offloaded: copied from CPU memory);
+      ZeRO-1/2: the fragment of the parameter this rank owns, `param._hp_mapping.get_lp_grad_fragment(...)`, a view
+        into the optimizer's `averaged_gradients` (offloaded: its fp32 gradient partition in CPU memory); None for
+        parameters owned wholly by other ranks (`param.grad` has been freed by then);
+      ZeRO-0: the bf16 optimizer's fp32 accumulation buffer `param._hp_grad`, else `param.grad` (fp32, torch AdamW).
+    """
+    stage = engine.zero_optimization_stage()
+    grads = []
+    for p in engine.module.parameters():
+        if not p.requires_grad:
+            continue
+        if stage == 3:
+            from deepspeed.utils import safe_get_local_grad
+
+            g = safe_get_local_grad(p)
+        elif stage in (1, 2):
+            mapping = getattr(p, "_hp_mapping", None)
+            g = None if mapping is None else mapping.get_lp_grad_fragment(p._index_in_param_group)
+        else:
+            g = getattr(p, "_hp_grad", None)
+            g = p.grad if g is None else g
+        if g is not None:
+            grads.append(g)
+    return grads, stage > 0
+
+
+def grad_norm(engine) -> float:
+    """Global L2 norm of the gradients that the next `engine.step()` applies; call after the last backward of a step
+    (the one with the accumulation boundary). NaN or inf when any gradient element is, or when the norm overflows
+    fp32 (DeepSpeed computes it in fp32 too). Collective: every rank must call it. Tested with deepspeed 0.19.8 at
+    ZeRO-0/1/2/3 (see `_local_grads` for where each stage keeps them)."""
+    grads, sharded = _local_grads(engine)
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    # per-tensor norms first (where the tensor lives: an offloaded partition stays in CPU memory), then their squares
+    # summed in fp32, as DeepSpeed's ZeRO optimizers compute the norm they clip with
+    norms = [torch.linalg.vector_norm(g.detach(), dtype=torch.float32).to(device) for g in grads]
+    sq = torch.stack(norms).pow(2).sum() if norms else torch.zeros((), device=device)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    if world > 1:
+        if not sharded:  # every rank holds the same full gradient: count it once (NaN or inf · 0 stays NaN)
+            sq = sq * float(dist.get_rank() == 0)
+        dist.all_reduce(sq)
+    return float(sq.sqrt())
+
+
+def optimizer_step(engine, step: int, name: str = "model") -> float:
+    """`engine.step()`, unless a gradient is NaN/inf on any rank: then raise FloatingPointError naming `name` (e.g.
+    actor, critic) and `step`, before the optimizer touches the weights. Call after the last backward of the step, on
+    every rank (collective). Returns DeepSpeed's gradient norm of the step (0.0 where it keeps none)."""
+    norm = grad_norm(engine)
+    if not math.isfinite(norm):
+        raise FloatingPointError(f"non-finite gradient norm ({norm}) of the {name} at step {step}: stopped before "
+                                 f"the optimizer step, weights untouched")  # fmt: skip
+    engine.step()
+    return float(engine.get_global_grad_norm() or 0.0)
+
+
+def check_weights_finite(engine, step: int, name: str = "model") -> None:
+    """Raise FloatingPointError naming `name` and `step` when a trainable weight is NaN/inf on any rank (each rank
+    checks the parameters it holds: its ZeRO-3 partition, or the full tensors). Call before saving a checkpoint, so
+    that no checkpoint ever holds non-finite weights. Collective: every rank must call it."""
+    bad = torch.zeros((), dtype=torch.float64)
+    for p in engine.module.parameters():
+        t = (
+            p.ds_tensor if getattr(p, "ds_tensor", None) is not None else p
+        )  # ZeRO-3: this rank's partition (offloaded: on CPU)
+        if p.requires_grad and t.numel() and not bool(torch.isfinite(t.detach()).all()):
+            bad += 1
+    if all_reduce(bad) > 0:
+        raise FloatingPointError(f"non-finite weights in the {name} after step {step}: no checkpoint written")
+
+
 def gathered_state_dict(engine) -> dict[str, torch.Tensor] | None:
     """Full parameters as a CPU state dict on rank 0 (ZeRO-3 shards gathered); None on other ranks.
     Every rank must call it (the gather is collective)."""
@@ -271,9 +357,14 @@ def _no_hf_progress_bars():
 def export_hf(engine, tokenizer, out_dir: str | Path) -> None:
     """Save an HF model folder (config, safetensors, tokenizer) that `from_pretrained` and vLLM load. LoRA adapters
     are merged into the base weights. Written to a temporary folder and renamed: a kill never leaves a half export.
-    Collective: call on every rank."""
+    Collective: call on every rank. Refuses (FloatingPointError naming `out_dir`) weights holding a NaN or inf."""
     out_dir = Path(out_dir)
     state = gathered_state_dict(engine)
+    bad = [k for k, v in (state or {}).items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
+    if all_reduce(len(bad)) > 0:  # every rank raises, not only rank 0, which holds the gathered weights
+        raise FloatingPointError(
+            f"{out_dir}: not exported, non-finite weights" + (f" in {', '.join(bad[:5])}" if bad else "")
+        )
     if dist.get_rank() == 0:
         from transformers import AutoModelForCausalLM
 

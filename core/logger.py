@@ -1,26 +1,110 @@
 """Run folder, metrics and progress: `metrics.jsonl` always, TensorBoard by default, W&B opt-in, a rich progress
 bar while training and a summary table at the end. Only rank 0 writes; other ranks get a silent logger.
 
+A resumed run (`resume_step` > 0) continues the same records: rows and TensorBoard events past the checkpoint's step
+(written by the run that was killed) are dropped, so every step is logged once; `config.json` keeps the flags the
+run started with and every flag that differs on resume is appended to `config_changes.jsonl`. A run that starts from
+step 0 in a folder that already holds a run moves the old run's files into `previous_<unix time>/`.
+
 Metric names follow the house style: `rollout/*`, `loss/*`, `train/*`, `perf/*`, `eval/*`.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import fnmatch
 import json
+import os
+import sys
 import time
 from contextlib import contextmanager
 from pathlib import Path
 
 from core.config import LoggerConfig
 
+HARMLESS_FLAGS = (
+    "exp_name", "run_dir", "export_dir", "debug", "logger.*", "ckpt.*", "train.halt_after", "ds.timeout_s", "ray.*",
+    "vllm.timeout_s", "vllm.gpu_memory_utilization", "vllm.kv_cache_gib", "vllm.sync_bucket_mb", "vllm.sync_backend",
+    "vllm.in_process", "reward.timeout_s", "reward.retries",
+)  # fmt: skip
+"""Flags (dotted config keys, fnmatch patterns) that may change on resume without `--ckpt.allow-changes`: they change
+where and how a run is logged, checkpointed, halted or placed, and how long it waits, never what it computes. Every
+other flag (model, data, optimizer, algorithm, batch sizes, ZeRO stage, vLLM sampling and memory mode, ...) alters the
+run."""
+
+ABSENT = "<absent>"
+RUN_FILES = ("metrics.jsonl", "config.json", "config_changes.jsonl", "summary.json", "tb", "wandb", "wandb_id",
+             "learning_curve.png", "checkpoints", "hf", "best")  # fmt: skip
+"""What the scripts write into a run folder: moved aside together when a new run starts in the folder."""
+
 
 def run_name(exp_name: str, seed: int) -> str:
     return f"{exp_name}__{seed}__{int(time.time())}"
 
 
+def config_dict(args) -> dict:
+    """The flags as `config.json` holds them (JSON types: tuples become lists, paths strings)."""
+    config = dataclasses.asdict(args) if dataclasses.is_dataclass(args) else dict(args)
+    return json.loads(json.dumps(config, default=str))
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            out.update(_flat(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
+def flag_name(key: str) -> str:
+    """`train.halt_after` -> `--train.halt-after`."""
+    return "--" + key.replace("_", "-")
+
+
+def config_changes(saved: dict, now: dict) -> list[dict]:
+    """Every flag whose value differs between two `config_dict`s: {"flag", "saved", "now", "harmless"}, with
+    `<absent>` for a flag one side lacks (e.g. added to the code since the run started)."""
+    old, new = _flat(saved), _flat(now)
+    return [{"flag": flag_name(k), "saved": old.get(k, ABSENT), "now": new.get(k, ABSENT),
+             "harmless": any(fnmatch.fnmatchcase(k, pat) for pat in HARMLESS_FLAGS)}
+            for k in sorted(old.keys() | new.keys()) if old.get(k, ABSENT) != new.get(k, ABSENT)]  # fmt: skip
+
+
+def check_config(run_dir: str | Path, args) -> list[dict]:
+    """Compare `args` (as `config_dict`) with the flags saved in `<run_dir>/config.json` when the run started and
+    return the changes (`config_changes`; [] when there is no saved config). Raises ValueError listing every changed
+    flag as `--section.flag-name: saved -> now` when one of them alters the run (not in `HARMLESS_FLAGS`) and
+    `--ckpt.allow-changes` is off. Reads only: callable on every rank, so that all of them stop alike."""
+    saved_file = Path(run_dir) / "config.json"
+    if not saved_file.is_file():
+        return []
+    now = config_dict(args)
+    changes = config_changes(json.loads(saved_file.read_text()), now)
+    altering = [c for c in changes if not c["harmless"]]
+    if altering and not now.get("ckpt", {}).get("allow_changes", False):
+        lines = [f"  {c['flag']}: {c['saved']} -> {c['now']}{'  (harmless)' if c['harmless'] else ''}" for c in changes]
+        raise ValueError(f"resuming {run_dir} with flags that differ from its {saved_file.name}:\n" + "\n".join(lines)
+                         + "\npass --ckpt.allow-changes to resume with them anyway (recorded in config_changes.jsonl), "
+                         "or use the saved values, or another --run-dir")  # fmt: skip
+    return changes
+
+
+def _read_rows(path: Path) -> list[dict]:
+    rows = []
+    for line in path.read_text().splitlines():
+        try:
+            rows.append(json.loads(line))
+        except ValueError:  # a line torn by a kill mid-write
+            continue
+    return rows
+
+
 class RunLogger:
-    def __init__(self, cfg: LoggerConfig, run_dir: str | Path, args, total_steps: int, enabled: bool = True):
+    def __init__(self, cfg: LoggerConfig, run_dir: str | Path, args, total_steps: int, enabled: bool = True,
+                 resume_step: int = 0):  # fmt: skip
+        """`resume_step`: the step (optimizer updates done) of the checkpoint the run resumed from; 0 for a new run."""
         self.cfg, self.enabled, self.run_dir = cfg, enabled, Path(run_dir)
         self.history: list[dict] = []
         self.tb = self.wandb = self.progress = None
@@ -28,18 +112,33 @@ class RunLogger:
         if not enabled:
             return
         self.run_dir.mkdir(parents=True, exist_ok=True)
-        config = dataclasses.asdict(args) if dataclasses.is_dataclass(args) else dict(args)
-        (self.run_dir / "config.json").write_text(json.dumps(config, indent=2, default=str))
-        self.file = open(self.run_dir / "metrics.jsonl", "a")
+        config = config_dict(args)
+        metrics_file = self.run_dir / "metrics.jsonl"
+        if resume_step > 0:
+            self._record_changes(check_config(self.run_dir, args), resume_step)
+            if metrics_file.exists():  # keep what the checkpoint covers; the killed run's later rows are redone
+                self.history = [r for r in _read_rows(metrics_file) if r.get("step", 0) <= resume_step]
+                tmp = self.run_dir / ".metrics.jsonl.tmp"
+                tmp.write_text("".join(json.dumps(r) + "\n" for r in self.history))
+                os.replace(tmp, metrics_file)
+        else:
+            self._move_previous_run()
+        if not (self.run_dir / "config.json").exists():  # never overwritten: it holds the flags the run started with
+            (self.run_dir / "config.json").write_text(json.dumps(config, indent=2))
+        self.file = open(metrics_file, "a")
         if cfg.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
 
-            self.tb = SummaryWriter(str(self.run_dir / "tb"))
-        if cfg.wandb:
+            # purge_step: TensorBoard drops the killed run's events from this step on
+            self.tb = SummaryWriter(str(self.run_dir / "tb"), purge_step=resume_step + 1 if resume_step else None)
+        if cfg.wandb:  # not covered by the tests: the run id is kept in the run folder so a resume continues the run
             import wandb
 
-            self.wandb = wandb.init(project=cfg.wandb_project, name=self.run_dir.name, config=config,
-                                    dir=str(self.run_dir), mode=cfg.wandb_mode)  # fmt: skip
+            id_file = self.run_dir / "wandb_id"
+            run_id = id_file.read_text().strip() if resume_step and id_file.is_file() else wandb.util.generate_id()
+            id_file.write_text(run_id)
+            self.wandb = wandb.init(project=cfg.wandb_project, name=self.run_dir.name, config=config, id=run_id,
+                                    resume="allow", dir=str(self.run_dir), mode=cfg.wandb_mode)  # fmt: skip
         if not cfg.quiet:
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -47,8 +146,30 @@ class RunLogger:
                 TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                 TextColumn("{task.fields[shown]}"),
             )  # fmt: skip
-            self.task = self.progress.add_task(self.run_dir.name.split("__")[0], total=total_steps, shown="")
+            self.task = self.progress.add_task(self.run_dir.name.split("__")[0], total=total_steps, shown="",
+                                               completed=resume_step)  # fmt: skip
             self.progress.start()
+
+    def _record_changes(self, changes: list[dict], resume_step: int) -> None:
+        if changes:
+            stamp = {"time": time.strftime("%Y-%m-%dT%H:%M:%S%z"), "resume_step": resume_step}
+            with open(self.run_dir / "config_changes.jsonl", "a") as f:
+                f.writelines(json.dumps({**stamp, **c}, default=str) + "\n" for c in changes)
+
+    def _move_previous_run(self) -> None:
+        """A new run (step 0) in a folder that holds another run's records: move that run's files aside rather than
+        append to its metrics."""
+        if not any((self.run_dir / name).exists() for name in ("metrics.jsonl", "config.json")):
+            return
+        aside = self.run_dir / f"previous_{int(time.time())}"
+        while aside.exists():
+            aside = aside.with_name(aside.name + "_")
+        aside.mkdir()
+        for name in RUN_FILES:
+            if (self.run_dir / name).exists():
+                os.replace(self.run_dir / name, aside / name)
+        print(f"[logger] warning: {self.run_dir} held a run that is not resumed (no checkpoint, or --ckpt.no-resume); "
+              f"its files were moved to {aside}", file=sys.stderr, flush=True)  # fmt: skip
 
     def log(self, metrics: dict, step: int, shown: tuple[str, ...] = ()) -> None:
         """Record metrics for `step`; `shown` names the metrics to display next to the progress bar."""

@@ -31,45 +31,62 @@ def attn_implementation(name: str, dtype: torch.dtype) -> str:
     return "eager" if dtype == torch.bfloat16 and not torch.cuda.is_available() else "sdpa"
 
 
-def load_tokenizer(name_or_path: str):
-    """AutoTokenizer with a pad token (eos when the model has none). A missing path or hub id is one ValueError."""
+def load_tokenizer(name_or_path: str, flag: str = "--model.name-or-path / --model.tokenizer"):
+    """AutoTokenizer with a pad token (eos when the model has none). A missing path or hub id is one ValueError
+    naming `flag`, the flag(s) the name came from (`--actor.model.name-or-path / --actor.model.tokenizer`)."""
     from transformers import AutoTokenizer
 
     path = embedded.resolve_model(name_or_path)
     if path.startswith((".", "/", "~")) and not Path(path).expanduser().is_dir():
-        raise ValueError(
-            f"tokenizer {name_or_path!r} (--model.name-or-path / --model.tokenizer): no such folder {path}"
-        )
+        raise ValueError(f"tokenizer {name_or_path!r} ({flag}): no such folder {path}")
     try:
         tokenizer = AutoTokenizer.from_pretrained(path)
     except OSError as e:
-        raise ValueError(f"tokenizer {name_or_path!r}: cannot load a tokenizer: {e}") from None
+        raise ValueError(f"tokenizer {name_or_path!r} ({flag}): cannot load a tokenizer: {e}") from None
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
 
 
-def _check_model_path(name_or_path: str) -> str:
+def _check_model_path(name_or_path: str, flag: str) -> str:
     path = embedded.resolve_model(name_or_path)
     if path.startswith((".", "/", "~")):
         if not (Path(path).expanduser() / "config.json").exists():
-            raise ValueError(f"--model.name-or-path {name_or_path!r}: no such model folder (no config.json in {path})")
+            raise ValueError(f"{flag} {name_or_path!r}: no such model folder (no config.json in {path})")
     return path
 
 
-def load_causal_lm(cfg: ModelConfig):
+def max_positions(name_or_path: str, flag: str = "--model.name-or-path") -> int | None:
+    """The model's context length in tokens: `max_position_embeddings` of its config (of its text model, for
+    multimodal configs; `n_positions` for GPT-2-style ones), None when the config names neither. Embedded names are
+    resolved (and built) as the loaders do; only the config is read. A missing local folder or hub id is one
+    ValueError naming `flag`."""
+    from transformers import AutoConfig
+
+    path = _check_model_path(name_or_path, flag)
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{flag} {name_or_path!r}: cannot read the model's config: {e}") from None
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    n = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+    return int(n) if n else None
+
+
+def load_causal_lm(cfg: ModelConfig, flag: str = "--model.name-or-path"):
     """Load the policy as an HF causal LM in `cfg.dtype`, with gradient checkpointing and LoRA as configured.
-    A missing path or hub id gives one clear ValueError instead of a hub traceback."""
+    A missing path or hub id gives one clear ValueError naming `flag` (the flag `cfg.name_or_path` came from, e.g.
+    `--actor.model.name-or-path`) instead of a hub traceback."""
     from transformers import AutoModelForCausalLM
 
-    path = _check_model_path(cfg.name_or_path)
+    path = _check_model_path(cfg.name_or_path, flag)
     try:
         dtype = torch_dtype(cfg.dtype)
         model = AutoModelForCausalLM.from_pretrained(
             path, dtype=dtype, attn_implementation=attn_implementation(cfg.attn_implementation, dtype)
         )
     except OSError as e:
-        raise ValueError(f"--model.name-or-path {cfg.name_or_path!r}: cannot load a causal LM: {e}") from None
+        raise ValueError(f"{flag} {cfg.name_or_path!r}: cannot load a causal LM: {e}") from None
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
@@ -88,20 +105,21 @@ def load_causal_lm(cfg: ModelConfig):
     return model
 
 
-def load_scalar_model(name_or_path: str, dtype: str = "auto", attn: str = "auto"):
+def load_scalar_model(name_or_path: str, dtype: str = "auto", attn: str = "auto", flag: str = "--model.name-or-path"):
     """A causal LM body with a scalar head (`AutoModelForSequenceClassification`, num_labels=1): the reward model
     and the critic. Loading a plain causal LM initialises a fresh head; `save_pretrained` output loads back with
-    `AutoModelForSequenceClassification.from_pretrained`. `attn`: as `--model.attn-implementation`."""
+    `AutoModelForSequenceClassification.from_pretrained`. `attn`: as `--model.attn-implementation`. Load errors name
+    `flag`, the flag `name_or_path` came from (`--critic.name-or-path`, `--reward.model`)."""
     from transformers import AutoModelForSequenceClassification
 
-    path = _check_model_path(name_or_path)
+    path = _check_model_path(name_or_path, flag)
     try:
         torch_dt = torch_dtype(dtype)
         model = AutoModelForSequenceClassification.from_pretrained(
             path, num_labels=1, dtype=torch_dt, attn_implementation=attn_implementation(attn, torch_dt)
         )
     except OSError as e:
-        raise ValueError(f"{name_or_path!r}: cannot load a scalar-head model: {e}") from None
+        raise ValueError(f"{flag} {name_or_path!r}: cannot load a scalar-head model: {e}") from None
     model.config.pad_token_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
     return model
 

@@ -273,14 +273,15 @@ def test_dpo_resume_is_exact(tmp_path):
     args = replace(args, eval=EvalArgs(every=0, max_samples=16), ckpt=replace(args.ckpt, every=1, keep_last=5))
     main(args)
     ckpt = tmp_path / "run" / "checkpoints"
-    (ckpt / "latest").write_text("step_00000001")  # forget the last step
+    (first,) = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl") if '"step": 3,' in line]
+    (ckpt / "step_00000002").rename(tmp_path / "forgotten")  # forget the last step: step_00000001 resumes
     main(args)
     rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
-    first, again = [r for r in rows if r["step"] == 3 and "loss/dpo" in r]
+    (again,) = [r for r in rows if r["step"] == 3 and "loss/dpo" in r]  # the replay replaced the first run's row
     for key in ("loss/dpo", "train/chosen_reward", "train/rejected_reward", "train/grad_norm"):
         assert again[key] == pytest.approx(first[key], rel=1e-5, abs=1e-7), key
     with pytest.raises(ValueError, match="max-steps"):  # the cache does not cover steps the first run never planned
-        main(replace(args, train=replace(args.train, max_steps=50)))
+        main(replace(args, train=replace(args.train, max_steps=50), ckpt=replace(args.ckpt, allow_changes=True)))
 
 
 @pytest.mark.slow

@@ -1,0 +1,160 @@
+"""Checkpoint integrity on a tiny DeepSpeed engine (gloo on CPU): every checkpoint carries a manifest of its files'
+sizes and hashes; a damaged one (a file deleted, truncated or overwritten) is named in a warning and the newest intact
+one resumes; a `latest` pointer naming a missing folder never makes a run start over; no intact checkpoint at all
+stops with a message; non-finite parameters are never written."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from core import checkpoint
+from core import engine as ds_engine
+from core.config import DSConfig
+
+
+def tiny_engine(stage: int = 0):
+    ds_engine.init_distributed("gloo")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
+    return ds_engine.make_engine(model, DSConfig(zero_stage=stage), 1e-2, 10)
+
+
+def train_step(engine) -> None:
+    x = torch.randn(8, 4)
+    engine.backward(engine(x).pow(2).mean())
+    engine.step()
+
+
+def params(engine) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
+
+
+def two_checkpoints(tmp_path: Path):
+    """An engine saved at step 0 and (after one more update) at step 1; returns (engine, ckpt_dir, weights at 0)."""
+    engine, ckpt = tiny_engine(), tmp_path / "checkpoints"
+    train_step(engine)
+    at0 = params(engine)
+    checkpoint.save({"model": engine}, ckpt, 0, {"step": 0}, keep_last=3)
+    train_step(engine)
+    checkpoint.save({"model": engine}, ckpt, 1, {"step": 1}, keep_last=3)
+    return engine, ckpt, at0
+
+
+def model_file(folder: Path) -> Path:
+    """The engine's weights file inside a checkpoint folder."""
+    (f,) = (folder / "model").glob("*model_states.pt")
+    return f
+
+
+def test_manifest_lists_every_file_and_verify_accepts_an_intact_checkpoint(tmp_path):
+    _, ckpt, _ = two_checkpoints(tmp_path)
+    folder = ckpt / "step_00000001"
+    manifest = json.loads((folder / checkpoint.MANIFEST).read_text())["files"]
+    on_disk = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*") if p.is_file())
+    assert sorted(e["path"] for e in manifest) == [n for n in on_disk if n != checkpoint.MANIFEST]
+    assert "rng_rank0.pt" in on_disk and any(n.startswith("model/") for n in on_disk)
+    assert all(len(e["sha256"]) == 64 and e["size"] == (folder / e["path"]).stat().st_size for e in manifest)
+    assert checkpoint.verify(folder) is None
+    assert checkpoint.latest(ckpt) == folder
+
+
+def damage(path: Path, how: str) -> None:
+    if how == "delete":
+        path.unlink()
+    elif how == "truncate":
+        path.write_bytes(path.read_bytes()[: path.stat().st_size // 2])
+    else:  # overwritten in place: same size, other bytes
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        path.write_bytes(bytes(data))
+
+
+@pytest.mark.parametrize("how", ["delete", "truncate", "overwrite"])
+def test_a_damaged_newest_checkpoint_falls_back_to_the_older_intact_one(tmp_path, capsys, how):
+    engine, ckpt, at0 = two_checkpoints(tmp_path)
+    bad = model_file(ckpt / "step_00000001")
+    damage(bad, how)
+    expected = {"delete": "missing", "truncate": "truncated", "overwrite": "sha256"}[how]
+
+    problem = checkpoint.verify(ckpt / "step_00000001")
+    assert problem and str(bad) in problem and expected in problem
+    assert checkpoint.latest(ckpt) == ckpt / "step_00000000"
+    warning = capsys.readouterr().err
+    assert "warning" in warning and str(bad) in warning and expected in warning
+
+    with pytest.raises(ValueError, match=expected) as err:  # loading the damaged one names the file
+        checkpoint.load({"model": engine}, ckpt / "step_00000001")
+    assert str(bad) in str(err.value)
+
+    client = checkpoint.load({"model": engine}, checkpoint.latest(ckpt))
+    assert client["step"] == 0
+    for name, value in params(engine).items():
+        torch.testing.assert_close(value, at0[name])
+
+
+def test_a_checkpoint_without_manifest_is_not_intact(tmp_path):
+    _, ckpt, _ = two_checkpoints(tmp_path)
+    (ckpt / "step_00000001" / checkpoint.MANIFEST).unlink()
+    assert "manifest.json: missing" in checkpoint.verify(ckpt / "step_00000001")
+    assert checkpoint.latest(ckpt) == ckpt / "step_00000000"
+
+
+def test_latest_naming_a_missing_folder_resumes_the_newest_intact_one(tmp_path, capsys):
+    _, ckpt, _ = two_checkpoints(tmp_path)
+    (ckpt / "latest").write_text("step_00000007")  # names a folder that is not there
+    assert checkpoint.latest(ckpt) == ckpt / "step_00000001"
+    assert "step_00000007, which is missing" in capsys.readouterr().err
+    (ckpt / "latest").write_text("step_00000000")  # stale: a kill between the rename and the pointer update
+    assert checkpoint.latest(ckpt) == ckpt / "step_00000001"
+    (ckpt / "latest").unlink()  # no pointer at all
+    assert checkpoint.latest(ckpt) == ckpt / "step_00000001"
+    (ckpt / "latest").write_text("step_00000001")
+    os.rename(ckpt / "step_00000001", ckpt / "moved")
+    assert checkpoint.latest(ckpt) == ckpt / "step_00000000"
+
+
+def test_no_intact_checkpoint_stops_with_what_is_wrong_with_each(tmp_path):
+    _, ckpt, _ = two_checkpoints(tmp_path)
+    damage(model_file(ckpt / "step_00000001"), "truncate")
+    (ckpt / "step_00000000" / "rng_rank0.pt").unlink()
+    with pytest.raises(ValueError, match="no intact checkpoint") as err:
+        checkpoint.latest(ckpt)
+    msg = str(err.value)
+    assert "step_00000001: " in msg and "truncated" in msg
+    assert "step_00000000: " in msg and "rng_rank0.pt: missing" in msg
+
+    for folder in ckpt.glob("step_*"):  # the pointer survives, the folders are gone: no silent start over either
+        os.rename(folder, tmp_path / folder.name)
+    with pytest.raises(ValueError, match="names step_00000001, but .* holds no step_"):
+        checkpoint.latest(ckpt)
+    (ckpt / "latest").unlink()
+    assert checkpoint.latest(ckpt) is None  # nothing there: a new run
+
+
+def test_a_half_written_save_is_ignored_and_cleaned_by_the_next_save(tmp_path):
+    engine, ckpt, _ = two_checkpoints(tmp_path)
+    torn = ckpt / ".tmp_step_00000002"
+    (torn / "model").mkdir(parents=True)
+    (torn / "model" / "half.pt").write_bytes(b"\0" * 10)
+    assert checkpoint.latest(ckpt) == ckpt / "step_00000001"
+    train_step(engine)
+    checkpoint.save({"model": engine}, ckpt, 3, {"step": 3}, keep_last=3)
+    assert not list(ckpt.glob(".tmp_*"))
+    assert checkpoint.latest(ckpt) == ckpt / "step_00000003"
+
+
+@pytest.mark.parametrize("stage", [0, 3])
+def test_save_refuses_non_finite_parameters(tmp_path, stage):
+    engine = tiny_engine(stage)
+    train_step(engine)
+    p = next(engine.module.parameters())
+    with torch.no_grad():  # ZeRO-3: this rank's shard of the parameter
+        (p.ds_tensor if getattr(p, "ds_tensor", None) is not None else p).view(-1)[0] = float("nan")
+    with pytest.raises(FloatingPointError, match="non-finite weights in the actor after step 5"):
+        checkpoint.save({"actor": engine}, tmp_path / "checkpoints", 5, {"step": 5})
+    assert not (tmp_path / "checkpoints").exists() or not any((tmp_path / "checkpoints").iterdir())

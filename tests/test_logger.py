@@ -1,0 +1,184 @@
+"""Run records across a resume: metrics.jsonl and TensorBoard hold every step once (the killed run's rows past the
+checkpoint are dropped, the step-0 eval is not logged again), the history behind `latest()` / `plot()` covers the
+whole run, a new run never appends to an old run's files, and a resume with run-altering flags is refused unless
+`--ckpt.allow-changes`, which is recorded while `config.json` keeps the original flags."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from core import checkpoint
+from core.config import LoggerConfig
+from core.logger import RunLogger, check_config, config_changes
+
+
+def rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+
+
+CONFIG = {"train": {"lr": 1e-3, "halt_after": None}, "logger": {"quiet": True}, "ckpt": {"allow_changes": False}}
+
+
+def changed(config: dict, **sections) -> dict:
+    return {k: {**v, **sections.get(k, {})} for k, v in config.items()}
+
+
+def tb_scalars(tb_dir: Path, tag: str) -> list[tuple[int, float]]:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    acc = EventAccumulator(str(tb_dir))
+    acc.Reload()
+    return [(e.step, e.value) for e in acc.Scalars(tag)]
+
+
+def purge_markers(tb_dir: Path) -> list[int]:
+    """Steps of the SessionLog START events that tell TensorBoard to drop older events from that step on."""
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+    from tensorboard.compat.proto.event_pb2 import SessionLog
+
+    return [e.step for f in sorted(tb_dir.glob("events.*")) for e in EventFileLoader(str(f)).Load()
+            if e.HasField("session_log") and e.session_log.status == SessionLog.START]  # fmt: skip
+
+
+def test_resume_cuts_the_killed_runs_rows_and_keeps_the_history(tmp_path):
+    cfg = LoggerConfig(quiet=True, tensorboard=True)
+    first = RunLogger(cfg, tmp_path, CONFIG, 10)
+    for step in range(7):  # the killed run got to step 6; its last checkpoint is at step 4
+        first.log({"loss/x": step, **({"eval/acc": step / 10} if step % 2 == 0 else {})}, step)
+    first.close()
+    with open(tmp_path / "metrics.jsonl", "a") as f:
+        f.write('{"step": 7, "loss/')  # a line torn by the kill
+
+    resumed = RunLogger(cfg, tmp_path, CONFIG, 10, resume_step=4)
+    assert [r["step"] for r in rows(tmp_path)] == [0, 1, 2, 3, 4]
+    assert [h["step"] for h in resumed.history] == [0, 1, 2, 3, 4]
+    assert resumed.latest("loss/x") == 4 and resumed.latest("eval/acc") == pytest.approx(0.4)
+    for step in range(5, 9):
+        resumed.log({"loss/x": 10 * step}, step)
+    resumed.plot(tmp_path / "learning_curve.png", ("loss/x", "eval/acc"))
+    resumed.close()
+
+    steps = [r["step"] for r in rows(tmp_path)]
+    assert steps == list(range(9))
+    assert [h["step"] for h in resumed.history] == steps  # the learning curve covers the whole run
+    assert (tmp_path / "learning_curve.png").stat().st_size > 0
+    assert {r["step"]: r["loss/x"] for r in rows(tmp_path)}[6] == 60
+    assert 5 in purge_markers(tmp_path / "tb")  # TensorBoard drops the killed run's events from step 5 on
+    assert tb_scalars(tmp_path / "tb", "loss/x") == [(s, s if s <= 4 else 10 * s) for s in range(9)]
+    assert [s for s, _ in tb_scalars(tmp_path / "tb", "eval/acc")] == [0, 2, 4]
+
+
+def test_a_new_run_in_an_old_run_folder_moves_the_old_files_aside(tmp_path, capsys):
+    cfg = LoggerConfig(quiet=True, tensorboard=True)
+    old = RunLogger(cfg, tmp_path, CONFIG, 10)
+    old.log({"loss/x": 1.0}, 1)
+    old.close()
+    (tmp_path / "checkpoints").mkdir()
+    (tmp_path / "notes.txt").write_text("mine")
+
+    new = RunLogger(cfg, tmp_path, changed(CONFIG, train={"lr": 5e-3}), 10)  # step 0: not a resume
+    new.log({"loss/x": 2.0}, 0)
+    new.close()
+    (aside,) = tmp_path.glob("previous_*")
+    assert f"moved to {aside}" in capsys.readouterr().err
+    assert [r["step"] for r in rows(aside)] == [1] and [r["step"] for r in rows(tmp_path)] == [0]
+    assert (aside / "tb").is_dir() and (aside / "checkpoints").is_dir() and (aside / "summary.json").is_file()
+    assert json.loads((aside / "config.json").read_text())["train"]["lr"] == 1e-3
+    assert json.loads((tmp_path / "config.json").read_text())["train"]["lr"] == 5e-3
+    assert (tmp_path / "notes.txt").read_text() == "mine"  # not a run file: left alone
+
+
+def test_config_changes_name_every_flag_and_refuse_run_altering_ones(tmp_path):
+    now = changed(CONFIG, train={"lr": 2e-3, "halt_after": 3}, logger={"quiet": False})
+    now["data"] = {"path": "x"}  # a flag the saved run did not have
+    changes = {c["flag"]: c for c in config_changes(CONFIG, now)}
+    assert set(changes) == {"--train.lr", "--train.halt-after", "--logger.quiet", "--data.path"}
+    assert not changes["--train.lr"]["harmless"] and not changes["--data.path"]["harmless"]
+    assert changes["--train.halt-after"]["harmless"] and changes["--logger.quiet"]["harmless"]
+
+    (tmp_path / "config.json").write_text(json.dumps(CONFIG))
+    with pytest.raises(ValueError, match="--ckpt.allow-changes") as err:
+        check_config(tmp_path, now)
+    msg = str(err.value)
+    assert "--train.lr: 0.001 -> 0.002" in msg and "--data.path: <absent> -> x" in msg
+    assert "--train.halt-after: None -> 3" in msg
+    harmless = changed(CONFIG, train={"halt_after": 3}, ckpt={"allow_changes": True})
+    assert {c["flag"] for c in check_config(tmp_path, harmless)} == {"--train.halt-after", "--ckpt.allow-changes"}
+    allowed = changed(now, ckpt={"allow_changes": True})
+    assert len(check_config(tmp_path, allowed)) == 5
+    assert check_config(tmp_path / "nowhere", now) == []  # no saved config: nothing to compare
+
+
+# ------------------------------------------------------------------------------------- sft.py, end to end
+def sft_args(run_dir: Path, **train):
+    from algos.sft import Args
+
+    args = Args()
+    args.model.name_or_path = "cleanrlhf/tiny"
+    args.logger.quiet, args.logger.tensorboard = True, False
+    args.run_dir = str(run_dir)
+    args.eval.generate, args.eval.max_samples, args.eval.every = False, 64, 2
+    args.train.warmup_steps, args.train.batch_size = 0, 16
+    for k, v in train.items():
+        setattr(args.train, k, v)
+    return args
+
+
+def test_sft_resumed_from_an_older_checkpoint_logs_every_step_once(tmp_path, capsys):
+    """Halted after 5 of 6 steps with checkpoints after steps 2, 4 and 5; the step-5 checkpoint is then damaged (as a
+    kill mid-write of a file would leave it): the resume warns, falls back to step 4, and metrics.jsonl and
+    TensorBoard end with each step once, the step-0 eval once."""
+    from algos.sft import main
+
+    args = sft_args(tmp_path / "run", max_steps=6, halt_after=5)
+    args.ckpt.every, args.ckpt.keep_last = 2, 5
+    args.logger.tensorboard = True
+    assert main(args)["halted"]
+    ckpt = tmp_path / "run" / "checkpoints"
+    assert sorted(p.name for p in ckpt.glob("step_*")) == ["step_00000001", "step_00000003", "step_00000004"]
+    (bad,) = (ckpt / "step_00000004" / "model").glob("*model_states.pt")
+    bad.write_bytes(bad.read_bytes()[:100])
+    capsys.readouterr()
+
+    args.train.halt_after = None
+    summary = main(args)
+    assert summary["steps"] == 6
+    assert str(bad) in capsys.readouterr().err  # the warning names the damaged file
+    logged = rows(tmp_path / "run")
+    assert Counter(r["step"] for r in logged) == Counter(range(7)), [r["step"] for r in logged]
+    assert [r["step"] for r in logged if "eval/loss" in r] == [0, 2, 4, 6]
+    assert [r["step"] for r in logged if "loss/sft" in r] == [1, 2, 3, 4, 5, 6]
+    assert [s for s, _ in tb_scalars(tmp_path / "run" / "tb", "eval/loss")] == [0, 2, 4, 6]
+    assert [s for s, _ in tb_scalars(tmp_path / "run" / "tb", "loss/sft")] == [1, 2, 3, 4, 5, 6]
+    assert checkpoint.latest(ckpt) == ckpt / "step_00000005"
+
+
+def test_sft_resume_with_a_changed_lr_is_refused_unless_allowed(tmp_path):
+    from algos.sft import main
+
+    args = sft_args(tmp_path / "run", max_steps=3, halt_after=1)
+    args.eval.every = 0
+    assert main(args)["halted"]
+    config_file = tmp_path / "run" / "config.json"
+    original = config_file.read_text()
+
+    lr = args.train.lr
+    args.train.lr, args.train.halt_after = lr * 2, None
+    with pytest.raises(ValueError, match=rf"--train.lr: {lr} -> {lr * 2}") as err:
+        main(args)
+    assert "--ckpt.allow-changes" in str(err.value)
+    assert config_file.read_text() == original and not (tmp_path / "run" / "config_changes.jsonl").exists()
+    assert [r["step"] for r in rows(tmp_path / "run")] == [0, 1]
+
+    args.ckpt.allow_changes = True
+    assert main(args)["steps"] == 3
+    assert config_file.read_text() == original  # the flags the run started with
+    recorded = {r["flag"]: r for r in map(json.loads, (tmp_path / "run" / "config_changes.jsonl").open())}
+    assert recorded["--train.lr"]["saved"] == lr and recorded["--train.lr"]["now"] == lr * 2
+    assert recorded["--train.halt-after"]["harmless"] and not recorded["--train.lr"]["harmless"]
+    assert {r["resume_step"] for r in recorded.values()} == {1} and all("time" in r for r in recorded.values())
+    assert [r["step"] for r in rows(tmp_path / "run")] == [0, 1, 2, 3]

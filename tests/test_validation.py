@@ -1,0 +1,305 @@
+"""Tests for input and flag validation: rows longer than the model's context (core/data.py against
+`models.max_positions`), labels that are not text, the generic flag rules of `core.config.check_args` and each
+script's cross-field checks (all before anything is loaded), and model-path errors that name the flag as typed."""
+
+import importlib
+import json
+import math
+from dataclasses import dataclass, field
+from functools import partial
+
+import pytest
+
+from core import data, models
+from core.config import DataConfig, ModelConfig, check_args, flag_name
+from rewards.arithmetic import reward_func
+
+SCRIPTS = ["sft", "dpo", "kto", "rm", "grpo", "grpo_async", "rloo", "reinforce_pp", "ppo"]
+RL = {"grpo", "grpo_async", "rloo", "reinforce_pp", "ppo"}
+TINY_CONTEXT = 512  # max_position_embeddings of the embedded tiny model (core/embedded.py)
+
+
+def script(name):
+    return importlib.import_module(f"algos.{name}")
+
+
+def write_jsonl(path, rows):
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+@pytest.fixture
+def nothing_loads(monkeypatch):
+    """Any model, tokenizer or process-group setup fails the test: validation must come before all of it."""
+
+    def loaded(*_, **__):
+        raise AssertionError("a model, tokenizer or process group was set up before the flags were checked")
+
+    from core import engine
+
+    for module, name in [(engine, "init_distributed"), (models, "max_positions"), (models, "load_tokenizer"),
+                         (models, "load_causal_lm"), (models, "load_scalar_model")]:  # fmt: skip
+        monkeypatch.setattr(module, name, loaded, raising=False)  # (max_positions is new: absent in old trees)
+
+
+@pytest.fixture
+def one_process(monkeypatch):
+    """A world of one without torch.distributed (no DeepSpeed import): for checks that come before any collective."""
+    import torch
+
+    from core import engine
+
+    monkeypatch.setattr(engine, "init_distributed", lambda *_, **__: (0, 1, torch.device("cpu")))
+
+
+# ------------------------------------------------------------------------------------------- the model's context
+def test_max_positions_reads_the_models_config(tiny_path):
+    assert models.max_positions(str(tiny_path)) == TINY_CONTEXT
+    assert models.max_positions("cleanrlhf/tiny") == TINY_CONTEXT  # embedded names resolve as the loaders do
+
+
+def test_max_positions_names_the_flag_of_a_missing_folder(tmp_path):
+    with pytest.raises(ValueError, match=r"^--actor\.model\.name-or-path '.*missing': no such model folder"):
+        models.max_positions(str(tmp_path / "missing"), "--actor.model.name-or-path")
+
+
+def test_data_max_len_defaults_to_the_model_limit_and_may_not_exceed_it():
+    assert DataConfig().max_len is None
+    limits = {"max_position_embeddings of --model.name-or-path": TINY_CONTEXT}
+    assert data.resolve_max_len(None, limits) == TINY_CONTEXT
+    assert data.resolve_max_len(100, limits) == 100
+    with pytest.raises(ValueError, match=r"--data\.max-len 2048 exceeds the max_position_embeddings .*, 512"):
+        data.resolve_max_len(2048, limits)
+    # the smallest known limit wins (vLLM's --vllm.max-model-len below the model's context)
+    assert data.resolve_max_len(None, {**limits, "--vllm.max-model-len": 300, "unknown": None}) == 300
+    with pytest.raises(ValueError, match=r"set --data\.max-len"):
+        data.resolve_max_len(None, {"max_position_embeddings of --model.name-or-path": None})
+
+
+def test_a_response_budget_leaving_no_room_for_a_prompt_is_an_error():
+    limits = {"max_position_embeddings of --actor.model.name-or-path": TINY_CONTEXT}
+    assert data.resolve_max_len(None, limits, 511, "--rollout.max-new-tokens") == TINY_CONTEXT
+    with pytest.raises(ValueError, match=r"^--rollout\.max-new-tokens 512 leaves no room for a prompt within 512"):
+        data.resolve_max_len(None, limits, 512, "--rollout.max-new-tokens")
+
+
+def test_sft_rows_longer_than_the_model_context_are_skipped_and_counted(tmp_path, tokenizer, tiny_path):
+    rows = [{"prompt": "1+2=", "answer": "3"}, {"prompt": "1" * 600 + "+1=", "answer": "2"},
+            {"prompt": "1" * 700 + "+1=", "answer": "2"}, {"prompt": "10+20=", "answer": "30"}]  # fmt: skip
+    f = write_jsonl(tmp_path / "d.jsonl", rows)
+    cfg = DataConfig()  # --data.max-len not given: the model's limit
+    cfg.max_len = data.resolve_max_len(cfg.max_len, {"max_position_embeddings": models.max_positions(str(tiny_path))})
+    logs = []
+    make = partial(data.sft_example, tokenizer=tokenizer, cfg=cfg)
+    (examples,) = data.build_examples(data.load_sources(str(f), "train"), make, cfg, logs.append)
+    assert len(examples) == 2 and all(len(ex["input_ids"]) <= TINY_CONTEXT for ex in examples)
+    assert "skipped 2 of 4 rows" in logs[0] and "row 1" in logs[0]
+    assert "{'longer than 512 tokens': 2}" in logs[0]  # one count for every length past the limit
+
+
+@pytest.mark.parametrize("maker", ["preference_example", "reward_pair_example"])
+def test_pairs_longer_than_the_context_are_bad_rows(tokenizer, maker):
+    cfg = DataConfig(max_len=TINY_CONTEXT)
+    row = {"prompt": "1+2=", "chosen": "3", "rejected": "4" * 600}
+    with pytest.raises(data.BadRow, match="> --data.max-len 512"):
+        getattr(data, maker)(row, tokenizer, cfg)
+
+
+def test_rl_prompt_without_room_for_the_response_is_skipped_and_counted(tmp_path, tokenizer, tiny_path):
+    """The RL limit: prompt + --rollout.max-new-tokens must fit the model's context (a 500-token prompt fits alone)."""
+    max_new_tokens = 16
+    rows = [{"prompt": "1+2=", "answer": "3"}, {"prompt": "1" * 499 + "=", "answer": "1"},
+            {"prompt": "1" * 490 + "=", "answer": "1"}]  # fmt: skip
+    f = write_jsonl(tmp_path / "d.jsonl", rows)
+    cfg = DataConfig()
+    limits = {"max_position_embeddings": models.max_positions(str(tiny_path))}
+    cfg.max_len = data.resolve_max_len(cfg.max_len, limits, max_new_tokens, "--rollout.max-new-tokens")
+    logs = []
+    make = partial(data.prompt_example, tokenizer=tokenizer, cfg=cfg, reserve=max_new_tokens)
+    (prompts,) = data.build_examples(data.load_sources(str(f), "train"), make, cfg, logs.append)
+    assert [len(p["prompt_ids"]) for p in prompts] == [5, 492]  # <s> + text; 492 + 16 <= 512 fits
+    assert "skipped 1 of 3 rows" in logs[0] and "row 1" in logs[0] and "501 prompt tokens + 16 response" in logs[0]
+
+
+def test_rl_script_refuses_a_response_budget_as_long_as_the_context(tiny_path, monkeypatch, one_process):
+    grpo = script("grpo")
+    monkeypatch.setattr(models, "load_tokenizer", lambda *_, **__: pytest.fail("loaded past the limit check"))
+    args = grpo.Args()
+    args.actor.model.name_or_path = str(tiny_path)
+    args.rollout.max_new_tokens = TINY_CONTEXT
+    with pytest.raises(ValueError, match=r"--rollout\.max-new-tokens 512 leaves no room"):
+        grpo.main(args)
+    args = grpo.Args()  # multi-turn: the feedback budget counts too
+    args.actor.model.name_or_path = str(tiny_path)
+    args.rollout.env_file, args.rollout.max_total_tokens = "agents/retry_env.py", 600
+    with pytest.raises(ValueError, match=r"--rollout\.max-new-tokens \+ --rollout\.max-total-tokens 608 leaves"):
+        grpo.main(args)
+
+
+@pytest.mark.parametrize("name", ["sft", "grpo"])
+def test_explicit_max_len_above_the_context_fails_before_loading_weights(name, tiny_path, monkeypatch,
+                                                                          one_process):  # fmt: skip
+    module = script(name)
+    monkeypatch.setattr(models, "load_causal_lm", lambda *_, **__: pytest.fail("weights loaded"))
+    args = module.Args()
+    (args.model if name == "sft" else args.actor.model).name_or_path = str(tiny_path)
+    args.data.max_len = 4096
+    with pytest.raises(ValueError, match=r"--data\.max-len 4096 exceeds the max_position_embeddings .*, 512"):
+        module.main(args)
+
+
+# ------------------------------------------------------------------------------------------------------- labels
+def test_json_number_labels_become_text(tokenizer):
+    cfg = DataConfig(max_len=TINY_CONTEXT)
+    label = lambda value: data.prompt_example({"prompt": "1+1=", "answer": value}, tokenizer, cfg)["label"]  # noqa: E731
+    assert label(42) == "42" and label(42.0) == "42" and label(2.5) == "2.5" and label(0) == "0"
+    assert label("042") == "042"
+    assert label(True) is True and label([1, 2]) == [1, 2] and label({"x": 1}) == {"x": 1}  # passed through
+
+
+def test_integer_labels_of_a_mixed_json_column_still_earn_their_reward(tmp_path, tokenizer):
+    """JSON ints beside floats load as 42.0 (one float64 column); the arithmetic reward must still match "42"."""
+    f = write_jsonl(tmp_path / "d.jsonl", [{"prompt": "40+2=", "answer": 42}, {"prompt": "5/2=", "answer": 2.5}])
+    cfg = DataConfig(max_len=TINY_CONTEXT)
+    make = partial(data.prompt_example, tokenizer=tokenizer, cfg=cfg)
+    (prompts,) = data.build_examples(data.load_sources(str(f), "train"), make, cfg)
+    assert [p["label"] for p in prompts] == ["42", "2.5"]
+    out = reward_func([prompts[0]["prompt"] + "42"], [prompts[0]["prompt"]], [prompts[0]["label"]])
+    assert out["rewards"].tolist() == [1.0]
+
+
+@pytest.mark.parametrize("label", [4.2, True, ["42"], None])
+def test_arithmetic_reward_refuses_a_label_that_is_not_text(label):
+    with pytest.raises(ValueError, match=f"label .* is a {type(label).__name__}, expected text"):
+        reward_func(["40+2=42"], ["40+2="], [label])
+    assert reward_func(["40+2=42"], ["40+2="], [42])["rewards"].tolist() == [1.0]  # ints are exact: accepted
+
+
+# -------------------------------------------------------------------------------------------------- flag checks
+def test_flag_name_is_built_from_the_field_path():
+    assert flag_name(("rollout", "batch_size")) == "--rollout.batch-size"
+    assert flag_name(("actor", "model", "name_or_path")) == "--actor.model.name-or-path"
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_every_scripts_defaults_pass_the_flag_rules(name):
+    check_args(script(name).Args())
+
+
+def batch_flag(name):
+    return ("rollout", "--rollout.batch-size") if name in RL else ("train", "--train.batch-size")
+
+
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_every_script_refuses_batch_size_0_before_loading_anything(name, nothing_loads):
+    module = script(name)
+    args = module.Args()
+    section, flag = batch_flag(name)
+    getattr(args, section).batch_size = 0
+    with pytest.raises(ValueError, match=f"^{flag} 0: must be > 0$"):
+        module.main(args)
+
+
+@pytest.mark.parametrize("name", ["grpo", "grpo_async"])
+def test_grpo_refuses_groups_of_one_before_loading_anything(name, nothing_loads):
+    module = script(name)
+    args = module.Args()
+    args.rollout.n_samples = 1
+    with pytest.raises(ValueError, match=r"^--rollout\.n-samples 1: GRPO's group-relative advantage needs at least 2"):
+        module.main(args)
+
+
+def test_reinforce_pp_refuses_the_zero_variance_filter_on_groups_of_one(nothing_loads):
+    module = script("reinforce_pp")
+    args = module.Args()
+    args.rollout.n_samples, args.algo.filter_zero_variance = 1, True
+    with pytest.raises(ValueError, match=r"--algo\.filter-zero-variance needs --rollout\.n-samples >= 2, got 1"):
+        module.main(args)
+    args.algo.filter_zero_variance = False
+    check_args(args)  # one sample without a baseline or filter is plain REINFORCE++
+
+
+def test_rloo_refuses_one_sample_and_ppo_accepts_it(nothing_loads):
+    rloo, ppo = script("rloo"), script("ppo")
+    args = rloo.Args()
+    args.rollout.n_samples = 1
+    with pytest.raises(ValueError, match=r"--rollout\.n-samples 1: RLOO needs at least 2"):
+        rloo.main(args)
+    args = ppo.Args()
+    args.rollout.n_samples = 1  # InstructGPT's setting: the critic is the baseline
+    check_args(args)
+
+
+@pytest.mark.parametrize(
+    "name, section, key, value, message",
+    [
+        ("grpo", "reward", "clip", 1e39, r"^--reward\.clip 1e\+39: beyond float32's range"),
+        ("grpo", "reward", "clip", math.inf, r"^--reward\.clip inf: must be a finite number"),
+        ("grpo", "actor", "lr", math.nan, r"^--actor\.lr nan: must be a finite number"),
+        ("ppo", "algo", "lam", 1.5, r"^--algo\.lam 1\.5: must be <= 1"),
+        ("sft", "train", "micro_batch_size", 0, r"^--train\.micro-batch-size 0: must be > 0"),
+        ("sft", "train", "warmup_steps", -1, r"^--train\.warmup-steps -1: must be >= 0"),
+        ("rloo", "train", "minibatches", 0, r"^--train\.minibatches 0: must be > 0"),
+        ("ppo", "rollout", "max_new_tokens", 0, r"^--rollout\.max-new-tokens 0: must be > 0"),
+        ("dpo", "train", "max_steps", 0, r"^--train\.max-steps 0: must be > 0"),
+    ],
+)
+def test_flag_rules_name_the_flag(nothing_loads, name, section, key, value, message):
+    module = script(name)
+    args = module.Args()
+    setattr(getattr(args, section), key, value)
+    with pytest.raises(ValueError, match=message):
+        module.main(args)
+
+
+def test_several_bad_flags_are_listed_together():
+    @dataclass
+    class Inner:
+        batch_size: int = 0
+        adam_betas: tuple[float, float] = (0.9, float("nan"))
+
+    @dataclass
+    class Outer:
+        train: Inner = field(default_factory=Inner)
+        seed: int = -1
+        flag: bool = False
+        note: str | None = None
+
+    with pytest.raises(ValueError) as err:
+        check_args(Outer())
+    assert str(err.value).splitlines() == ["invalid flags:", "  --train.batch-size 0: must be > 0",
+                                           "  --train.adam-betas nan: must be a finite number",
+                                           "  --seed -1: must be >= 0 (0 turns it off)"]  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------- model-path messages
+@pytest.mark.parametrize(
+    "name, target, flag",
+    [
+        ("sft", "model", "--model.name-or-path"),
+        ("dpo", "model", "--model.name-or-path"),
+        ("grpo", "actor.model", "--actor.model.name-or-path"),
+        ("grpo", "ref", "--ref.name-or-path"),
+        ("ppo", "critic", "--critic.name-or-path"),
+        ("rloo", "actor.model", "--actor.model.name-or-path"),
+    ],
+)
+def test_a_missing_model_folder_names_the_flag_typed(tmp_path, nothing_loads, name, target, flag):
+    module = script(name)
+    args = module.Args()
+    section = args
+    for part in target.split("."):
+        section = getattr(section, part)
+    section.name_or_path = str(tmp_path / "missing")
+    with pytest.raises(ValueError, match=f"^{flag} '.*missing': no such model folder"):
+        module.main(args)
+
+
+def test_loaders_name_the_flag_they_are_given(tmp_path):
+    missing = str(tmp_path / "missing")
+    with pytest.raises(ValueError, match=r"^--actor\.model\.name-or-path '.*': no such model folder"):
+        models.load_causal_lm(ModelConfig(name_or_path=missing), "--actor.model.name-or-path")
+    with pytest.raises(ValueError, match=r"^--critic\.name-or-path '.*': no such model folder"):
+        models.load_scalar_model(missing, flag="--critic.name-or-path")
+    with pytest.raises(ValueError, match=r"\(--actor\.model\.name-or-path / --actor\.model\.tokenizer\): no such"):
+        models.load_tokenizer(missing, "--actor.model.name-or-path / --actor.model.tokenizer")
