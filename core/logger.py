@@ -17,6 +17,7 @@ import json
 import os
 import sys
 import time
+import uuid
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -135,7 +136,7 @@ class RunLogger:
             import wandb
 
             id_file = self.run_dir / "wandb_id"
-            run_id = id_file.read_text().strip() if resume_step and id_file.is_file() else wandb.util.generate_id()
+            run_id = id_file.read_text().strip() if resume_step and id_file.is_file() else uuid.uuid4().hex[:8]
             id_file.write_text(run_id)
             self.wandb = wandb.init(project=cfg.wandb_project, name=self.run_dir.name, config=config, id=run_id,
                                     resume="allow", dir=str(self.run_dir), mode=cfg.wandb_mode)  # fmt: skip
