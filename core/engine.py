@@ -291,10 +291,14 @@ def optimizer_step(engine, step: int, name: str = "model") -> float:
     """`engine.step()`, unless a gradient is NaN/inf on any rank: then raise FloatingPointError naming `name` (e.g.
     actor, critic) and `step`, before the optimizer touches the weights. Call after the last backward of the step, on
     every rank (collective). Returns DeepSpeed's gradient norm of the step (0.0 where it keeps none)."""
-    norm = grad_norm(engine)
-    if not math.isfinite(norm):
-        raise FloatingPointError(f"non-finite gradient norm ({norm}) of the {name} at step {step}: stopped before "
-                                 f"the optimizer step, weights untouched")  # fmt: skip
+    grads, _ = _local_grads(engine)
+    bad = torch.zeros((), dtype=torch.float64)
+    for g in grads:  # a NaN/inf element anywhere makes the norm non-finite; no arithmetic on the gradients needed
+        if not bool(torch.isfinite(g.detach()).all()):
+            bad += 1
+    if all_reduce(bad) > 0:
+        raise FloatingPointError(f"non-finite gradient of the {name} at step {step} (a NaN or inf element, so the "
+                                 f"gradient norm is too): stopped before the optimizer step, weights untouched")  # fmt: skip
     engine.step()
     return float(engine.get_global_grad_norm() or 0.0)
 
