@@ -47,45 +47,33 @@ A real model:
 
 from __future__ import annotations
 
-import math
 import os
-import random
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Literal
 
-import numpy as np
 import torch
 import tyro
 
-from agents.executor import Episode, MultiTurnExecutor, Rollout, SingleTurnExecutor, load_env_factory
-from core import checkpoint, data, embedded, models, packing, placement, rl_math, rollout
 from core import engine as ds_engine
-from core.config import CkptConfig, DataConfig, DSConfig, LoggerConfig, ModelConfig, RefConfig, check_args
-from core.logger import RunLogger, run_name, timer
-from core.placement import RayConfig, all_ranks, shard_minibatch
+from core import models, rl, rl_math, rollout
+from core.config import (
+    ActorArgs,
+    CkptConfig,
+    DataConfig,
+    DSConfig,
+    EvalArgs,
+    LoggerConfig,
+    RefConfig,
+    RolloutArgs,
+    TrainArgs,  # fmt: skip
+    check_args,
+)
+from core.logger import timer
+from core.placement import RayConfig
 from core.rollout import VLLMConfig
-from rewards.loader import RewardConfig, load_reward_func, score
-
-
-@dataclass
-class ActorArgs:
-    model: ModelConfig = field(default_factory=lambda: ModelConfig(name_or_path="cleanrlhf/tiny-sft"))
-    lr: float = 3e-4
-    """peak learning rate (3e-4 suits the ~1 M embedded model; ~1e-6 for real models)."""
-    warmup_steps: int = 0
-    """linear learning-rate warmup steps, then cosine decay to 0.1 · lr."""
-    clip_low: float = 0.2
-    """ε_low: ratio lower clip 1 − ε_low."""
-    clip_high: float = 0.2
-    """ε_high: ratio upper clip 1 + ε_high (DAPO's clip-higher uses 0.28)."""
-    dual_clip: float | None = None
-    """dual-clip constant c > 1 (Ye et al. 2020): bounds the loss of negative-advantage tokens at c·|A|."""
-    level: Literal["token", "sequence"] = "token"
-    """importance ratio per token (PPO/GRPO) or per sequence (GSPO, Zheng et al. 2025)."""
-    entropy_coef: float = 0.0
-    """entropy bonus coefficient (0: off, no extra memory)."""
+from rewards.loader import RewardConfig
 
 
 @dataclass
@@ -103,54 +91,6 @@ class CriticArgs:
     warmup_steps: int = 0
     """critic-only steps at the start: the first N rollouts update the critic and leave the actor (and vLLM) as
     they are, so the policy gradient starts with a fitted baseline."""
-
-
-@dataclass
-class RolloutArgs:
-    batch_size: int = 64
-    """prompts per step."""
-    n_samples: int = 8  # DEVIATION(2): 8 samples per prompt, as grpo.py
-    """responses sampled per prompt (PPO needs no group; 1 is InstructGPT's setting)."""
-    max_new_tokens: int = 8
-    """response length limit."""
-    temperature: float = 1.0
-    """sampling temperature (the trainer's log-probs use the same temperature)."""
-    top_p: float = 1.0
-    """nucleus sampling."""
-    env_file: str | None = None
-    """multi-turn: a Python file defining `make_env(example)` -> an environment with `reset(example) -> str` and
-    `step(response) -> (feedback, reward, done)` (e.g. agents/retry_env.py). Its feedback is appended as tokens that
-    are not trained on (GAE carries through them), its rewards replace `--reward.*`. None: one generation per
-    episode, scored by `--reward.*`."""
-    max_turns: int = 2
-    """multi-turn: model turns per episode at most."""
-    max_total_tokens: int = 256
-    """multi-turn: response tokens (model + feedback) per episode at most; an episode reaching it is truncated."""
-
-
-@dataclass
-class TrainArgs:
-    max_steps: int = 30
-    """RL steps (one rollout + update each), critic warm-up steps included."""
-    minibatches: int = 2
-    """optimizer steps per rollout (actor and critic each): the batch is split into this many minibatches."""
-    epochs: int = 1
-    """passes over each rollout."""
-    micro_batch_size: int = 128
-    """sequences per forward/backward (gradient accumulation covers the minibatch)."""
-    seed: int = 1
-    """seed of the prompt order, the sampling seeds and every RNG."""
-    ranks: int = 1
-    """data-parallel trainer ranks. 1: this process trains (with an in-process vLLM engine on CPU). N > 1: N Ray
-    actors forming one DeepSpeed world on a placement group (`--ray.*`), each holding an actor and a critic engine,
-    the vLLM engines as Ray actors (`--vllm.num-engines`), weights sent to them from rank 0."""
-    colocate: bool = True
-    """with ranks > 1: each vLLM engine shares a placement-group bundle (GPU, or CPU) with a trainer rank, half of it
-    each (OpenRLHF's colocate-all; `--vllm.enable-sleep` frees the engine's GPU memory while training); off: the
-    engines get bundles of their own."""
-    halt_after: int | None = None
-    """stop this invocation after N steps with a checkpoint; the same command with `--run-dir <run>` resumes exactly
-    (for time-limited cluster jobs)."""
 
 
 @dataclass
@@ -184,18 +124,6 @@ class AlgoArgs:
 
 
 @dataclass
-class EvalArgs:
-    every: int = 10
-    """evaluate every N steps (and at the start and end); 0 disables."""
-    max_samples: int = 500
-    """eval prompts."""
-    k: int = 4
-    """pass@k uses k samples per prompt at the rollout temperature; pass@1 is greedy."""
-    best_metric: str | None = "eval/pass@1"
-    """export the model to `<run>/best` whenever this eval metric reaches a new maximum (None: off)."""
-
-
-@dataclass
 class Args:
     exp_name: str = Path(__file__).stem
     """run name prefix; defaults to this file's name, so a copied script names its own runs."""
@@ -203,8 +131,8 @@ class Args:
     ref: RefConfig = field(default_factory=RefConfig)
     critic: CriticArgs = field(default_factory=CriticArgs)
     reward: RewardConfig = field(default_factory=RewardConfig)
-    rollout: RolloutArgs = field(default_factory=RolloutArgs)
-    train: TrainArgs = field(default_factory=TrainArgs)
+    rollout: RolloutArgs = field(default_factory=RolloutArgs)  # DEVIATION(2): G = 8 (InstructGPT: 1)
+    train: TrainArgs = field(default_factory=lambda: TrainArgs(max_steps=30))  # max-steps counts the critic warm-up
     algo: AlgoArgs = field(default_factory=AlgoArgs)
     eval: EvalArgs = field(default_factory=EvalArgs)
     data: DataConfig = field(default_factory=DataConfig)
@@ -269,46 +197,15 @@ def groups_inside(scores: torch.Tensor, group_size: int, low: float, high: float
     return (mean > low) & (mean < high)
 
 
-def sequences(episodes: list[Episode], pad_id: int, device) -> dict:
-    """Right-padded prompt+response batch (B, L): the loss mask is True on the tokens the policy generated (the
-    episode's action mask), `rollout_logp` holds the engine's log-probs at the same positions."""
-    examples = [{"input_ids": e.prompt_ids + e.token_ids, "loss_mask": [0] * len(e.prompt_ids) + e.action_mask}
-                for e in episodes]  # fmt: skip
-    batch = packing.collate_padded(examples, pad_id, device)
-    batch["rollout_logp"] = torch.zeros(batch["loss_mask"].shape)
-    for row, e in enumerate(episodes):
-        batch["rollout_logp"][row, len(e.prompt_ids) : len(e.prompt_ids) + len(e.token_ids)] = torch.tensor(e.logprobs)
-    return batch
-
-
-def forward_logp(model, batch: dict, temperature: float, entropy: bool = False):
-    """Per-token log-probs (B, L) of the batch's tokens (position t: log p(x_t | x_<t)), and optionally entropies."""
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
-    logits = logits[:, :-1]
-    logp = rl_math.logprobs_from_logits(logits, batch["input_ids"][:, 1:], temperature=temperature)
-    logp = torch.cat([torch.zeros_like(logp[:, :1]), logp], dim=1)
-    ent = None
-    if entropy:
-        ent = rl_math.entropy_from_logits(logits.float() / temperature)
-        ent = torch.cat([torch.zeros_like(ent[:, :1]), ent], dim=1)
-    return logp, ent
-
-
-@torch.no_grad()
-def evaluate(executor: SingleTurnExecutor | MultiTurnExecutor, eval_set: list[dict], args: Args) -> dict:
-    """pass@1 (greedy) and pass@k (k samples at the rollout temperature), overall and per data source; an answer is
-    correct when its reward is above 0.5."""
-    greedy = executor.run(eval_set, n=1, seed=None, step=-1, temperature=0.0)
-    sampled = executor.run(eval_set, n=args.eval.k, seed=12345, step=-1)
-    p1 = (greedy.rewards > 0.5).float()
-    pk = (sampled.rewards > 0.5).float().view(len(eval_set), args.eval.k).max(dim=1).values
-    out = {"eval/pass@1": p1.mean().item(), f"eval/pass@{args.eval.k}": pk.mean().item()}
-    sources = sorted({e["datasource"] for e in eval_set})
-    if len(sources) > 1:
-        for s in sources:
-            idx = torch.tensor([e["datasource"] == s for e in eval_set])
-            out[f"eval/{s}/pass@1"] = p1[idx].mean().item()
-    return out
+def make_critic(args: Args, device: torch.device, total_updates: int):
+    """V_φ: a causal LM body + scalar head (`--critic.name-or-path`, default the actor's model) as a second DeepSpeed
+    engine with its own AdamW and warmup/cosine schedule. A fresh head is drawn from torch's seeded RNG, the same on
+    every rank. models.TokenValues returns per-token values from the engine's own forward (ZeRO-3 accumulation)."""
+    flag = "--critic.name-or-path" if args.critic.name_or_path else "--actor.model.name-or-path"
+    body = models.load_scalar_model(args.critic.name_or_path or args.actor.model.name_or_path, args.actor.model.dtype,
+                                    args.actor.model.attn_implementation, flag)  # fmt: skip
+    return ds_engine.make_engine(models.TokenValues(body).to(device), args.ds, args.critic.lr, total_updates,
+                                 args.critic.lr_warmup_steps, hybrid=args.vllm.enable_sleep)  # fmt: skip
 
 
 def forward_values(critic, batch: dict) -> torch.Tensor:
@@ -318,366 +215,134 @@ def forward_values(critic, batch: dict) -> torch.Tensor:
     return torch.cat([torch.zeros_like(v[:, :1]), v[:, :-1]], dim=1)
 
 
-def ppo_update(actor, critic, seqs: dict, old_logp, old_values, advantages, returns, args: Args, step: int,
-               rank: int = 0, world: int = 1) -> dict:  # fmt: skip
-    """Minibatch updates of one rollout: a clipped value-loss step of the critic on every minibatch and, after the
-    critic warm-up (step ≥ --critic.warmup-steps), a clipped-surrogate step of the actor on the same minibatch.
-    seqs: right-padded batch (B, L) with its response mask `loss_mask`; the other tensors are (B, L). With world > 1
-    every rank holds the whole batch and trains on its share of every minibatch. Returns stats (the same on every
-    rank)."""
-    mask = seqs["loss_mask"]
-    B, mbs = mask.shape[0], args.train.micro_batch_size
-    train_actor = step >= args.critic.warmup_steps
-    order = list(range(B))  # rows are prompt-major; minibatches mix prompts
-    random.Random(args.train.seed + step).shuffle(order)
-    mb_size = max(1, math.ceil(B / args.train.minibatches))
-    out: dict[str, list] = {k: [] for k in ("policy", "value", "clipfrac", "vclipfrac", "ent", "norm", "vnorm")}
+# ALGO LOGIC: the loss, per micro-batch of (b, T) tensors; `agg` holds the whole minibatch's normalisers.
+def policy_loss(logp, old_logp, ent, adv, mb: dict, args: Args, agg: dict):
+    """J = clipped surrogate (× IS weight) + entropy bonus, aggregated by `--algo.loss-agg`, with no KL term
+    (DEVIATION(3): the penalty is in the reward); returns (loss to minimise, per-token metrics of this micro-batch)."""
+    mask = mb["loss_mask"]
+    ratio = rl_math.importance_ratio(logp, old_logp, mask, args.actor.level)  # ρ = π_θ / π_old
+    pg, clipped, _ = rl_math.clipped_surrogate(ratio, adv, args.actor.clip_low, args.actor.clip_high,
+                                               args.actor.dual_clip)  # −min(ρA, clip(ρ)A)  # fmt: skip
+    if args.algo.is_correction:  # DEVIATION(4): correct for the engine's own log-probs (π_old / π_vllm)
+        pg = pg * rl_math.is_weight(old_logp, mb["rollout_logp"], mask, args.algo.is_correction, args.algo.is_threshold)
+    loss = rl_math.aggregate_loss(pg, mask, args.algo.loss_agg, **agg)  # DEVIATION(1): token-mean
+    metrics = {"loss/clipfrac": rl_math.masked_mean(clipped.float(), mask)}
+    if ent is not None:
+        loss = loss - args.actor.entropy_coef * rl_math.aggregate_loss(ent, mask, args.algo.loss_agg, **agg)
+        metrics["loss/entropy"] = rl_math.masked_mean(ent, mask)
+    return loss, metrics
+
+
+def update(actor, critic, ref, seqs: dict, rewards: torch.Tensor, args: Args, run: rl.Run, step: int, kl_coef: float):
+    """Minibatches of both losses over one rollout: old log-probs, V_old and reference log-probs of every row first
+    (by the trainer; GAE and the whitening are global, so every rank gets every row), the advantages and the critic's
+    targets, then `--train.epochs` passes of `--train.minibatches` steps: on each minibatch a critic step and, after
+    the critic warm-up (step ≥ --critic.warmup-steps), an actor step. seqs: (B, L) batch; rewards: (B,) -> metrics."""
+    mask, temp, world = seqs["loss_mask"], args.rollout.temperature, run.world
+    batches = rl.minibatches(len(mask), args, step, run.rank, world)
+    mine = [m for _, micro in batches for m in micro]  # this rank's rows
+    old_logp = rl.forward_rows(lambda b: rl.forward_logp(actor, b, temp)[0], seqs, mine, world, True)
+    old_values = rl.forward_rows(partial(forward_values, critic), seqs, mine, world, True)
+    with ds_engine.on_device(ref, run.device):
+        ref_logp = None if ref is None else rl.forward_rows(lambda b: rl.forward_logp(ref, b, temp)[0], seqs, mine,
+                                                            world, True)  # fmt: skip
+    out, kl = {"critic/warmup": float(step < args.critic.warmup_steps)}, torch.zeros_like(old_logp)
+    if ref_logp is not None:  # KL_t of the sampling policy to the reference, on the sampled tokens
+        kl = rl_math.approx_kl(old_logp, ref_logp, args.algo.kl_estimator, mask=mask)
+        out["loss/kl"] = rl_math.masked_mean(kl, mask).item()
+    # ALGO LOGIC: KL-shaped token rewards -> GAE with the rollout critic's values -> whitened advantages
+    adv, returns = ppo_advantages(rewards.to(mask.device), kl, old_values, mask, kl_coef, args.algo.gamma,
+                                  args.algo.lam, args.algo.whiten_advantages)  # fmt: skip
+    out.update({"critic/values_mean": rl_math.masked_mean(old_values, mask).item(),
+                "critic/returns_mean": rl_math.masked_mean(returns, mask).item(),
+                "critic/explained_variance": explained_variance(old_values, returns, mask).item()})  # fmt: skip
+    meter = rl.Meter()
     for _ in range(args.train.epochs):
-        for m0 in range(0, B, mb_size):
-            rows = order[m0 : m0 + mb_size]
-            n_tok = mask[rows].sum().item()  # the whole minibatch's tokens, over all ranks
-            agg = {"num_tokens": n_tok, "num_seqs": len(rows), "max_len": mask.shape[1]}
-            if args.algo.loss_agg == "seq-mean-token-sum-norm":
-                agg["max_len"] = args.rollout.max_new_tokens
-            # PLUMBING: this rank's share of the minibatch, in as many passes as on every other rank (under ZeRO-3
-            # each forward of either engine is a collective); a padding pass (real False) has its loss × 0
-            micro = shard_minibatch(rows, rank, world, mbs)
-            # ALGO LOGIC: critic step, ½ max((V − R)², (V_clip − R)²) (rl_math.value_loss), on every step
-            out["value"].append(0.0)
-            out["vclipfrac"].append(0.0)  # the minibatch's fraction of clipped tokens, weighted as the loss
-            for j, (r, real) in enumerate(micro):
-                mb = {k: v[r] for k, v in seqs.items()}
-                share = mb["loss_mask"].sum().item() / max(n_tok, 1) * world  # of the minibatch's tokens, × world
-                vloss, vstats = rl_math.value_loss(forward_values(critic, mb), old_values[r], returns[r],
-                                                   mb["loss_mask"], clip_eps=args.critic.value_clip,
-                                                   agg=args.algo.loss_agg, **agg)  # fmt: skip
-                ds_engine.check_finite(vloss, step, "critic value loss")  # stops before the optimizer step
-                # DeepSpeed averages gradients over ranks: × world makes them sum to the global token mean
-                vloss = vloss * (world if real else 0.0)
-                critic.set_gradient_accumulation_boundary(j == len(micro) - 1)
-                critic.backward(vloss)
-                out["value"][-1] += vloss.item()  # the ranks' shares add up to the minibatch loss × world
-                if real:  # token-weighted: the same over any number of ranks (× world, as the loss)
-                    out["vclipfrac"][-1] += vstats["clipfrac"].item() * share
-            out["vnorm"].append(ds_engine.optimizer_step(critic, step, "critic"))  # NaN/inf gradients: raise
-            if not train_actor:  # critic warm-up: the actor is not touched
+        for minibatch, micro in batches:
+            agg = rl.agg_kwargs(mask, minibatch, args)
+            for j, (r, real) in enumerate(micro):  # ALGO LOGIC: the critic, ½ max((V − R)², (V_clip − R)²)
+                mb = rl.rows(seqs, r)
+                values = forward_values(critic, mb)
+                vloss, vstats = rl_math.value_loss(values, old_values[r], returns[r], mb["loss_mask"],
+                                                   args.critic.value_clip, args.algo.loss_agg, **agg)  # fmt: skip
+                meter.add_loss("loss/value", rl.backward(critic, vloss, step, world, real, j == len(micro) - 1,
+                                                         "critic value loss"))  # fmt: skip
+                meter.add({"critic/clipfrac": vstats["clipfrac"]}, mb["loss_mask"].sum().item() if real else 0.0)
+            meter.add_step("critic/grad_norm", ds_engine.optimizer_step(critic, step, "critic"))  # NaN/inf: raise
+            if step < args.critic.warmup_steps:  # critic warm-up: the actor is not touched
                 continue
-            # ALGO LOGIC: actor step, the clipped surrogate with the GAE advantages
-            out["policy"].append(0.0)
-            out["clipfrac"].append(0.0)
             for j, (r, real) in enumerate(micro):
-                mb = {k: v[r] for k, v in seqs.items()}
-                share = mb["loss_mask"].sum().item() / max(n_tok, 1) * world
-                logp, ent = forward_logp(actor, mb, args.rollout.temperature, args.actor.entropy_coef > 0)
-                # DEVIATION(1): token-mean over the minibatch (the default --algo.loss-agg)
-                loss, pstats = rl_math.policy_loss(
-                    logp, old_logp[r], advantages[r], mb["loss_mask"], clip_low=args.actor.clip_low,
-                    clip_high=args.actor.clip_high, dual_clip=args.actor.dual_clip, level=args.actor.level,
-                    agg=args.algo.loss_agg, rollout_logp=mb["rollout_logp"], is_correction=args.algo.is_correction,
-                    is_threshold=args.algo.is_threshold, **agg,
-                )  # fmt: skip
-                # DEVIATION(3): no KL term in the loss; the penalty is in the reward (advantages)
-                if ent is not None:
-                    loss = loss - args.actor.entropy_coef * rl_math.aggregate_loss(ent, mb["loss_mask"],
-                                                                                   args.algo.loss_agg, **agg)  # fmt: skip
-                    if real:
-                        out["ent"].append(rl_math.masked_mean(ent, mb["loss_mask"]).item())
-                ds_engine.check_finite(loss, step, "actor loss")  # stops before the optimizer step
-                loss = loss * (world if real else 0.0)  # as the critic's: DeepSpeed averages over ranks
-                actor.set_gradient_accumulation_boundary(j == len(micro) - 1)
-                actor.backward(loss)
-                out["policy"][-1] += loss.item()
-                if real:
-                    out["clipfrac"][-1] += pstats["clipfrac"].item() * share
-            out["norm"].append(ds_engine.optimizer_step(actor, step, "actor"))  # NaN/inf gradients: raise
-    stats = {"loss/value": float(np.mean(out["value"])), "critic/clipfrac": float(np.mean(out["vclipfrac"])),
-             "critic/grad_norm": float(np.mean(out["vnorm"])), "critic/lr": critic.lr_scheduler.get_last_lr()[0],
-             "critic/warmup": float(not train_actor), "train/tokens": float(mask.sum())}  # fmt: skip
-    if train_actor:
-        stats.update({"loss/policy": float(np.mean(out["policy"])), "loss/clipfrac": float(np.mean(out["clipfrac"])),
-                      "train/grad_norm": float(np.mean(out["norm"]))})  # fmt: skip
-    if out["ent"]:
-        stats["loss/entropy"] = float(np.mean(out["ent"]))
-    # the mean over ranks of (share × world) is the sum of the shares: the minibatch's loss and clip fraction
-    return all_ranks(stats, world, reduce=True)
-
-
-def launch(args: Args) -> dict:
-    """`--train.ranks N`: start Ray, the vLLM engine actors and N trainer ranks (one DeepSpeed world, each rank with an
-    actor and a critic engine) on one placement group, and run `main` on every rank, as torchrun would; returns rank
-    0's summary."""
-    resources = placement.init_ray(args.ray)
-    gpu, n = resources.get("GPU", 0) > 0, args.train.ranks
-    pg, share, engine_options = placement.place_rl(n, args.vllm.num_engines, args.vllm.tensor_parallel_size,
-                                                   args.train.colocate, args.ray.strategy, args.ray.timeout_s)  # fmt: skip
-    # resolved once here: the ranks must agree on the models, the run folder and the engines
-    args.actor.model.name_or_path = embedded.resolve_model(args.actor.model.name_or_path)
-    if args.ref.name_or_path:
-        args.ref.name_or_path = embedded.resolve_model(args.ref.name_or_path)
-    if args.critic.name_or_path:
-        args.critic.name_or_path = embedded.resolve_model(args.critic.name_or_path)
-    args.run_dir = str(Path(args.run_dir or Path(args.logger.run_root) / run_name(args.exp_name, args.train.seed)))
-    args.vllm.in_process = False
-    engines = rollout.create_engines(args.actor.model.name_or_path, args.vllm, seed=args.train.seed,
-                                     actor_options=engine_options, init_broadcast=False)  # fmt: skip
-    group = None
-    try:
-        group = placement.ModelGroup(placement.Worker, n, "actor", pg=pg, num_cpus_per_rank=share,
-                                     num_gpus_per_rank=share if gpu else 0, timeout_s=args.ray.timeout_s,
-                                     backend=args.ds.backend)  # fmt: skip
-        group.timeout_s = 10 * 365 * 86400.0  # the whole run is one call; a rank that dies still ends it at once
-        return group.run(_run_rank, args, engines, os.getcwd())[0]
-    finally:
-        if group is not None:
-            group.shutdown()
-        engines.shutdown()
-
-
-def _run_rank(worker, args: Args, engines, cwd: str) -> dict:
-    os.chdir(cwd)  # relative paths of the command line mean what they meant to the driver
-    return main(args, engines)
+                mb = rl.rows(seqs, r)
+                logp, ent = rl.forward_logp(actor, mb, temp, args.actor.entropy_coef > 0)
+                loss, metrics = policy_loss(logp, old_logp[r], ent, adv[r], mb, args, agg)
+                meter.add_loss("loss/policy", rl.backward(actor, loss, step, world, real, j == len(micro) - 1,
+                                                          "actor loss"))  # fmt: skip
+                meter.add(metrics, mb["loss_mask"].sum().item() if real else 0.0)
+            meter.add_step("train/grad_norm", ds_engine.optimizer_step(actor, step, "actor"))  # NaN/inf: raise
+    out["critic/lr"] = critic.lr_scheduler.get_last_lr()[0]
+    return {**out, **meter.result(world), "train/tokens": float(mask.sum())}
 
 
 def main(args: Args, engines: rollout.RolloutEngines | None = None) -> dict:
     # 1. setup ------------------------------------------------------------------------------------------------
     check_args(args)  # PLUMBING: generic flag rules (sizes > 0, finite floats, ...) before anything is loaded
-    if not 0 <= args.critic.warmup_steps < args.train.max_steps:
+    if not 0 <= args.critic.warmup_steps < args.train.max_steps:  # ALGO LOGIC: the actor must train at least once
         raise ValueError(f"--critic.warmup-steps {args.critic.warmup_steps} must be in [0, --train.max-steps "
                          f"{args.train.max_steps}): the actor would never be trained")  # fmt: skip
     # PLUMBING: `--train.ranks 1`: this process holds the DeepSpeed actor and critic and an in-process vLLM engine.
     # N > 1: the driver starts Ray, the engine actors and N ranks, each of which runs this function with the engines
     # given and holds an actor and a critic engine of the same DeepSpeed world.
     if args.train.ranks > 1 and engines is None:
-        return launch(args)
-    rank, world, device = ds_engine.init_distributed(args.ds.backend, args.ds.timeout_s)
-    if world > 1 and engines is None:
-        raise ValueError("several trainer ranks: use --train.ranks N (Ray placement, shared vLLM engine actors), "
-                         "not torchrun")  # fmt: skip
-    # Seeds: data order and sampling seeds are derived from (seed, step); RNGs seeded once for the rest (the critic's
-    # fresh scalar head is drawn from torch's RNG right after this, the same on every rank).
-    random.seed(args.train.seed)
-    np.random.seed(args.train.seed)
-    torch.manual_seed(args.train.seed)
-    actor_path = embedded.resolve_model(args.actor.model.name_or_path)
-    args.actor.model.name_or_path = actor_path
-    # PLUMBING: each prompt must leave room for its response in the model's context: rows that cannot fit are
-    # skipped and counted here, instead of failing inside the rollout engine mid-run
-    multi_turn = args.rollout.env_file is not None
-    reserve = args.rollout.max_new_tokens + (args.rollout.max_total_tokens if multi_turn else 0)
-    reserve_flag = "--rollout.max-new-tokens" + (" + --rollout.max-total-tokens" if multi_turn else "")
-    limits = {"max_position_embeddings of --actor.model.name-or-path":
-              models.max_positions(actor_path, "--actor.model.name-or-path"),
-              "--vllm.max-model-len": args.vllm.max_model_len}  # fmt: skip
-    args.data.max_len = data.resolve_max_len(args.data.max_len, limits, reserve, reserve_flag)
-    tokenizer = models.load_tokenizer(args.actor.model.tokenizer or actor_path,
-                                      "--actor.model.name-or-path / --actor.model.tokenizer")  # fmt: skip
-    make = partial(data.prompt_example, tokenizer=tokenizer, cfg=args.data, reserve=reserve)
-    train_set = data.mix(data.build_examples(data.load_sources(args.data.path, args.data.split, args.data.max_samples),
-                                             make, args.data), args.data.probs, args.train.seed)  # fmt: skip
-    eval_sources = data.load_sources(args.data.eval_path or args.data.path, args.data.eval_split, args.eval.max_samples)
-    eval_set = [e for g in data.build_examples(eval_sources, make, args.data) for e in g]
-    reward_func, reward_source = load_reward_func(args.reward)
-
-    model = models.load_causal_lm(args.actor.model, "--actor.model.name-or-path").to(device)
-    updates_per_step = args.train.minibatches * args.train.epochs
-    actor = ds_engine.make_engine(model, args.ds, args.actor.lr,
-                                  (args.train.max_steps - args.critic.warmup_steps) * updates_per_step,
-                                  args.actor.warmup_steps, hybrid=args.vllm.enable_sleep)  # fmt: skip
-    # PLUMBING: the critic, a causal LM body + scalar head, as a second DeepSpeed engine with its own optimizer
-    critic_path = embedded.resolve_model(args.critic.name_or_path or actor_path)
-    # the engine's own forward must run (ZeRO-3 gradient accumulation): the wrapper's forward gives per-token values
-    critic_flag = "--critic.name-or-path" if args.critic.name_or_path else "--actor.model.name-or-path"
-    critic_lm = models.load_scalar_model(critic_path, args.actor.model.dtype, args.actor.model.attn_implementation,
-                                         critic_flag)  # fmt: skip
-    critic_model = models.TokenValues(critic_lm).to(device)
-    critic = ds_engine.make_engine(critic_model, args.ds, args.critic.lr, args.train.max_steps * updates_per_step,
-                                   args.critic.lr_warmup_steps, hybrid=args.vllm.enable_sleep)  # fmt: skip
-    ref = None
-    if args.algo.kl_coef > 0:  # PLUMBING: frozen reference policy (--ref.*), only when the KL penalty is on
-        ref_path = embedded.resolve_model(args.ref.name_or_path or actor_path)
-        ref_flag = "--ref.name-or-path" if args.ref.name_or_path else "--actor.model.name-or-path"
-        ref_model = models.load_causal_lm(ModelConfig(name_or_path=ref_path, dtype=args.actor.model.dtype), ref_flag)
-        ref = ds_engine.make_frozen(ref_model, args.ref, device)
-    if engines is None:
-        engines = rollout.create_engines(actor_path, args.vllm, seed=args.train.seed)
-    elif rank == 0 and engines.backend == "broadcast":
-        engines.init_broadcast()  # this rank sends the weights to the engine actors
-
-    run_dir = Path(args.run_dir or Path(args.logger.run_root) / run_name(args.exp_name, args.train.seed))
-    ckpt_dir = Path(args.ckpt.dir or run_dir / "checkpoints")
-    # PLUMBING: resume from the newest intact checkpoint (flags checked against config.json); (0, {}) if new
-    start_step, client = checkpoint.resume({"actor": actor, "critic": critic}, ckpt_dir, run_dir, args)
-    if start_step:
-        placement.sync_weights(engines, actor, rank)  # the engines start from the checkpoint's weights
+        return rl.launch(main, args)
+    rank, world, device = rl.init_rank(args, engines)
+    tokenizer, train_set, eval_set, reward = rl.load_task(args)
+    updates = args.train.minibatches * args.train.epochs  # per step, of the actor and of the critic
+    actor = rl.make_actor(args, device, (args.train.max_steps - args.critic.warmup_steps) * updates)
+    critic = make_critic(args, device, args.train.max_steps * updates)  # DEVIATION(5): the SFT body by default
+    ref = rl.make_ref(args, device)  # DEVIATION(3): only with --algo.kl-coef > 0
+    run = rl.start(args, {"actor": actor, "critic": critic}, engines, tokenizer, eval_set, reward, rank, world,
+                   device, "ppo")  # fmt: skip
     kl_ctl = (rl_math.AdaptiveKLController(args.algo.kl_coef, args.algo.kl_target, args.algo.kl_horizon)
               if args.algo.kl_target else rl_math.FixedKLController(args.algo.kl_coef))  # fmt: skip
-    kl_ctl.load_state_dict(client.get("kl_ctl", kl_ctl.state_dict()))
-    logger = RunLogger(args.logger, run_dir, args, args.train.max_steps, enabled=rank == 0, resume_step=start_step)
-    # PLUMBING: the agent executor: prompt tokens -> vLLM generation -> checked reward (single turn), or turns of
-    # generation and environment feedback (`--rollout.env-file`); the loop below is the same for both
-    if args.rollout.env_file:
-        executor = MultiTurnExecutor(engines, tokenizer, load_env_factory(args.rollout.env_file),
-                                     args.rollout.max_new_tokens, args.rollout.max_turns, args.rollout.max_total_tokens,
-                                     args.rollout.temperature, args.rollout.top_p)  # fmt: skip
-    else:
-        executor = SingleTurnExecutor(engines, tokenizer, partial(score, reward_func, reward_source),
-                                      args.rollout.max_new_tokens, args.rollout.temperature, args.rollout.top_p)  # fmt: skip
-    if args.vllm.enable_sleep:  # hybrid engine: DeepSpeed states stay off the GPU while the engines generate
-        placement.offload_states(actor)
-        placement.offload_states(critic)
-    first_eval = client.get("first_eval") or all_ranks(evaluate(executor, eval_set, args) if rank == 0 else None, world)
-    best = client.get("best", -math.inf)  # the best eval so far (`--eval.best-metric`), exported to <run>/best
-    if start_step == 0:  # a resumed run logged it when it started
-        logger.log(first_eval, 0, shown=("eval/pass@1",))
-    logger.print(f"[ppo] {len(train_set)} prompts, {world} trainer rank(s), eval pass@1 "
-                 f"{first_eval['eval/pass@1']:.3f} at step {start_step}")  # fmt: skip
-
+    kl_ctl.load_state_dict(run.client.get("kl_ctl", kl_ctl.state_dict()))
     G = args.rollout.n_samples
-    mbs = args.train.micro_batch_size
+    keep_groups = None  # DAPO dynamic sampling: regenerate groups that are all solved or all failed
+    if args.algo.dynamic_filter_range is not None:
+        keep_groups = partial(groups_inside, group_size=G, low=args.algo.dynamic_filter_range[0],
+                              high=args.algo.dynamic_filter_range[1])  # fmt: skip
 
-    def generate(step: int, round_: int) -> Rollout:
-        """This rank's share of the step's prompts (round > 0: a refill), G episodes each. Seeds follow the prompt's
-        place in the global batch, so the samples do not depend on the number of ranks."""
-        idx = data.batch_indices(len(train_set), args.rollout.batch_size, step, args.train.seed + 7919 * round_)
-        mine = placement.split_contiguous(list(range(len(idx))), world)[rank]
-        base = args.train.seed * 1_000_003 + step * 10_007 + round_
-        return executor.run([train_set[idx[j]] for j in mine], G, [base + j * G for j in mine], step)
-
-    for step in range(start_step, args.train.max_steps):
+    for step in range(run.start_step, args.train.max_steps):
         perf: dict = {}
         # 2. rollout: G episodes per prompt through the agent executor, token ids in, token ids + log-probs out
         with timer(perf, "perf/gen_s"):
-            ro = generate(step, 0)
-            extra, want = dict(ro.logs), len(ro.episodes) // G
-            if args.algo.dynamic_filter_range is not None:  # DAPO dynamic sampling with refill
-                lo, hi = args.algo.dynamic_filter_range
-                fresh_reward, parts, rounds = ro.rewards.mean().item(), [], 0
-                while True:
-                    parts.append(ro.take_groups(groups_inside(ro.scores, G, lo, hi), G))
-                    rounds += 1
-                    full = sum(len(p.episodes) for p in parts) >= want * G
-                    if full or rounds >= args.algo.dynamic_filter_max_rounds:
-                        break
-                    ro = generate(step, rounds)
-                pool = Rollout.cat(parts)
-                if pool.episodes:  # else train on the last round as it is (the zero-variance filter drops most of it)
-                    ro = pool.take_groups(torch.arange(len(pool.episodes) // G) < want, G)
-                extra.update({"rollout/filter_rounds": rounds, "rollout/filter_groups": len(ro.episodes) // G,
-                              "rollout/fresh_reward_mean": fresh_reward})  # fmt: skip
-            if world > 1:  # PLUMBING: every rank gets the whole rollout: GAE, whitening and minibatches are global
-                parts = [None] * world
-                torch.distributed.all_gather_object(parts, ro)
-                ro, extra = Rollout.cat(parts), all_ranks(extra, world, reduce=True)
-            if args.vllm.enable_sleep:  # hybrid engine: the engines' GPU memory goes to training
-                if rank == 0:
-                    engines.sleep()
-                placement.reload_states(actor)  # DeepSpeed states back on the GPU (no-op on CPU)
-                placement.reload_states(critic)
-            episodes, rewards = ro.episodes, ro.rewards
+            ro = rl.collect_rollout(run, args, train_set, step, keep=keep_groups)
+        perf["perf/tokens_per_s"] = sum(len(e.token_ids) for e in ro.episodes) / max(perf["perf/gen_s"], 1e-9)
 
-        # 3. rewards and advantages
-        truncated = torch.tensor([e.truncated for e in episodes], dtype=torch.bool)
-        if args.reward.stop_properly_penalty is not None:
-            rewards = torch.where(truncated, torch.tensor(args.reward.stop_properly_penalty), rewards)
-        if args.reward.overlong_buffer:
-            lengths = torch.tensor([len(e.token_ids) for e in episodes])
-            rewards = rewards + rl_math.overlong_penalty(lengths, args.rollout.max_new_tokens,
-                                                         args.reward.overlong_buffer,
-                                                         args.reward.overlong_penalty_factor)  # fmt: skip
-        rewards = rewards.clamp(-args.reward.clip, args.reward.clip)
-        stats = {
-            "rollout/reward_mean": rewards.mean().item(),
-            "rollout/response_len_mean": float(np.mean([len(e.token_ids) for e in episodes])),
-            "rollout/truncated_frac": truncated.float().mean().item(),
-            **extra,
-        }
+        # 3. rewards (the advantages need the critic's values: GAE runs in `update`)
+        rewards, truncated = rl.shape_rewards(ro, args)
+        keep = torch.ones(len(ro.episodes), dtype=torch.bool)  # no filter: PPO trains on every sample
+        stats = rl.rollout_stats(ro, rewards, truncated, keep)
+
+        # 4. critic and policy update: GAE, then minibatches of the clipped value loss and (after the warm-up) the
+        # PPO-clipped loss; the loss mask is the episodes' action mask (multi-turn feedback: 0, GAE carries through)
         with timer(perf, "perf/train_s"):
-            # the loss mask is the episodes' action mask: a multi-turn episode's feedback tokens are 0 in the middle
-            # of the response, and GAE (rl_math.gae) carries values and advantages through them unchanged
-            seqs = sequences(episodes, tokenizer.pad_token_id, device)
-            mask = seqs["loss_mask"]
-            # old log-probs, V_old(s_t) (B, L) and reference log-probs of this rank's rows
-            with torch.no_grad(), ds_engine.on_device(ref, device):
-                old_logp, old_values = torch.zeros(mask.shape, device=device), torch.zeros(mask.shape, device=device)
-                ref_logp = None if ref is None else torch.zeros(mask.shape, device=device)
-                for r, real in shard_minibatch(list(range(len(episodes))), rank, world, mbs):
-                    c = {k: v[r] for k, v in seqs.items()}
-                    logp = forward_logp(actor, c, args.rollout.temperature)[0]  # collectives under ZeRO-3: always
-                    values = forward_values(critic, c)
-                    ref_lp = None if ref is None else forward_logp(ref, c, args.rollout.temperature)[0]  # likewise
-                    if real:
-                        old_logp[r], old_values[r] = logp, values
-                        if ref_logp is not None:
-                            ref_logp[r] = ref_lp
-                # PLUMBING: GAE and the whitening need every row. Each row was computed by exactly one rank (0 on the
-                # others), so a sum gathers them: 1/world of the forward passes per rank and one all-reduce of (B, L)
-                # tensors, cheaper than every rank running the passes on every row.
-                if world > 1:
-                    for t in (old_logp, old_values, ref_logp):
-                        if t is not None:
-                            torch.distributed.all_reduce(t)
-                kl = torch.zeros_like(old_logp)
-                if ref_logp is not None:  # KL_t of the sampling policy to the reference, on the sampled tokens
-                    kl = rl_math.approx_kl(old_logp, ref_logp, args.algo.kl_estimator, mask=mask)
-                    stats["loss/kl"] = rl_math.masked_mean(kl, mask).item()
-            # ALGO LOGIC: KL-shaped token rewards -> GAE with the rollout critic's values -> whitened advantages
-            advantages, returns = ppo_advantages(rewards.to(old_logp.device), kl, old_values, mask, kl_ctl.value,
-                                                 args.algo.gamma, args.algo.lam, args.algo.whiten_advantages)  # fmt: skip
+            seqs = rl.sequences(ro.episodes, tokenizer.pad_token_id, device)
+            stats.update(update(actor, critic, ref, seqs, rewards, args, run, step, kl_ctl.value))
             if "loss/kl" in stats:  # β for the next rollout
-                kl_ctl.update(stats["loss/kl"], mask.shape[0])
-            stats.update({"critic/values_mean": rl_math.masked_mean(old_values, mask).item(),
-                          "critic/returns_mean": rl_math.masked_mean(returns, mask).item(),
-                          "critic/explained_variance": explained_variance(old_values, returns, mask).item()})  # fmt: skip
-
-            # 4. critic and policy update: minibatches of the clipped value loss and (after the warm-up) the surrogate
-            stats.update(ppo_update(actor, critic, seqs, old_logp, old_values, advantages, returns, args, step,
-                                    rank, world))  # fmt: skip
+                kl_ctl.update(stats["loss/kl"], len(ro.episodes))
 
         # 5. weight sync, eval, logging, checkpoint
         with timer(perf, "perf/sync_s"):
             # during the critic warm-up vLLM already holds the actor's weights, unless sleep level 2 dropped them
-            sync = step >= args.critic.warmup_steps or (args.vllm.enable_sleep and args.vllm.sleep_level == 2)
-            if args.vllm.enable_sleep and rank == 0:  # weights back first, new weights in, then the KV cache
-                engines.wake_up(["weights"])
-            if sync:
-                stats.update(placement.sync_weights(engines, actor, rank))
-            if args.vllm.enable_sleep and rank == 0:
-                engines.wake_up(["kv_cache"])
-            if sync and args.debug:  # on every rank: under ZeRO-3 the trainer's forward is a collective
-                rollout.check_weights(engines, actor.module, [episodes[i].prompt_ids + episodes[i].token_ids
-                                                              for i in range(4)])  # fmt: skip
-        stats["train/lr"] = actor.lr_scheduler.get_last_lr()[0]
-        stats["train/kl_coef"] = kl_ctl.value
-        last = step == args.train.max_steps - 1
-        if args.eval.every and ((step + 1) % args.eval.every == 0 or last):
-            stats.update(all_ranks(evaluate(executor, eval_set, args) if rank == 0 else None, world))
-            if args.eval.best_metric and stats.get(args.eval.best_metric, -math.inf) > best:
-                best = stats[args.eval.best_metric]
-                ds_engine.export_hf(actor, tokenizer, run_dir / "best")
-        n_tokens = sum(len(e.token_ids) for e in episodes)
-        perf["perf/tokens_per_s"] = n_tokens / max(perf["perf/gen_s"], 1e-9)
-        logger.log({**stats, **perf}, step + 1, shown=("rollout/reward_mean", "eval/pass@1"))
-        halted = args.train.halt_after is not None and step + 1 - start_step >= args.train.halt_after and not last
-        if halted or (args.ckpt.every and ((step + 1) % args.ckpt.every == 0 or last)):
-            state = {"step": step, "first_eval": first_eval, "best": best, "kl_ctl": kl_ctl.state_dict()}
-            ds_engine.check_weights_finite(critic, step, "critic")
-            checkpoint.save({"actor": actor, "critic": critic}, ckpt_dir, step, state, args.ckpt.keep_last)
-        if args.vllm.enable_sleep and not (last or halted):  # DeepSpeed states off the GPU while the engines generate
-            placement.offload_states(actor)
-            placement.offload_states(critic)
-        if halted:
-            logger.print(f"[ppo] halted after {args.train.halt_after} steps; resume with --run-dir {run_dir}")
-            logger.close({"steps": step + 1, "halted": True})
-            return {"steps": step + 1, "halted": True, "run_dir": str(run_dir)}
+            changed = step >= args.critic.warmup_steps or (args.vllm.enable_sleep and args.vllm.sleep_level == 2)
+            sample = [e.prompt_ids + e.token_ids for e in ro.episodes[:4]]
+            stats.update(rl.sync_weights(run, args, actor, changed=changed, sample=sample))
+        stats.update({"train/lr": actor.lr_scheduler.get_last_lr()[0], "train/kl_coef": kl_ctl.value, **perf})
+        if rl.end_step(run, args, step, stats, state={"kl_ctl": kl_ctl.state_dict()}):
+            return rl.finish(run, args, actor, tokenizer, halted_at=step)
 
     # 6. export, learning curve and summary
-    ds_engine.export_hf(actor, tokenizer, run_dir / "hf")
-    logger.plot(run_dir / "learning_curve.png", ("rollout/reward_mean", "eval/pass@1"))
-    summary = {"steps": args.train.max_steps, "eval_pass@1_first": first_eval["eval/pass@1"],
-               "eval_pass@1_last": logger.latest("eval/pass@1"), "reward_mean_last": logger.latest("rollout/reward_mean"),
-               "run_dir": str(run_dir)}  # fmt: skip
-    logger.close(summary)
-    return summary
+    return rl.finish(run, args, actor, tokenizer)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
-"""Infrastructure config sections shared by the scripts: `--model.*`, `--data.*`, `--ds.*`, `--ref.*`, `--ckpt.*`,
-`--logger.*`, and `check_args`, the flag checks every script runs first thing in `main`.
+"""Config sections shared by the scripts: `--model.*`, `--data.*`, `--ds.*`, `--ref.*`, `--ckpt.*`, `--logger.*`; the
+four sections of the RL scripts, `--actor.*`, `--rollout.*`, `--train.*`, `--eval.*`; and `check_args`, the flag
+checks every script runs first thing in `main`.
 
 Each script owns one flat-ish `Args` dataclass (its algorithm knobs) and nests these sections, so
 `python algos/<name>.py --help` prints grouped, documented flags. Every field's docstring is its help text.
@@ -141,6 +142,89 @@ class LoggerConfig:
     """`offline` writes W&B runs locally (sync later with `wandb sync`)."""
     quiet: bool = False
     """no progress bar or summary table (used when a run is nested in another, e.g. the warm-start build)."""
+
+
+# ------------------------------------------------------------------------------------ RL sections (algos/grpo.py ...)
+# The four sections every RL script nests: `--actor.*`, `--rollout.*`, `--train.*`, `--eval.*`. A script that needs
+# another default passes it (`TrainArgs(max_steps=30)`); one that needs another knob subclasses the section.
+
+
+@dataclass
+class ActorArgs:
+    model: ModelConfig = dataclasses.field(default_factory=lambda: ModelConfig(name_or_path="cleanrlhf/tiny-sft"))
+    lr: float = 3e-4
+    """peak learning rate (3e-4 suits the ~1 M embedded model; ~1e-6 for real models)."""
+    warmup_steps: int = 0
+    """linear learning-rate warmup steps, then cosine decay to 0.1 · lr."""
+    clip_low: float = 0.2
+    """ε_low: ratio lower clip 1 − ε_low."""
+    clip_high: float = 0.2
+    """ε_high: ratio upper clip 1 + ε_high (DAPO's clip-higher uses 0.28)."""
+    dual_clip: float | None = None
+    """dual-clip constant c > 1 (Ye et al. 2020): bounds the loss of negative-advantage tokens at c·|A|."""
+    level: Literal["token", "sequence"] = "token"
+    """importance ratio per token (PPO/GRPO) or per sequence (GSPO, Zheng et al. 2025)."""
+    entropy_coef: float = 0.0
+    """entropy bonus coefficient (0: off, no extra memory)."""
+
+
+@dataclass
+class RolloutArgs:
+    batch_size: int = 64
+    """prompts per step."""
+    n_samples: int = 8
+    """G: responses sampled per prompt (the group of the group-relative estimators)."""
+    max_new_tokens: int = 8
+    """response length limit."""
+    temperature: float = 1.0
+    """sampling temperature (the trainer's log-probs use the same temperature)."""
+    top_p: float = 1.0
+    """nucleus sampling."""
+    env_file: str | None = None
+    """multi-turn: a Python file defining `make_env(example)` -> an environment with `reset(example) -> str` and
+    `step(response) -> (feedback, reward, done)` (e.g. agents/retry_env.py). Its feedback is appended as tokens that
+    are not trained on, its rewards replace `--reward.*`. None: one generation per episode, scored by `--reward.*`."""
+    max_turns: int = 2
+    """multi-turn: model turns per episode at most."""
+    max_total_tokens: int = 256
+    """multi-turn: response tokens (model + feedback) per episode at most; an episode reaching it is truncated."""
+
+
+@dataclass
+class TrainArgs:
+    max_steps: int = 80
+    """RL steps (one rollout + update each); 80 GRPO steps take ~2.5 min on 2 CPU cores with the embedded default."""
+    minibatches: int = 2
+    """optimizer steps per rollout: the batch is split into this many minibatches."""
+    epochs: int = 1
+    """passes over each rollout."""
+    micro_batch_size: int = 128
+    """sequences per forward/backward (gradient accumulation covers the minibatch)."""
+    seed: int = 1
+    """seed of the prompt order, the sampling seeds and every RNG."""
+    ranks: int = 1
+    """data-parallel trainer ranks. 1: this process trains (with an in-process vLLM engine on CPU). N > 1: N Ray
+    actors forming one DeepSpeed world on a placement group (`--ray.*`), the vLLM engines as Ray actors
+    (`--vllm.num-engines`), weights sent to them from rank 0."""
+    colocate: bool = True
+    """with ranks > 1: each vLLM engine shares a placement-group bundle (GPU, or CPU) with a trainer rank, half of it
+    each (OpenRLHF's colocate-all; `--vllm.enable-sleep` frees the engine's GPU memory while training); off: the
+    engines get bundles of their own."""
+    halt_after: int | None = None
+    """stop this invocation after N steps with a checkpoint; the same command with `--run-dir <run>` resumes exactly
+    (for time-limited cluster jobs)."""
+
+
+@dataclass
+class EvalArgs:
+    every: int = 10
+    """evaluate every N steps (and at the start and end); 0 disables."""
+    max_samples: int = 500
+    """eval prompts."""
+    k: int = 4
+    """pass@k uses k samples per prompt at the rollout temperature; pass@1 is greedy."""
+    best_metric: str | None = "eval/pass@1"
+    """export the model to `<run>/best` whenever this eval metric reaches a new maximum (None: off)."""
 
 
 # ------------------------------------------------------------------------------------------------- flag checks

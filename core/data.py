@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from core import embedded
+from core import embedded, preference
 from core.config import DataConfig
 
 DATA_SUFFIXES = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
@@ -107,6 +107,14 @@ def _files_for(path: Path, split: str) -> list[Path]:
     return files
 
 
+def resolve_data(path: str) -> str:
+    """An embedded dataset name -> its built folder: `cleanrlhf/addN` (core/embedded.py), `cleanrlhf/addN-pref` and
+    `cleanrlhf/addN-kto` (core/preference.py). A local folder of the same name wins; anything else passes through."""
+    if path.startswith(embedded.PREFIX) and path.endswith(("-pref", "-kto")) and not Path(path).exists():
+        return str(preference.ensure_preference_data(path[len(embedded.PREFIX) :]))
+    return embedded.resolve_data(path)
+
+
 def load_sources(paths: str, split: str, max_samples: int = 100_000_000) -> list[Source]:
     """Load comma-separated datasets; returns one `Source` per file (or per hub dataset)."""
     import datasets
@@ -114,7 +122,7 @@ def load_sources(paths: str, split: str, max_samples: int = 100_000_000) -> list
     datasets.disable_progress_bars()
     sources = []
     for raw in [p.strip() for p in paths.split(",") if p.strip()]:
-        resolved = Path(embedded.resolve_data(raw)).expanduser()
+        resolved = Path(resolve_data(raw)).expanduser()
         if resolved.exists():
             for f in _files_for(resolved, split):
                 if DATA_SUFFIXES[f.suffix] == "json":

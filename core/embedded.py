@@ -45,21 +45,6 @@ TEST_SIZE = 500
 # 8: built with `reproducible_cpu_env`, where an unpinned AVX-512 machine built a version-6 warm start of 520 steps
 # to 0.634).
 ARTIFACT_VERSION = "8"
-WARM_START_ARGS = [
-    "--model.name-or-path", "cleanrlhf/tiny",
-    "--data.path", "cleanrlhf/add2",
-    "--train.lr", "1e-3",
-    "--train.adam-betas", "0.9", "0.98",
-    "--train.batch-size", "64",
-    "--train.max-steps", "3000",
-    "--train.warmup-steps", "0",
-    "--eval.every", "20",
-    "--eval.generate",
-    "--eval.stop-at-accuracy", "0.45",
-    "--eval.max-samples", "500",
-    "--ckpt.every", "0",
-    "--logger.quiet",
-]  # fmt: skip
 
 
 def home() -> Path:
@@ -239,7 +224,8 @@ def _die_with_parent() -> None:
 
 
 def ensure_sft_warm_start() -> Path:
-    """Build (once) the RL warm start by running `algos/sft.py` on the embedded task; returns its HF directory."""
+    """Build (once) the RL warm start by running `algos/sft.py --preset warm-start` (the recipe is sft.py's
+    `warm_start`); returns its HF directory."""
     target = home() / "models" / "tiny-sft"
     if _is_built(target):
         return target
@@ -254,7 +240,7 @@ def ensure_sft_warm_start() -> Path:
         for key, value in reproducible_cpu_env().items():  # the same warm start on every x86-64 machine
             env.setdefault(key, value)
         run_dir = tmp.with_name(tmp.name + "-run")  # beside, not inside: the export replaces `tmp` whole
-        cmd = [sys.executable, str(script), *WARM_START_ARGS, "--export-dir", str(tmp), "--run-dir", str(run_dir)]
+        cmd = [sys.executable, str(script), "--preset", "warm-start", "--export-dir", str(tmp), "--run-dir", str(run_dir)]
         try:
             subprocess.run(cmd, check=True, env=env, preexec_fn=_die_with_parent)
             summary = json.loads((run_dir / "summary.json").read_text())
@@ -275,12 +261,8 @@ def resolve_model(name_or_path: str) -> str:
 
 
 def resolve_data(path: str) -> str:
-    """Map `cleanrlhf/addN` (and `addN-pref` / `addN-kto`, see core/preference.py) to its built folder; pass anything
-    else through."""
-    if path.startswith(PREFIX) and path.endswith(("-pref", "-kto")) and not Path(path).exists():
-        from core import preference  # imports this module: import here, not at the top
-
-        return str(preference.ensure_preference_data(path[len(PREFIX) :]))
+    """Map `cleanrlhf/addN` to its built folder; pass anything else through (the preference sets built on top of it,
+    `addN-pref` / `addN-kto`, are core/preference.py's; `core.data.resolve_data` resolves every embedded name)."""
     if path.startswith(PREFIX) and not Path(path).exists():
         return str(ensure_task_data(path[len(PREFIX) :]))
     return path

@@ -1,14 +1,30 @@
 """Ray placement: placement groups, model groups (N ranks of one torch.distributed world as Ray actors), and weight sync
 from such a group to vLLM engine actors.
 
-    placement.init_ray(args.ray)
+The pattern the RL scripts follow (`--train.ranks N`, core/rl.py's `launch`): SPMD, as torchrun would run it. The
+driver places everything on one placement group and every rank runs the script's own `main`, which holds that
+rank's DeepSpeed engines and steps through the same loop as a one-process run:
+
+    placement.init_ray(args.ray)                                      # this machine, or the cluster at --ray.address
+    pg, share, engine_options = placement.place_rl(N, num_engines, tp, colocate)     # bundles: ranks (+ engines)
+    engines = rollout.create_engines(path, args.vllm, actor_options=engine_options, init_broadcast=False)
+    group = placement.ModelGroup(placement.Worker, N, "actor", pg=pg, num_cpus_per_rank=share)
+    group.run(run_rank, main, args, engines)       # each rank: main(args, engines) -> its summary
+    # inside main, on every rank: rank 0 connects to the engines (`engines.init_broadcast()`), every rank generates
+    # its share of the prompts, the rollout is all-gathered, each rank trains on its share of every minibatch, and
+    # `sync_weights(engines, actor, rank)` gathers the weights (a collective under ZeRO-3) for rank 0 to send.
+
+Models in groups of their own (OpenRLHF's layout: actor, reference, critic and reward model each a group, possibly
+colocated on the same bundles) use the same pieces from the driver, with the algorithm as plain functions shipped to
+the ranks:
+
     pg = placement.make_placement_group(2, strategy=args.ray.strategy)   # 2 bundles: 1 GPU each (1 CPU each on CPU)
     actor = placement.ModelGroup(placement.Worker, 2, "actor", pg=pg, num_gpus_per_rank=0.4)    # colocated: actor,
     ref = placement.ModelGroup(placement.Worker, 2, "ref", pg=pg, num_gpus_per_rank=0.2)        # reference and
     engines = rollout.create_engines(path, args.vllm, init_broadcast=False,                      # vLLM share the GPUs
                                      actor_options=[placement.bundle_options(pg, i, 0, 0.4) for i in range(2)])
-    actor.run(build_actor, args)           # build_actor(worker, args): a plain function of the script, on every rank;
-    ref.run(build_ref, args)               # it sets worker.engine = core.engine.make_engine(...)
+    actor.run(build_actor, args)           # build_actor(worker, args): a plain function, on every rank; it sets
+    ref.run(build_ref, args)               # worker.engine = core.engine.make_engine(...)
     actor.connect_engines(engines)         # rank 0 of the actor group becomes the weight sender
     for step in ...:
         samples = engines.generate(...); engines.sleep()             # hybrid engine: vLLM frees its GPU memory

@@ -230,39 +230,74 @@ def policy_loss(
     if is_correction is not None and rollout_logp is None:
         raise ValueError(f"is_correction={is_correction!r} needs rollout_logp (the inference engine's log-probs)")
     mask = mask.bool()
-    logp = _keep(logp, mask)
-    old_logp, adv = _keep(old_logp, mask).detach(), _keep(advantages, mask).detach()
-    token_log_ratio = logp - old_logp  # (B, T)
-    log_ratio = token_log_ratio
-    if level == "sequence":  # the mean stays differentiable: every token's log-prob gets 1/|y_i| of ∂ℓ/∂ log ρ_i
-        log_ratio = masked_mean(token_log_ratio, mask, dim=-1)[:, None].expand_as(token_log_ratio)
-    ratio = torch.exp(log_ratio.clamp(-20.0, 20.0))
+    old_logp = _keep(old_logp, mask).detach()
+    ratio = importance_ratio(logp, old_logp, mask, level)
+    loss, clipped, dual_active = clipped_surrogate(ratio, _keep(advantages, mask).detach(), clip_low, clip_high,
+                                                   dual_clip)  # fmt: skip
+    stats: dict[str, Tensor] = {}
+    if dual_clip is not None:
+        stats["dual_clipfrac"] = masked_mean(dual_active.float(), mask).detach()
+    if is_correction is not None:
+        weight = is_weight(old_logp, rollout_logp, mask, is_correction, is_threshold)
+        loss = loss * weight
+        stats["is_weight_mean"] = masked_mean(weight, mask).detach()
+    stats["clipfrac"] = masked_mean(clipped.float(), mask).detach()
+    stats["approx_kl"] = masked_mean(approx_kl(old_logp, _keep(logp, mask).detach(), "k3"), mask)
+    stats["ratio_mean"] = masked_mean(ratio.detach(), mask)
+    return aggregate_loss(loss, mask, agg, **agg_kwargs), stats
+
+
+# The pieces of the clipped-surrogate loss, for scripts that write their loss out (algos/grpo.py's `policy_loss`).
+def importance_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor, level: str = "token") -> Tensor:
+    """ρ = π_θ / π_old per token, exp(clamp(logp − old_logp, ±20)); level "sequence" (GSPO) gives every token of a
+    sequence exp(mean_t(logp − old_logp)) over its valid tokens, differentiable through the mean (each token's
+    log-prob gets 1/|y_i| of ∂ℓ/∂ log ρ_i). logp: (B, T) with gradient; old_logp, mask: (B, T) -> (B, T), 1 at masked
+    positions' log-ratio 0."""
+    if level not in ("token", "sequence"):
+        raise ValueError(f"unknown policy-loss level {level!r}; valid levels: token, sequence")
+    mask = mask.bool()
+    log_ratio = _keep(logp, mask) - _keep(old_logp, mask).detach()
+    if level == "sequence":
+        log_ratio = masked_mean(log_ratio, mask, dim=-1)[:, None].expand_as(log_ratio)
+    return torch.exp(log_ratio.clamp(-20.0, 20.0))
+
+
+def clipped_surrogate(ratio: Tensor, adv: Tensor, clip_low: float = 0.2, clip_high: float = 0.2,
+                      dual_clip: float | None = None) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
+    """Per-token PPO loss ℓ = −min(ρ·A, clip(ρ, 1 − clip_low, 1 + clip_high)·A) (Schulman et al. 2017); clip_high >
+    clip_low is DAPO's clip-higher. dual_clip = c > 1 (Ye et al. 2020): where A < 0, ℓ = min(ℓ, −c·A). ratio, adv:
+    (B, T) -> (ℓ (B, T), clipped (B, T) bool: the clipped branch was taken, dual (B, T) bool: the dual bound was)."""
+    if dual_clip is not None and dual_clip <= 1.0:
+        raise ValueError(f"dual_clip must be > 1 (or None), got {dual_clip}")
     surr = ratio * adv
     surr_clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * adv
     loss = -torch.min(surr, surr_clipped)
-    stats: dict[str, Tensor] = {}
+    dual = torch.zeros_like(loss, dtype=torch.bool)
     if dual_clip is not None:
-        dual_bound = -dual_clip * adv  # > 0 where A < 0
-        dual_active = (adv < 0) & (dual_bound < loss)
-        loss = torch.where(adv < 0, torch.min(loss, dual_bound), loss)
-        stats["dual_clipfrac"] = masked_mean(dual_active.float(), mask).detach()
-    if is_correction is not None:
-        lo, hi = is_threshold
-        log_w = _keep(old_logp - _keep(rollout_logp, mask).detach(), mask)
-        w = torch.exp(log_w)
-        if is_correction == "tis":
-            weight = w.clamp(lo, hi)
-        elif is_correction == "icepop":
-            weight = torch.where((w >= lo) & (w <= hi), w, 0.0)
-        else:
-            seq_w = torch.exp(masked_mean(log_w, mask, dim=-1))  # (B,) geometric mean of w over valid tokens
-            weight = torch.where(((seq_w >= lo) & (seq_w <= hi))[:, None], w, 0.0)
-        loss = loss * weight
-        stats["is_weight_mean"] = masked_mean(weight, mask).detach()
-    stats["clipfrac"] = masked_mean((surr_clipped < surr).float(), mask).detach()
-    stats["approx_kl"] = masked_mean(approx_kl(old_logp, logp.detach(), "k3"), mask)
-    stats["ratio_mean"] = masked_mean(ratio.detach(), mask)
-    return aggregate_loss(loss, mask, agg, **agg_kwargs), stats
+        bound = -dual_clip * adv  # > 0 where A < 0
+        dual = (adv < 0) & (bound < loss)
+        loss = torch.where(adv < 0, torch.min(loss, bound), loss)
+    return loss, surr_clipped < surr, dual
+
+
+def is_weight(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, mode: str,
+              threshold: tuple[float, float] = (0.5, 5.0)) -> Tensor:  # fmt: skip
+    """Importance weight (detached) correcting for the rollout engine's log-probs, w = exp(old_logp − rollout_logp),
+    (lo, hi) = threshold: "tis" clamp(w, lo, hi) (truncated IS, Yao et al. 2025); "icepop" w inside [lo, hi], 0
+    outside (IcePop, Ring-1T report); "seq-mask-tis" w, and 0 on every token of a sequence whose geometric mean
+    exp(mean_t log w) is outside [lo, hi] (as OpenRLHF). (B, T) each -> (B, T)."""
+    if mode not in IS_CORRECTIONS:
+        raise ValueError(f"unknown is_correction {mode!r}; valid: None, {', '.join(IS_CORRECTIONS)}")
+    mask = mask.bool()
+    lo, hi = threshold
+    log_w = _keep(_keep(old_logp, mask).detach() - _keep(rollout_logp, mask).detach(), mask)
+    w = torch.exp(log_w)
+    if mode == "tis":
+        return w.clamp(lo, hi)
+    if mode == "icepop":
+        return torch.where((w >= lo) & (w <= hi), w, 0.0)
+    seq_w = torch.exp(masked_mean(log_w, mask, dim=-1))  # (B,) geometric mean of w over valid tokens
+    return torch.where(((seq_w >= lo) & (seq_w <= hi))[:, None], w, 0.0)
 
 
 def value_loss(

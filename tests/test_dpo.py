@@ -129,17 +129,17 @@ def test_embedded_pairs_deterministic_plausible_and_held_out():
 
 def test_embedded_preference_folders(tmp_path, monkeypatch):
     monkeypatch.setenv("CLEANRLHF_HOME", str(tmp_path))
-    pref = data.embedded.resolve_data("cleanrlhf/add2-pref")
+    pref = data.resolve_data("cleanrlhf/add2-pref")
     rows = [json.loads(line) for line in open(f"{pref}/test.jsonl")]
     assert len(rows) == 500 and set(rows[0]) >= {"prompt", "chosen", "rejected"}
-    kto = data.embedded.resolve_data("cleanrlhf/add2-kto")
+    kto = data.resolve_data("cleanrlhf/add2-kto")
     train = [json.loads(line) for line in open(f"{kto}/train.jsonl")]
     test = [json.loads(line) for line in open(f"{kto}/test.jsonl")]
     assert len({r["prompt"] for r in train}) == len(train)  # unpaired: one completion per train prompt
     assert 0.45 < sum(r["label"] for r in train) / len(train) < 0.55
     assert len(test) == 1000 and sum(r["label"] for r in test) == 500  # both completions of each test prompt
     with pytest.raises(ValueError, match="addN-pref"):
-        data.embedded.resolve_data("cleanrlhf/mul2-pref")
+        data.resolve_data("cleanrlhf/mul2-pref")
 
 
 # --------------------------------------------------------------------------------------------------- bad input

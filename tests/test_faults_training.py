@@ -230,8 +230,11 @@ def test_ppo_update_names_the_engine_whose_gradient_is_non_finite(tiny_path, tok
     """PPO steps two engines: a NaN gradient in either stops the update before that engine's optimizer step, and the
     error says which engine and which step. The critic's step comes first on each minibatch: a NaN in the actor's
     gradient leaves the actor untouched."""
+    from types import SimpleNamespace
+
     from agents.executor import Episode
-    from algos.ppo import Args, forward_logp, forward_values, ppo_update, sequences
+    from algos.ppo import Args, update
+    from core.rl import sequences
 
     ds_engine.init_distributed("gloo")
     torch.manual_seed(0)
@@ -242,16 +245,13 @@ def test_ppo_update_names_the_engine_whose_gradient_is_non_finite(tiny_path, tok
     responses = [tokenizer.encode(a) for a in ("46", "11")]
     episodes = [Episode({}, p, r, [0.0] * len(r), [1] * len(r), False) for p, r in zip(prompts, responses)]
     seqs = sequences(episodes, tokenizer.pad_token_id, torch.device("cpu"))
-    mask = seqs["loss_mask"]
-    with torch.no_grad():
-        old_logp, old_values = forward_logp(actor, seqs, 1.0)[0], forward_values(critic, seqs)
-    adv, returns = torch.where(mask, 1.0, 0.0), torch.where(mask, old_values + 1.0, 0.0)
+    run = SimpleNamespace(rank=0, world=1, device=torch.device("cpu"))
     engine = critic if poisoned == "critic" else actor
     before = weights(engine)
     handle = poison_first_grad(next(p for p in engine.module.parameters() if p.requires_grad), float("nan"))
     try:
         with pytest.raises(FloatingPointError, match=f"non-finite gradient of the {poisoned} at step 3"):
-            ppo_update(actor, critic, seqs, old_logp, old_values, adv, returns, Args(), step=3)
+            update(actor, critic, None, seqs, torch.tensor([1.0, 0.0]), Args(), run, step=3, kl_coef=0.0)
     finally:
         handle.remove()
     after = weights(engine)

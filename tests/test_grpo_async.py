@@ -1,5 +1,5 @@
-"""algos/grpo_async.py: the producer/trainer hand-off (which weights sample which step), errors crossing the thread,
-lag 0 equal to grpo.py, and learning with lag 1 (exact resume is in test_rl_scripts.py)."""
+"""algos/grpo_async.py: the producer/trainer hand-off of core/producer.py (which weights sample which step), errors
+crossing the thread, lag 0 equal to grpo.py, and learning with lag 1 (exact resume is in test_rl_scripts.py)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 from conftest import assert_first_step_agrees, ranks_2_vs_1, short_rl_run, zero3_other_reference
 
-from algos.grpo_async import Args, Pipeline
+from algos.grpo_async import Args
+from core.producer import Pipeline
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -129,13 +130,14 @@ def test_lag_zero_trains_exactly_like_grpo(tmp_path, one_thread):
 
 @pytest.mark.slow
 def test_async_grpo_raises_eval_pass_at_1_from_the_warm_start(tmp_path, one_thread):
-    """20 steps of the defaults (lag 1, truncated IS) with `--debug` (engine log-probs == trainer log-probs after
-    every sync): the first step is fresh, every later one one update old, and eval pass@1 rises."""
+    """30 steps of the defaults (lag 1, truncated IS) with `--debug` (engine log-probs == trainer log-probs after
+    every sync): the first step is fresh, every later one one update old, and eval pass@1 rises. (20 steps were not
+    enough from every machine's warm start: 0.522 -> 0.584 from the one an AMX Xeon builds.)"""
     from algos.grpo_async import main
 
-    summary, rows = short_rl_run(main, Args(), tmp_path / "run")
+    summary, rows = short_rl_run(main, Args(), tmp_path / "run", steps=30)
     trained = [r for r in rows if "loss/policy" in r]
-    assert [r["rollout/lag"] for r in trained] == [0] + [1] * 19
+    assert [r["rollout/lag"] for r in trained] == [0] + [1] * 29
     assert all(0.5 < r["loss/is_weight"] < 2.0 for r in trained)
     assert summary["eval_pass@1_last"] >= summary["eval_pass@1_first"] + 0.1, summary
     assert (tmp_path / "run" / "hf" / "config.json").exists()

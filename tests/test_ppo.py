@@ -8,13 +8,15 @@ import math
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 from conftest import assert_first_step_agrees, ranks_2_vs_1, short_rl_run, zero3_other_reference
 
 from agents.executor import Episode
-from algos.ppo import Args, explained_variance, forward_values, main, ppo_advantages, ppo_update, sequences
+from algos.ppo import Args, explained_variance, forward_values, main, ppo_advantages, update
+from core.rl import sequences
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -108,17 +110,11 @@ def engines_and_batch(tiny_path, tokenizer):
     return actor, critic, seqs
 
 
-def _rollout_tensors(actor, critic, seqs):
-    from algos.ppo import forward_logp
-
-    mask = seqs["loss_mask"]
-    with torch.no_grad():
-        old_logp = forward_logp(actor, seqs, 1.0)[0]
-        old_values = forward_values(critic, seqs)
-    g = torch.Generator().manual_seed(0)
-    adv = torch.where(mask, torch.randn(mask.shape, generator=g), 0.0)
-    returns = torch.where(mask, old_values + 5.0, 0.0)  # targets far from the values: the critic has to move
-    return old_logp, old_values, adv, returns
+def _update(actor, critic, seqs, args, step):
+    """`update` in one process, without a reference, on rewards of 5: the GAE targets sit about 5 above the fresh
+    critic's values, so the critic has to move."""
+    run = SimpleNamespace(rank=0, world=1, device=torch.device("cpu"))
+    return update(actor, critic, None, seqs, torch.full((len(seqs["loss_mask"]),), 5.0), args, run, step, kl_coef=0.0)
 
 
 def _snapshot(engine):
@@ -141,10 +137,8 @@ def test_critic_warmup_leaves_the_actor_untouched_then_the_actor_trains(engines_
     actor, critic, seqs = engines_and_batch
     args = Args()
     args.critic.warmup_steps, args.train.minibatches = 1, 2
-    old_logp, old_values, adv, returns = _rollout_tensors(actor, critic, seqs)
     a0, c0 = _snapshot(actor), _snapshot(critic)
-    stats = ppo_update(actor, critic, seqs, old_logp, old_values, adv, returns, args,
-                       step=0)  # fmt: skip
+    stats = _update(actor, critic, seqs, args, step=0)
     a1, c1 = _snapshot(actor), _snapshot(critic)
     assert all(torch.equal(a0[n], a1[n]) for n in a0), "the critic warm-up step changed an actor parameter"
     # every critic parameter moved, except embedding rows of tokens absent from the batch (zero grad -> no Adam step)
@@ -156,8 +150,7 @@ def test_critic_warmup_leaves_the_actor_untouched_then_the_actor_trains(engines_
             assert not torch.equal(c0[n], c1[n]), f"critic parameter {n} did not change"
     assert stats["critic/warmup"] == 1.0 and "loss/policy" not in stats and stats["loss/value"] > 0
     # the first step after the warm-up trains both
-    stats = ppo_update(actor, critic, seqs, old_logp, old_values, adv, returns, args,
-                       step=1)  # fmt: skip
+    stats = _update(actor, critic, seqs, args, step=1)
     a2, c2 = _snapshot(actor), _snapshot(critic)
     assert any(not torch.equal(a1[n], a2[n]) for n in a1) and any(not torch.equal(c1[n], c2[n]) for n in c1)
     assert stats["critic/warmup"] == 0.0 and math.isfinite(stats["loss/policy"])
@@ -169,12 +162,11 @@ def test_value_clipping_is_applied_in_the_update(engines_and_batch):
     actor, critic, seqs = engines_and_batch
     args = Args()
     args.train.minibatches, args.train.epochs = 1, 2
-    old_logp, old_values, adv, returns = _rollout_tensors(actor, critic, seqs)
     args.critic.value_clip = 1e-6
-    stats = ppo_update(actor, critic, seqs, old_logp, old_values, adv, returns, args, 0)
+    stats = _update(actor, critic, seqs, args, 0)
     assert stats["critic/clipfrac"] == pytest.approx(0.5)  # epoch 1: 0 (V = V_old); epoch 2: every token clipped
     args.critic.value_clip = None
-    stats = ppo_update(actor, critic, seqs, old_logp, old_values, adv, returns, args, 0)
+    stats = _update(actor, critic, seqs, args, 0)
     assert stats["critic/clipfrac"] == 0.0
 
 

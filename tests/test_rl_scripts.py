@@ -162,7 +162,9 @@ def test_multi_turn_environment_flag(module, tmp_path, monkeypatch, one_thread):
     for e in two_turns:  # model tokens, then the masked feedback (the prompt again), then the model's second try
         first_feedback = e.action_mask.index(0)
         assert e.action_mask[:first_feedback] == [1] * first_feedback and e.action_mask[-1] == 1
-    loss_mask = mod.sequences(two_turns, 0, "cpu")["loss_mask"]  # the script trains on exactly the action mask
+    from core import rl  # the ported scripts build their batches with core.rl.sequences
+
+    loss_mask = getattr(mod, "sequences", rl.sequences)(two_turns, 0, "cpu")["loss_mask"]  # exactly the action mask
     for row, e in enumerate(two_turns):
         expected = [0] * len(e.prompt_ids) + e.action_mask
         assert loss_mask[row].tolist() == expected + [0] * (loss_mask.shape[1] - len(expected))

@@ -183,7 +183,7 @@ def test_rm_reaches_90_percent_held_out_accuracy_and_exports_a_servable_model(tm
     assert hf.config.num_labels == 1
     assert hf.config.reward_mean == pytest.approx(summary["reward_mean"]) and hf.config.reward_std > 0
     # served (normalized) scores rank the held-out pairs as well as training's eval did, and are standardized
-    test = [json.loads(line) for line in open(data.embedded.resolve_data("cleanrlhf/add2-pref") + "/test.jsonl")]
+    test = [json.loads(line) for line in open(data.resolve_data("cleanrlhf/add2-pref") + "/test.jsonl")]
     scorer = RewardScorer(export, normalize=True)
     chosen = scorer([x["prompt"] + x["chosen"] for x in test])
     rejected = scorer([x["prompt"] + x["rejected"] for x in test])

@@ -205,7 +205,7 @@ def test_grpo_refuses_groups_of_one_before_loading_anything(name, nothing_loads)
     module = script(name)
     args = module.Args()
     args.rollout.n_samples = 1
-    with pytest.raises(ValueError, match=r"^--rollout\.n-samples 1: GRPO's group-relative advantage needs at least 2"):
+    with pytest.raises(ValueError, match=r"^--rollout\.n-samples 1: the group-relative advantage needs at least 2"):
         module.main(args)
 
 
@@ -223,7 +223,7 @@ def test_rloo_refuses_one_sample_and_ppo_accepts_it(nothing_loads):
     rloo, ppo = script("rloo"), script("ppo")
     args = rloo.Args()
     args.rollout.n_samples = 1
-    with pytest.raises(ValueError, match=r"--rollout\.n-samples 1: RLOO needs at least 2"):
+    with pytest.raises(ValueError, match=r"--rollout\.n-samples 1: the group-relative advantage needs at least 2"):
         rloo.main(args)
     args = ppo.Args()
     args.rollout.n_samples = 1  # InstructGPT's setting: the critic is the baseline

@@ -33,9 +33,9 @@ LR, BETA = 5e-4, 0.1
 
 
 def pool() -> list[dict]:
-    from core import embedded
+    from core import data
 
-    path = embedded.resolve_data("cleanrlhf/add2-pref")
+    path = data.resolve_data("cleanrlhf/add2-pref")
     return [json.loads(line) for line in open(Path(path) / "train.jsonl")][:4000]
 
 

@@ -122,8 +122,12 @@ def clock_steps(script, loss_key: str, counts: dict | None = None, snaps: list |
     """Wall-clock time at the end of every training step of `script` (an imported algos module): its logger's call
     for the step's metrics row is the last thing an iteration does, so the gap between two calls is the whole
     iteration (batch building, forward, backward, optimizer, logging), the span TRL's `on_step_end` clock measures.
-    With `counts` (from `count_tokens`), a copy of it is appended to `snaps` at the same moments."""
-    log, ends = script.RunLogger.log, []
+    The clock is on `core.logger.RunLogger` itself, which every script's logger is (the RL scripts create theirs in
+    `core.rl.start`, so it is no name of theirs). With `counts` (from `count_tokens`), a copy of it is appended to
+    `snaps` at the same moments."""
+    from core.logger import RunLogger
+
+    log, ends = RunLogger.log, []
 
     def timed_log(self, metrics, *a, **k):
         log(self, metrics, *a, **k)
@@ -132,7 +136,7 @@ def clock_steps(script, loss_key: str, counts: dict | None = None, snaps: list |
             if counts is not None:
                 snaps.append(dict(counts))
 
-    script.RunLogger.log = timed_log
+    RunLogger.log = timed_log
     return ends
 
 

@@ -1,0 +1,487 @@
+"""The plumbing every RL script (algos/grpo.py, rloo.py, reinforce_pp.py, ppo.py, grpo_async.py) calls by name.
+
+Plain functions over plain values, no trainer class: a script's `main` reads top to bottom as
+
+    rank, world, device = rl.init_rank(args, engines)                     # 1. setup
+    tokenizer, train_set, eval_set, reward = rl.load_task(args)
+    actor, ref = rl.make_actor(args, device, total_updates), rl.make_ref(args, device)
+    run = rl.start(args, {"actor": actor}, engines, tokenizer, eval_set, reward, rank, world, device, "grpo")
+    for step in range(run.start_step, args.train.max_steps):
+        ro = rl.collect_rollout(run, args, train_set, step, keep=...)        # 2. rollout (the filter is the script's)
+        rewards, truncated = rl.shape_rewards(ro, args)                     # 3. rewards -> the script's advantages
+        ... the script's update: rl.minibatches, rl.forward_logp, its loss, rl.backward, optimizer_step
+        stats.update(rl.sync_weights(run, args, actor))                     # 5. sync, eval, log, checkpoint
+        if rl.end_step(run, args, step, stats, perf, state): return ...
+    return rl.finish(run, args, actor, tokenizer)                           # 6. export and summary
+
+Distributed bookkeeping lives here, not in the loss: with `--train.ranks N` every rank holds the whole rollout and
+trains on its share of every minibatch (`minibatches`), in as many passes as every other rank (under ZeRO-3 each
+forward is a collective), and `backward` scales the loss so that DeepSpeed's average over ranks is the minibatch's
+token mean. Metric names mean one thing in every script (see `Meter`).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import random
+from collections import defaultdict
+from dataclasses import dataclass, field, fields, is_dataclass
+from functools import partial
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from agents.executor import Episode, MultiTurnExecutor, Rollout, SingleTurnExecutor, load_env_factory
+from core import checkpoint, data, embedded, models, packing, placement, rl_math, rollout
+from core import engine as ds_engine
+from core.config import ModelConfig
+from core.logger import RunLogger, run_name
+from core.placement import all_ranks, shard_minibatch
+from rewards.loader import load_reward_func, score
+
+
+# ----------------------------------------------------------------------------------------------------- 1. setup
+def launch(main, args) -> dict:
+    """`--train.ranks N`: start Ray, the vLLM engine actors and N trainer ranks (one DeepSpeed world) on one placement
+    group, and run `main(args, engines)` on every rank, as torchrun would; returns rank 0's summary. Embedded model
+    names are resolved (built) once here, so that the ranks agree on the models and the run folder."""
+    resources = placement.init_ray(args.ray)
+    gpu, n = resources.get("GPU", 0) > 0, args.train.ranks
+    pg, share, engine_options = placement.place_rl(n, args.vllm.num_engines, args.vllm.tensor_parallel_size,
+                                                   args.train.colocate, args.ray.strategy, args.ray.timeout_s)  # fmt: skip
+    _resolve_model_names(args)
+    args.run_dir = str(Path(args.run_dir or Path(args.logger.run_root) / run_name(args.exp_name, args.train.seed)))
+    args.vllm.in_process = False
+    engines = rollout.create_engines(args.actor.model.name_or_path, args.vllm, seed=args.train.seed,
+                                     actor_options=engine_options, init_broadcast=False)  # fmt: skip
+    group = None
+    try:
+        group = placement.ModelGroup(placement.Worker, n, "actor", pg=pg, num_cpus_per_rank=share,
+                                     num_gpus_per_rank=share if gpu else 0, timeout_s=args.ray.timeout_s,
+                                     backend=args.ds.backend)  # fmt: skip
+        group.timeout_s = 10 * 365 * 86400.0  # the whole run is one call; a rank that dies still ends it at once
+        return group.run(_run_rank, main, args, engines, os.getcwd())[0]
+    finally:
+        if group is not None:
+            group.shutdown()
+        engines.shutdown()
+
+
+def _run_rank(worker, main, args, engines, cwd: str) -> dict:
+    os.chdir(cwd)  # relative paths of the command line mean what they meant to the driver
+    return main(args, engines)
+
+
+def _resolve_model_names(cfg) -> None:
+    """Every `name_or_path` field of the nested `Args` that names an embedded model -> its built local folder."""
+    for f in fields(cfg):
+        value = getattr(cfg, f.name)
+        if is_dataclass(value):
+            _resolve_model_names(value)
+        elif f.name == "name_or_path" and isinstance(value, str):
+            setattr(cfg, f.name, embedded.resolve_model(value))
+
+
+def init_rank(args, engines) -> tuple[int, int, torch.device]:
+    """Join the trainer world and seed every RNG from `--train.seed` (data order and sampling seeds are derived from
+    (seed, step), so they do not depend on these). Returns (rank, world, device)."""
+    rank, world, device = ds_engine.init_distributed(args.ds.backend, args.ds.timeout_s)
+    if world > 1 and engines is None:
+        raise ValueError("several trainer ranks: use --train.ranks N (Ray placement, shared vLLM engine actors), "
+                         "not torchrun")  # fmt: skip
+    random.seed(args.train.seed)
+    np.random.seed(args.train.seed)
+    torch.manual_seed(args.train.seed)
+    return rank, world, device
+
+
+def response_budget(args) -> tuple[int, str]:
+    """Tokens each prompt must leave free in the context for its response, and the flags that set them."""
+    multi_turn = args.rollout.env_file is not None
+    reserve = args.rollout.max_new_tokens + (args.rollout.max_total_tokens if multi_turn else 0)
+    return reserve, "--rollout.max-new-tokens" + (" + --rollout.max-total-tokens" if multi_turn else "")
+
+
+def load_task(args) -> tuple[object, list[dict], list[dict], tuple | None]:
+    """The task: the tokenizer, the (mixed) training prompts, the eval prompts and the reward function with its source
+    file (None in multi-turn, where the environment rewards), all loaded and checked before any model. A prompt must
+    leave room for its response in the model's context: rows that cannot fit are skipped and counted here, instead
+    of failing inside the rollout engine mid-run."""
+    actor_path = args.actor.model.name_or_path
+    reserve, reserve_flag = response_budget(args)
+    limits = {"max_position_embeddings of --actor.model.name-or-path":
+              models.max_positions(actor_path, "--actor.model.name-or-path"),
+              "--vllm.max-model-len": args.vllm.max_model_len}  # fmt: skip
+    args.data.max_len = data.resolve_max_len(args.data.max_len, limits, reserve, reserve_flag)
+    tokenizer = models.load_tokenizer(args.actor.model.tokenizer or actor_path,
+                                      "--actor.model.name-or-path / --actor.model.tokenizer")  # fmt: skip
+    make = partial(data.prompt_example, tokenizer=tokenizer, cfg=args.data, reserve=reserve)
+    train_set = data.mix(data.build_examples(data.load_sources(args.data.path, args.data.split, args.data.max_samples),
+                                             make, args.data), args.data.probs, args.train.seed)  # fmt: skip
+    eval_sources = data.load_sources(args.data.eval_path or args.data.path, args.data.eval_split, args.eval.max_samples)
+    eval_set = [e for g in data.build_examples(eval_sources, make, args.data) for e in g]
+    reward = None if args.rollout.env_file else load_reward_func(args.reward)
+    return tokenizer, train_set, eval_set, reward
+
+
+def make_actor(args, device: torch.device, total_updates: int):
+    """The trained policy: `--actor.model.*` as a DeepSpeed engine with AdamW and a warmup/cosine schedule over
+    `total_updates` optimizer steps."""
+    model = models.load_causal_lm(args.actor.model, "--actor.model.name-or-path").to(device)
+    return ds_engine.make_engine(model, args.ds, args.actor.lr, total_updates, args.actor.warmup_steps,
+                                 hybrid=args.vllm.enable_sleep)  # fmt: skip
+
+
+def make_ref(args, device: torch.device):
+    """The frozen reference policy of the KL term (`--ref.*`, default the actor's starting model); None when
+    `--algo.kl-coef` is 0."""
+    if args.algo.kl_coef <= 0:
+        return None
+    path = args.ref.name_or_path or args.actor.model.name_or_path
+    flag = "--ref.name-or-path" if args.ref.name_or_path else "--actor.model.name-or-path"
+    return ds_engine.make_frozen(models.load_causal_lm(ModelConfig(name_or_path=path, dtype=args.actor.model.dtype),
+                                                       flag), args.ref, device)  # fmt: skip
+
+
+@dataclass
+class Run:
+    """What the loop of an RL script needs besides its models: the world, the engines and the agent executor, the run
+    folder, the logger, and where the run starts (a resumed run: the checkpoint's step and client state)."""
+
+    rank: int
+    world: int
+    device: torch.device
+    models: dict  # {"actor": engine, ...}: checkpointed, offloaded while the engines generate (hybrid engine)
+    engines: rollout.RolloutEngines
+    executor: SingleTurnExecutor | MultiTurnExecutor
+    eval_set: list[dict]
+    run_dir: Path
+    ckpt_dir: Path
+    logger: RunLogger
+    start_step: int
+    client: dict  # the checkpoint's client state ({} for a new run)
+    first_eval: dict
+    best: float = -math.inf
+    name: str = "rl"
+    extra_state: dict = field(default_factory=dict)
+
+
+def start(args, engine_models: dict, engines, tokenizer, eval_set: list[dict], reward: tuple | None, rank: int,
+          world: int, device: torch.device, name: str) -> Run:  # fmt: skip
+    """Create the rollout engines (or connect to the launcher's), resume from the newest intact checkpoint (flags
+    checked against the run's config.json), build the agent executor and run (or restore) the first eval."""
+    if engines is None:
+        if args.vllm.in_process is False or args.vllm.num_engines > 1:  # engine actors: Ray as `--ray.*` says
+            placement.init_ray(args.ray)
+        engines = rollout.create_engines(args.actor.model.name_or_path, args.vllm, seed=args.train.seed)
+    elif rank == 0 and engines.backend == "broadcast":
+        engines.init_broadcast()  # this rank sends the weights to the engine actors
+    run_dir = Path(args.run_dir or Path(args.logger.run_root) / run_name(args.exp_name, args.train.seed))
+    ckpt_dir = Path(args.ckpt.dir or run_dir / "checkpoints")
+    start_step, client = checkpoint.resume(engine_models, ckpt_dir, run_dir, args)
+    if start_step:
+        placement.sync_weights(engines, engine_models["actor"], rank)  # the engines start from the checkpoint's weights
+    logger = RunLogger(args.logger, run_dir, args, args.train.max_steps, enabled=rank == 0, resume_step=start_step)
+    # the agent executor: prompt tokens -> vLLM generation -> checked reward (single turn), or turns of generation and
+    # environment feedback (`--rollout.env-file`); the scripts' loops are the same for both
+    if args.rollout.env_file:
+        executor = MultiTurnExecutor(engines, tokenizer, load_env_factory(args.rollout.env_file),
+                                     args.rollout.max_new_tokens, args.rollout.max_turns, args.rollout.max_total_tokens,
+                                     args.rollout.temperature, args.rollout.top_p)  # fmt: skip
+    else:
+        executor = SingleTurnExecutor(engines, tokenizer, partial(score, *reward),
+                                      args.rollout.max_new_tokens, args.rollout.temperature, args.rollout.top_p)  # fmt: skip
+    if args.vllm.enable_sleep:  # hybrid engine: DeepSpeed states stay off the GPU while the engines generate
+        for m in engine_models.values():
+            placement.offload_states(m)
+    run = Run(rank, world, device, engine_models, engines, executor, eval_set, run_dir, ckpt_dir, logger, start_step,
+              client, first_eval={}, best=client.get("best", -math.inf), name=name)  # fmt: skip
+    run.first_eval = client.get("first_eval") or all_ranks(evaluate(run, args) if rank == 0 else None, world)
+    if start_step == 0:  # a resumed run logged it when it started
+        logger.log(run.first_eval, 0, shown=("eval/pass@1",))
+    logger.print(f"[{name}] {len(eval_set)} eval prompts, {world} trainer rank(s), eval pass@1 "
+                 f"{run.first_eval['eval/pass@1']:.3f} at step {start_step}")  # fmt: skip
+    return run
+
+
+@torch.no_grad()
+def evaluate(run: Run, args) -> dict:
+    """pass@1 (greedy) and pass@k (k samples at the rollout temperature), overall and per data source; an answer is
+    correct when its reward is above 0.5."""
+    eval_set = run.eval_set
+    greedy = run.executor.run(eval_set, n=1, seed=None, step=-1, temperature=0.0)
+    sampled = run.executor.run(eval_set, n=args.eval.k, seed=12345, step=-1)
+    p1 = (greedy.rewards > 0.5).float()
+    pk = (sampled.rewards > 0.5).float().view(len(eval_set), args.eval.k).max(dim=1).values
+    out = {"eval/pass@1": p1.mean().item(), f"eval/pass@{args.eval.k}": pk.mean().item()}
+    sources = sorted({e["datasource"] for e in eval_set})
+    if len(sources) > 1:
+        for s in sources:
+            idx = torch.tensor([e["datasource"] == s for e in eval_set])
+            out[f"eval/{s}/pass@1"] = p1[idx].mean().item()
+    return out
+
+
+# --------------------------------------------------------------------------------------------------- 2. rollout
+def generate(run: Run, args, train_set: list[dict], step: int, round_: int = 0) -> Rollout:
+    """This rank's share of the step's prompts (round > 0: a refill), `--rollout.n-samples` episodes each. Seeds
+    follow the prompt's place in the global batch, so the samples do not depend on the number of ranks."""
+    G = args.rollout.n_samples
+    idx = data.batch_indices(len(train_set), args.rollout.batch_size, step, args.train.seed + 7919 * round_)
+    mine = placement.split_contiguous(list(range(len(idx))), run.world)[run.rank]
+    base = args.train.seed * 1_000_003 + step * 10_007 + round_
+    return run.executor.run([train_set[idx[j]] for j in mine], G, [base + j * G for j in mine], step)
+
+
+def refill(ro: Rollout, keep, more, G: int, max_rounds: int) -> Rollout:
+    """DAPO dynamic sampling: keep the groups of `ro` for which `keep(scores) -> (groups,) bool` holds and generate
+    more rounds (`more(round) -> Rollout`) until the batch is full again or `max_rounds` rounds were generated. A batch
+    still empty after them is returned as the last round was (the zero-variance filter drops most of it)."""
+    want, fresh_reward, parts, rounds = len(ro.episodes) // G, ro.rewards.mean().item(), [], 0
+    logs = dict(ro.logs)
+    while True:
+        parts.append(ro.take_groups(keep(ro.scores), G))
+        rounds += 1
+        if sum(len(p.episodes) for p in parts) >= want * G or rounds >= max_rounds:
+            break
+        ro = more(rounds)
+    pool = Rollout.cat(parts)
+    if pool.episodes:
+        ro = pool.take_groups(torch.arange(len(pool.episodes) // G) < want, G)
+    ro.logs = {**logs, "rollout/filter_rounds": rounds, "rollout/filter_groups": len(ro.episodes) // G,
+               "rollout/fresh_reward_mean": fresh_reward}  # fmt: skip
+    return ro
+
+
+def gather(ro: Rollout, world: int) -> Rollout:
+    """Every rank gets the whole rollout (advantages and minibatches are global): one all-gather."""
+    if world == 1:
+        return ro
+    parts = [None] * world
+    torch.distributed.all_gather_object(parts, ro)
+    whole = Rollout.cat(parts)
+    whole.logs = all_ranks(ro.logs, world, reduce=True)
+    return whole
+
+
+def collect_rollout(run: Run, args, train_set: list[dict], step: int, keep=None) -> Rollout:
+    """Step `step`'s rollout on every rank: generate this rank's prompts, refill the groups that `keep` (the script's
+    filter, `refill`) rejects when it is given, gather the ranks' parts, and (hybrid engine) hand the GPU from the
+    engines to the trainer."""
+    ro = generate(run, args, train_set, step)
+    if keep is not None:
+        more = partial(generate, run, args, train_set, step)
+        ro = refill(ro, keep, more, args.rollout.n_samples, args.algo.dynamic_filter_max_rounds)
+    ro = gather(ro, run.world)
+    if args.vllm.enable_sleep:  # hybrid engine: the engines' GPU memory goes to training
+        if run.rank == 0:
+            run.engines.sleep()
+        for m in run.models.values():
+            placement.reload_states(m)  # DeepSpeed states back on the GPU (no-op on CPU)
+    return ro
+
+
+# ------------------------------------------------------------------------------------------------ 3. rewards
+def shape_rewards(ro: Rollout, args) -> tuple[torch.Tensor, torch.Tensor]:
+    """The rollout's rewards after the `--reward.*` shaping (a fixed reward for truncated responses, DAPO's overlong
+    penalty, clipping to ±clip), and which episodes were truncated. Both (B,)."""
+    rewards = ro.rewards
+    truncated = torch.tensor([e.truncated for e in ro.episodes], dtype=torch.bool)
+    if args.reward.stop_properly_penalty is not None:
+        rewards = torch.where(truncated, torch.tensor(args.reward.stop_properly_penalty), rewards)
+    if args.reward.overlong_buffer:
+        lengths = torch.tensor([len(e.token_ids) for e in ro.episodes])
+        rewards = rewards + rl_math.overlong_penalty(lengths, args.rollout.max_new_tokens, args.reward.overlong_buffer,
+                                                     args.reward.overlong_penalty_factor)  # fmt: skip
+    return rewards.clamp(-args.reward.clip, args.reward.clip), truncated
+
+
+def zero_variance_groups(rewards: torch.Tensor, G: int) -> torch.Tensor:
+    """(B,) bool: True for the samples of groups whose rewards all agree (a group-relative advantage of 0)."""
+    return (rewards.view(-1, G).std(dim=1) == 0).repeat_interleave(G)
+
+
+def rollout_stats(ro: Rollout, rewards: torch.Tensor, truncated: torch.Tensor, keep: torch.Tensor) -> dict:
+    """rollout/* metrics of the step (after shaping; kept_frac: the share of samples the update trains on)."""
+    return {
+        "rollout/reward_mean": rewards.mean().item(),
+        "rollout/response_len_mean": float(np.mean([len(e.token_ids) for e in ro.episodes])),
+        "rollout/truncated_frac": truncated.float().mean().item(),
+        "rollout/kept_frac": keep.float().mean().item(),
+        **ro.logs,
+    }
+
+
+# ---------------------------------------------------------------------------------------------------- 4. update
+def sequences(episodes: list[Episode], pad_id: int, device) -> dict:
+    """Right-padded prompt+response batch (B, L): the loss mask is True on the tokens the policy generated (the
+    episode's action mask), `rollout_logp` holds the engine's log-probs at the same positions."""
+    examples = [{"input_ids": e.prompt_ids + e.token_ids, "loss_mask": [0] * len(e.prompt_ids) + e.action_mask}
+                for e in episodes]  # fmt: skip
+    batch = packing.collate_padded(examples, pad_id, device)
+    batch["rollout_logp"] = torch.zeros(batch["loss_mask"].shape)
+    for row, e in enumerate(episodes):
+        batch["rollout_logp"][row, len(e.prompt_ids) : len(e.prompt_ids) + len(e.token_ids)] = torch.tensor(e.logprobs)
+    return batch
+
+
+def rows(batch: dict, r: list[int]) -> dict:
+    """The batch's rows `r` (every tensor of it)."""
+    return {k: v[r] for k, v in batch.items()}
+
+
+def forward_logp(model, batch: dict, temperature: float, entropy: bool = False):
+    """Per-token log-probs (B, L) of the batch's tokens (position t: log p(x_t | x_<t)), and optionally entropies."""
+    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
+    logits = logits[:, :-1]
+    logp = rl_math.logprobs_from_logits(logits, batch["input_ids"][:, 1:], temperature=temperature)
+    logp = torch.cat([torch.zeros_like(logp[:, :1]), logp], dim=1)
+    ent = None
+    if entropy:
+        ent = rl_math.entropy_from_logits(logits.float() / temperature)
+        ent = torch.cat([torch.zeros_like(ent[:, :1]), ent], dim=1)
+    return logp, ent
+
+
+def minibatches(n: int, args, step: int, rank: int, world: int) -> list[tuple[list[int], list[tuple[list[int], bool]]]]:
+    """The step's minibatches over rows 0..n-1, shuffled by (seed, step): [(rows, micro)] with `rows` the whole
+    minibatch (all ranks) and `micro` this rank's micro-batches of it, [(row indices, real)]; every rank gets as many
+    micro-batches as every other (a padding one is `real` False and its loss counts 0)."""
+    order = list(range(n))
+    random.Random(args.train.seed + step).shuffle(order)
+    size = max(1, math.ceil(n / args.train.minibatches))
+    return [(order[i : i + size], shard_minibatch(order[i : i + size], rank, world, args.train.micro_batch_size))
+            for i in range(0, n, size)]  # fmt: skip
+
+
+@torch.no_grad()
+def forward_rows(fn, batch: dict, micro: list[tuple[list[int], bool]], world: int, gather_ranks: bool) -> torch.Tensor:
+    """`fn(rows(batch, r)) -> (b, L)` on this rank's micro-batches `micro`, written into a (B, L) tensor. Every pass
+    runs, padding ones included (under ZeRO-3 each forward is a collective). `gather_ranks`: each row was computed by
+    exactly one rank (0 elsewhere), so a sum over ranks gives every rank every row."""
+    out = torch.zeros(batch["loss_mask"].shape, device=batch["loss_mask"].device)
+    for r, real in micro:
+        value = fn(rows(batch, r))
+        if real:
+            out[r] = value
+    if gather_ranks and world > 1:
+        torch.distributed.all_reduce(out)
+    return out
+
+
+def agg_kwargs(mask: torch.Tensor, minibatch: list[int], args) -> dict:
+    """The normalisers of `rl_math.aggregate_loss` for one minibatch: its tokens and sequences over all ranks, and
+    the length constant of `seq-mean-token-sum-norm` (the response budget)."""
+    max_len = args.rollout.max_new_tokens if args.algo.loss_agg == "seq-mean-token-sum-norm" else mask.shape[1]
+    return {"num_tokens": mask[minibatch].sum().item(), "num_seqs": len(minibatch), "max_len": max_len}
+
+
+def backward(engine, loss: torch.Tensor, step: int, world: int, real: bool, last: bool, what: str = "loss") -> float:
+    """One micro-batch's backward: stop before any optimizer step on a NaN/inf loss; scale by world (DeepSpeed averages
+    gradients over ranks, the loss is this rank's share of the minibatch's token mean) or by 0 for a padding pass;
+    mark the last micro-batch of the minibatch as the accumulation boundary. Returns the unscaled loss (0 for padding),
+    whose sum over micro-batches and ranks is the minibatch's loss."""
+    ds_engine.check_finite(loss, step, what)
+    engine.set_gradient_accumulation_boundary(last)
+    engine.backward(loss * (world if real else 0.0))
+    return loss.item() if real else 0.0
+
+
+class Meter:
+    """A step's update metrics, merged over micro-batches, optimizer steps and ranks, one meaning per name in every
+    script: `add(m, tokens)` for per-token means (loss/clipfrac, loss/kl, loss/entropy: token-weighted over every
+    trained token of the step); `add_loss(name, value)` for a micro-batch's share of its minibatch's loss (summed
+    over a minibatch's micro-batches and ranks, averaged over the optimizer steps); `add_step(name, value)` for one
+    value per optimizer step (gradient norms, the same on every rank), averaged."""
+
+    def __init__(self):
+        self.sums, self.weights = defaultdict(float), defaultdict(float)
+        self.losses, self.per_step = defaultdict(float), defaultdict(list)
+
+    def add(self, metrics: dict, tokens: float) -> None:
+        for k, v in metrics.items():
+            self.sums[k] += float(v.detach() if isinstance(v, torch.Tensor) else v) * tokens
+            self.weights[k] += tokens
+
+    def add_loss(self, name: str, value: float) -> None:
+        self.losses[name] += value
+
+    def add_step(self, name: str, value: float) -> None:
+        self.per_step[name].append(float(value))
+
+    def result(self, world: int) -> dict:
+        """The merged metrics, the same on every rank (collective when world > 1)."""
+        keys, loss_keys = sorted(self.sums), sorted(self.losses)
+        flat = torch.tensor([self.sums[k] for k in keys] + [self.weights[k] for k in keys]
+                            + [self.losses[k] for k in loss_keys], dtype=torch.float64)  # fmt: skip
+        if world > 1:
+            torch.distributed.all_reduce(flat)
+        out = {k: flat[i].item() / max(flat[len(keys) + i].item(), 1e-12) for i, k in enumerate(keys)}
+        for i, k in enumerate(loss_keys):
+            out[k] = flat[2 * len(keys) + i].item() / max(1, len(self.per_step.get(_steps_key(k), [1])))
+        out.update({k: float(np.mean(v)) for k, v in self.per_step.items()})
+        return out
+
+
+def _steps_key(loss_name: str) -> str:
+    """The per-step metric that counts a loss's optimizer steps: the actor's grad norm for loss/policy, the critic's
+    for loss/value."""
+    return "critic/grad_norm" if loss_name == "loss/value" else "train/grad_norm"
+
+
+# ---------------------------------------------------------------------------------------- 5. sync, eval, save
+def sync_weights(run: Run, args, actor, changed: bool = True, sample: list[list[int]] | None = None) -> dict:
+    """Hand the GPU back to the engines and send them the actor's new weights, in the order a hybrid engine needs:
+    weights memory back, new weights in, then the KV cache. `changed` False skips the transfer (nothing trained).
+    `--debug` with `sample` token lists: check that the engines' log-probs equal the trainer's (on every rank: under
+    ZeRO-3 the trainer's forward is a collective)."""
+    stats = {}
+    if args.vllm.enable_sleep and run.rank == 0:
+        run.engines.wake_up(["weights"])
+    if changed:
+        stats = placement.sync_weights(run.engines, actor, run.rank)
+    if args.vllm.enable_sleep and run.rank == 0:
+        run.engines.wake_up(["kv_cache"])
+    if changed and args.debug and sample:
+        rollout.check_weights(run.engines, actor.module, sample)
+    return stats
+
+
+def end_step(run: Run, args, step: int, stats: dict, state: dict | None = None) -> bool:
+    """The end of step `step`: eval every `--eval.every` steps and at the last (exporting a new best to <run>/best),
+    log the metrics row, checkpoint every `--ckpt.every` steps, at the last and when halting, and (hybrid engine)
+    move the trainer's states off the GPU for the next rollout. Returns True when `--train.halt-after` stops here."""
+    last = step == args.train.max_steps - 1
+    if args.eval.every and ((step + 1) % args.eval.every == 0 or last):
+        stats.update(all_ranks(evaluate(run, args) if run.rank == 0 else None, run.world))
+        if args.eval.best_metric and stats.get(args.eval.best_metric, -math.inf) > run.best:
+            run.best = stats[args.eval.best_metric]
+            ds_engine.export_hf(run.models["actor"], run.executor.tokenizer, run.run_dir / "best")
+    run.logger.log(stats, step + 1, shown=("rollout/reward_mean", "eval/pass@1"))
+    halted = args.train.halt_after is not None and step + 1 - run.start_step >= args.train.halt_after and not last
+    if halted or (args.ckpt.every and ((step + 1) % args.ckpt.every == 0 or last)):
+        client = {"step": step, "first_eval": run.first_eval, "best": run.best, **(state or {})}
+        checkpoint.save(run.models, run.ckpt_dir, step, client, args.ckpt.keep_last)
+    if args.vllm.enable_sleep and not (last or halted):  # DeepSpeed states off the GPU while the engines generate
+        for m in run.models.values():
+            placement.offload_states(m)
+    if halted:
+        run.logger.print(f"[{run.name}] halted after {args.train.halt_after} steps; resume with --run-dir {run.run_dir}")
+        run.logger.close({"steps": step + 1, "halted": True})
+    return halted
+
+
+def finish(run: Run, args, actor, tokenizer, halted_at: int | None = None) -> dict:
+    """Export the trained policy to <run>/hf, plot the learning curve, print and return the run's summary. A halted
+    run (`halted_at`: its last step) only returns where to resume from."""
+    if halted_at is not None:
+        return {"steps": halted_at + 1, "halted": True, "run_dir": str(run.run_dir)}
+    ds_engine.export_hf(actor, tokenizer, run.run_dir / "hf")
+    run.logger.plot(run.run_dir / "learning_curve.png", ("rollout/reward_mean", "eval/pass@1"))
+    summary = {"steps": args.train.max_steps, "eval_pass@1_first": run.first_eval["eval/pass@1"],
+               "eval_pass@1_last": run.logger.latest("eval/pass@1"),
+               "reward_mean_last": run.logger.latest("rollout/reward_mean"), "run_dir": str(run.run_dir)}  # fmt: skip
+    run.logger.close(summary)
+    return summary
