@@ -102,7 +102,7 @@ def test_multi_turn_stops_at_max_turns_and_total_length(tokenizer):
 
 
 def test_rl_batch_masks_environment_tokens_and_aligns_engine_logprobs():
-    from algos.grpo import sequences
+    from core.rl import sequences
 
     ep = Episode({}, [5, 6, 7], [10, 11, 12, 13], [-0.25, 0.0, 0.0, -0.5], [1, 0, 0, 1], False)
     short = Episode({}, [5], [9], [-0.7], [1], True)
