@@ -43,8 +43,9 @@ TEST_SIZE = 500
 # 4: tied head not saved twice; 5: warm start stops at 45 % instead of 25 %; 6: rebuilt by the current sft.py, 460
 # steps to 0.48, where version-5 caches hold an earlier sft.py's 520 steps to 0.522; 7: an attempt that never landed;
 # 8: built with `reproducible_cpu_env`, where an unpinned AVX-512 machine built a version-6 warm start of 520 steps
-# to 0.634).
-ARTIFACT_VERSION = "8"
+# to 0.634; 9: always built with one thread, where the thread count moved an AMX machine's warm start from 0.522 to
+# 0.618).
+ARTIFACT_VERSION = "9"
 
 
 def home() -> Path:
@@ -234,9 +235,10 @@ def ensure_sft_warm_start() -> Path:
     def build(tmp: Path) -> None:
         print(f"[cleanrlhf] building the SFT warm start {PREFIX}tiny-sft with {script} (one time, ~1 min)")
         env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
-        # The caller waits, so the build has the cores: 2 threads built the same weights, bit for bit, as 1 in 41 s
-        # instead of 72 s on the 2-core box. More threads on a 1 M model were not measured to help.
-        env.setdefault("OMP_NUM_THREADS", str(min(2, os.cpu_count() or 1)))
+        # One thread, whatever the caller's setting: the reduction order of a matmul depends on the thread count, and
+        # on a Xeon with AMX (2026-11-25) a 2-thread build stopped at 540 steps with 0.618 where 1 thread stopped at
+        # 440 steps with 0.522 (an AVX2-only machine had built the same weights with 1 and 2 threads). ~60 s, once.
+        env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = "1"
         for key, value in reproducible_cpu_env().items():  # the same warm start on every x86-64 machine
             env.setdefault(key, value)
         run_dir = tmp.with_name(tmp.name + "-run")  # beside, not inside: the export replaces `tmp` whole

@@ -83,7 +83,7 @@ def test_loaders_resolve_embedded_names(tmp_path, monkeypatch, tiny_path):
     assert data.resolve_data("mine.jsonl") == "mine.jsonl"
 
 
-# The recipe of `cleanrlhf/tiny-sft` as flags (ARTIFACT_VERSION 8 was built from these): the preset must equal them.
+# The recipe of `cleanrlhf/tiny-sft` as flags (versions 6-8 were built from them): the preset must equal them.
 WARM_START_FLAGS = [
     "--model.name-or-path", "cleanrlhf/tiny", "--data.path", "cleanrlhf/add2", "--train.lr", "1e-3",
     "--train.adam-betas", "0.9", "0.98", "--train.batch-size", "64", "--train.max-steps", "3000",
