@@ -371,6 +371,71 @@ def logprobs_from_logits(logits: Tensor, labels: Tensor, temperature: float = 1.
     return torch.stack(rows)
 
 
+class _HeadLogprobs(torch.autograd.Function):
+    """logp and entropy of softmax(h Wᵀ / τ) at `labels`, one chunk of tokens at a time, never holding the (N, V)
+    logits of more than one chunk; the backward recomputes each chunk's logits (what a fused LM-head + log-softmax
+    kernel does). Saved for backward: h, W, labels and the (N,) logsumexp."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, temperature: float, chunk: int, with_entropy: bool):
+        n, acc = hidden.shape[0], torch.promote_types(hidden.dtype, torch.float32)  # float32, or float64 for tests
+        logp = torch.empty(n, dtype=acc, device=hidden.device)
+        ent = torch.empty(n, dtype=acc, device=hidden.device) if with_entropy else None
+        lse = torch.empty(n, dtype=acc, device=hidden.device)
+        for i in range(0, n, chunk):
+            z = (hidden[i : i + chunk] @ weight.t()).to(acc) / temperature  # (c, V): the only vocabulary-sized buffer
+            lse[i : i + chunk] = torch.logsumexp(z, dim=-1)
+            logp[i : i + chunk] = z.gather(-1, labels[i : i + chunk, None]).squeeze(-1) - lse[i : i + chunk]
+            if with_entropy:
+                p = torch.exp(z - lse[i : i + chunk, None])
+                ent[i : i + chunk] = lse[i : i + chunk] - (p * z).sum(-1)
+        ctx.save_for_backward(hidden, weight, labels, lse)
+        ctx.temperature, ctx.chunk, ctx.with_entropy = temperature, chunk, with_entropy
+        return (logp, ent) if with_entropy else (logp, torch.zeros(0, device=hidden.device))
+
+    @staticmethod
+    def backward(ctx, grad_logp, grad_ent):
+        hidden, weight, labels, lse = ctx.saved_tensors
+        tau, chunk = ctx.temperature, ctx.chunk
+        grad_h = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
+        acc = lse.dtype
+        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if ctx.needs_input_grad[1] else None
+        for i in range(0, hidden.shape[0], chunk):
+            h = hidden[i : i + chunk]
+            z = (h @ weight.t()).to(acc) / tau
+            p = torch.exp(z - lse[i : i + chunk, None])
+            g_logp = grad_logp[i : i + chunk, None].to(acc)
+            # ∂logp/∂z = onehot(y) − p;   ∂H/∂z = −p ⊙ (z − Σ_v p z)
+            gz = -p * g_logp
+            gz.scatter_add_(-1, labels[i : i + chunk, None], g_logp)
+            if ctx.with_entropy and grad_ent is not None and grad_ent.numel():
+                gz -= grad_ent[i : i + chunk, None].to(acc) * p * (z - (p * z).sum(-1, keepdim=True))
+            gz = gz / tau  # z = h Wᵀ / τ
+            if grad_h is not None:
+                grad_h[i : i + chunk] = (gz @ weight.to(acc)).to(hidden.dtype)
+            if grad_w is not None:
+                grad_w += gz.t() @ h.to(acc)
+        return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None
+
+
+def head_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, temperature: float = 1.0, chunk: int = 256,
+                  entropy: bool = False) -> tuple[Tensor, Tensor | None]:  # fmt: skip
+    """Log-probs (and entropies) of `labels` under softmax(hidden · weightᵀ / temperature), computed `chunk` tokens at
+    a time in float32, forward and backward, so the (tokens, vocab) float32 logits exist for one chunk only: at 4,096
+    tokens and a 151,936-token vocabulary the full logits alone are 2.5 GB, a 256-token chunk's 0.16 GB.
+
+    hidden: (..., H) final hidden states (after the model's last norm); weight: (V, H) the LM head (no bias, as in
+    Llama/Qwen); labels: (...) token ids -> logp (...) float32, entropy (...) float32 or None. Equal to
+    `logprobs_from_logits(hidden @ weight.T, labels, temperature)` and `entropy_from_logits` up to float32 rounding,
+    gradients included (tests/test_rl_math.py)."""
+    if temperature <= 0 or chunk < 1:
+        raise ValueError(f"temperature must be > 0 and chunk >= 1, got {temperature}, {chunk}")
+    shape = labels.shape
+    logp, ent = _HeadLogprobs.apply(hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1), float(temperature),
+                                    int(chunk), entropy)  # fmt: skip
+    return logp.view(shape), (ent.view(shape) if entropy else None)
+
+
 class AdaptiveKLController:
     """Adaptive KL coefficient of Ziegler et al. 2019 (arXiv:1909.08593), as in OpenRLHF and TRL.
 

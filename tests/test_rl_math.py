@@ -17,6 +17,7 @@ from core.rl_math import (
     discounted_returns,
     entropy_from_logits,
     gae,
+    head_logprobs,
     logprobs_from_logits,
     masked_mean,
     masked_whiten,
@@ -724,3 +725,49 @@ def test_overlong_penalty_is_monotone_in_length():
     lengths = torch.arange(0, 40)
     out = overlong_penalty(lengths, 32, 8, 2.0)
     assert (out[1:] <= out[:-1]).all() and out.max() == 0 and out.min() == -2.0
+
+
+# ----------------------------------------------------------------- chunked LM head: log-probs and entropy
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("chunk", [1, 7, 1000])
+def test_head_logprobs_equal_the_full_logits_path_values_and_gradients(temperature, chunk):
+    """In float64 the chunked head (logits recomputed per chunk in backward) equals logprobs_from_logits and
+    entropy_from_logits on the full (B, T, V) logits to 1e-12, values and gradients of both inputs."""
+    g = torch.Generator().manual_seed(chunk)
+    h = torch.randn(2, 19, 16, dtype=torch.float64, generator=g, requires_grad=True)
+    w = torch.randn(101, 16, dtype=torch.float64, generator=g, requires_grad=True)
+    y = torch.randint(0, 101, (2, 19), generator=g)
+    up_lp, up_ent = torch.randn(2, 19, dtype=torch.float64, generator=g), torch.randn(2, 19, dtype=torch.float64, generator=g)
+    z = h @ w.t()
+    want_lp, want_ent = logprobs_from_logits(z, y, temperature), entropy_from_logits(z / temperature)
+    want_grads = torch.autograd.grad((want_lp * up_lp).sum() + (want_ent * up_ent).sum(), (h, w))
+    lp, ent = head_logprobs(h, w, y, temperature, chunk=chunk, entropy=True)
+    grads = torch.autograd.grad((lp * up_lp).sum() + (ent * up_ent).sum(), (h, w))
+    torch.testing.assert_close(lp, want_lp, rtol=0, atol=1e-12)
+    torch.testing.assert_close(ent, want_ent, rtol=0, atol=1e-12)
+    for got, want in zip(grads, want_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=0, atol=1e-12)
+    lp_only, none = head_logprobs(h, w, y, temperature, chunk=chunk)
+    assert none is None
+    want_h = torch.autograd.grad((logprobs_from_logits(h @ w.t(), y, temperature) * up_lp).sum(), h)[0]
+    torch.testing.assert_close(torch.autograd.grad((lp_only * up_lp).sum(), h)[0], want_h, rtol=0, atol=1e-12)
+
+
+def test_head_logprobs_in_float32_and_bf16():
+    """float32 inputs: within float32 rounding of the float64 result; bf16 inputs (a bf16 model's head): float32
+    outputs, gradients in the inputs' dtype."""
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(64, 32, dtype=torch.float64, generator=g)
+    w = torch.randn(503, 32, dtype=torch.float64, generator=g) / 4
+    y = torch.randint(0, 503, (64,), generator=g)
+    want, _ = head_logprobs(h, w, y)
+    got, _ = head_logprobs(h.float(), w.float(), y, chunk=10)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-5)
+    hb, wb = h.bfloat16().requires_grad_(), w.bfloat16().requires_grad_()
+    lp, ent = head_logprobs(hb, wb, y, chunk=10, entropy=True)
+    assert lp.dtype == ent.dtype == torch.float32
+    lp.sum().backward()
+    assert hb.grad.dtype == wb.grad.dtype == torch.bfloat16 and bool(torch.isfinite(hb.grad.float()).all())
+    with pytest.raises(ValueError, match="temperature must be > 0 and chunk >= 1"):
+        head_logprobs(h, w, y, chunk=0)

@@ -1,0 +1,94 @@
+"""Peak memory of the LM head + log-softmax of one micro-step, full logits vs `core.rl_math.head_logprobs` (chunked).
+
+A Qwen2.5-0.5B-shaped head (hidden 896, vocabulary 151,936) on 4,096 tokens: the full path materialises the float32
+(4,096 x 151,936) logits (2.5 GB) and keeps them (and the log-softmax) for backward; the chunked path holds one
+chunk's logits at a time, forward and backward. Each mode runs in its own process on the CPU; the number reported is
+the peak resident memory of the step (log-probs + entropy, backward into hidden and head weight) above the memory
+the process held before it (inputs, gradients and a small warm-up step of the same mode). Run:
+
+    .venv/bin/python tests/benchmarks/bench_head_memory.py            # prints one row per mode and a JSON line
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def status_gib(key: str) -> float:
+    """VmRSS (resident now) or VmHWM (peak resident) of this process in GiB, from /proc (Linux)."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1]) / 2**20
+    raise RuntimeError(f"no {key} in /proc/self/status")
+
+
+def reset_peak() -> None:
+    """Start VmHWM over from the current resident memory (Linux: `5` into /proc/self/clear_refs)."""
+    Path("/proc/self/clear_refs").write_text("5")
+
+
+def one_mode(mode: str, tokens: int, hidden: int, vocab: int, chunk: int) -> dict:
+    sys.path.insert(0, str(ROOT))
+    import torch
+
+    from core import rl_math
+
+    torch.manual_seed(0)
+    h = (torch.randn(tokens, hidden) / hidden**0.5).requires_grad_()
+    w = (torch.randn(vocab, hidden) / hidden**0.5).requires_grad_()
+    y = torch.randint(0, vocab, (tokens,))
+
+    def step(n: int) -> None:
+        if mode == "full":
+            logits = h[:n] @ w.t()  # (n, V) float32, kept for backward
+            logp = rl_math.logprobs_from_logits(logits, y[:n])
+            ent = rl_math.entropy_from_logits(logits)
+        else:
+            logp, ent = rl_math.head_logprobs(h[:n], w, y[:n], chunk=chunk, entropy=True)
+        (logp.sum() - 0.01 * ent.sum()).backward()
+
+    step(8)  # warm-up: gradient buffers of h and w exist from here on
+    before = status_gib("VmRSS")
+    reset_peak()
+    t0 = time.perf_counter()
+    step(tokens)
+    seconds = time.perf_counter() - t0
+    peak = status_gib("VmHWM")
+    return {"mode": mode, "tokens": tokens, "vocab": vocab, "chunk": chunk if mode == "chunked" else None,
+            "extra_peak_gib": round(peak - before, 3), "seconds": round(seconds, 1),
+            "full_logits_gib": round(tokens * vocab * 4 / 2**30, 3)}  # fmt: skip
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--tokens", type=int, default=4096)
+    p.add_argument("--hidden", type=int, default=896)
+    p.add_argument("--vocab", type=int, default=151_936)
+    p.add_argument("--chunk", type=int, default=256)
+    p.add_argument("--mode", choices=["full", "chunked"], help="run one mode in this process (used internally)")
+    a = p.parse_args()
+    if a.mode:
+        print(json.dumps(one_mode(a.mode, a.tokens, a.hidden, a.vocab, a.chunk)))
+        return
+    rows = []
+    for mode in ("full", "chunked"):
+        cmd = [sys.executable, __file__, "--mode", mode, "--tokens", str(a.tokens), "--hidden", str(a.hidden),
+               "--vocab", str(a.vocab), "--chunk", str(a.chunk)]  # fmt: skip
+        out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
+        rows.append(json.loads(out))
+    print(f"{'mode':<8} {'tokens':>6} {'vocab':>7} {'chunk':>5} {'extra peak GiB':>14} {'s':>6}")
+    for r in rows:
+        print(f"{r['mode']:<8} {r['tokens']:>6} {r['vocab']:>7} {r['chunk'] or '-':>5} {r['extra_peak_gib']:>14} "
+              f"{r['seconds']:>6}")  # fmt: skip
+    print(json.dumps({"rows": rows}))
+
+
+if __name__ == "__main__":
+    main()
