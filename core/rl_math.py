@@ -383,12 +383,13 @@ class _HeadLogprobs(torch.autograd.Function):
         ent = torch.empty(n, dtype=acc, device=hidden.device) if with_entropy else None
         lse = torch.empty(n, dtype=acc, device=hidden.device)
         for i in range(0, n, chunk):
-            z = (hidden[i : i + chunk] @ weight.t()).to(acc) / temperature  # (c, V): the only vocabulary-sized buffer
-            lse[i : i + chunk] = torch.logsumexp(z, dim=-1)
-            logp[i : i + chunk] = z.gather(-1, labels[i : i + chunk, None]).squeeze(-1) - lse[i : i + chunk]
-            if with_entropy:
-                p = torch.exp(z - lse[i : i + chunk, None])
-                ent[i : i + chunk] = lse[i : i + chunk] - (p * z).sum(-1)
+            j = min(i + chunk, n)
+            z = (hidden[i:j] @ weight.t()).to(acc).div_(temperature)  # (c, V): one of at most two such buffers
+            lse[i:j] = torch.logsumexp(z, dim=-1)
+            logp[i:j] = z.gather(-1, labels[i:j, None]).squeeze(-1) - lse[i:j]
+            if with_entropy:  # H = lse − Σ_v p_v z_v
+                p = z.sub(lse[i:j, None]).exp_()
+                ent[i:j] = lse[i:j] - torch.linalg.vecdot(p, z)
         ctx.save_for_backward(hidden, weight, labels, lse)
         ctx.temperature, ctx.chunk, ctx.with_entropy = temperature, chunk, with_entropy
         return (logp, ent) if with_entropy else (logp, torch.zeros(0, device=hidden.device))
@@ -396,25 +397,27 @@ class _HeadLogprobs(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_logp, grad_ent):
         hidden, weight, labels, lse = ctx.saved_tensors
-        tau, chunk = ctx.temperature, ctx.chunk
+        tau, chunk, acc = ctx.temperature, ctx.chunk, lse.dtype
         grad_h = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
-        acc = lse.dtype
         grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if ctx.needs_input_grad[1] else None
+        entropy = ctx.with_entropy and grad_ent is not None and grad_ent.numel() > 0
         for i in range(0, hidden.shape[0], chunk):
-            h = hidden[i : i + chunk]
-            z = (h @ weight.t()).to(acc) / tau
-            p = torch.exp(z - lse[i : i + chunk, None])
-            g_logp = grad_logp[i : i + chunk, None].to(acc)
-            # ∂logp/∂z = onehot(y) − p;   ∂H/∂z = −p ⊙ (z − Σ_v p z)
-            gz = -p * g_logp
-            gz.scatter_add_(-1, labels[i : i + chunk, None], g_logp)
-            if ctx.with_entropy and grad_ent is not None and grad_ent.numel():
-                gz -= grad_ent[i : i + chunk, None].to(acc) * p * (z - (p * z).sum(-1, keepdim=True))
-            gz = gz / tau  # z = h Wᵀ / τ
+            j = min(i + chunk, hidden.shape[0])
+            h = hidden[i:j]
+            z = (h @ weight.t()).to(acc).div_(tau)
+            p = z.sub(lse[i:j, None]).exp_()
+            g_logp = grad_logp[i:j, None].to(acc)
+            # ∂logp/∂z = onehot(y) − p;   ∂H/∂z = −p ⊙ (z − Σ_v p_v z_v); in place, two (c, V) buffers
+            if entropy:
+                z.sub_(torch.linalg.vecdot(p, z)[:, None]).mul_(p).mul_(-grad_ent[i:j, None].to(acc))
+                gz = z.sub_(p.mul_(g_logp))
+            else:
+                gz = p.mul_(-g_logp)
+            gz.scatter_add_(-1, labels[i:j, None], g_logp).div_(tau)  # z = h Wᵀ / τ
             if grad_h is not None:
-                grad_h[i : i + chunk] = (gz @ weight.to(acc)).to(hidden.dtype)
+                grad_h[i:j] = (gz @ weight.to(acc)).to(hidden.dtype)
             if grad_w is not None:
-                grad_w += gz.t() @ h.to(acc)
+                grad_w.addmm_(gz.t(), h.to(acc))
         return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None
 
 

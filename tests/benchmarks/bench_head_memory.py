@@ -4,7 +4,8 @@ A Qwen2.5-0.5B-shaped head (hidden 896, vocabulary 151,936) on 4,096 tokens: the
 (4,096 x 151,936) logits (2.5 GB) and keeps them (and the log-softmax) for backward; the chunked path holds one
 chunk's logits at a time, forward and backward. Each mode runs in its own process on the CPU; the number reported is
 the peak resident memory of the step (log-probs + entropy, backward into hidden and head weight) above the memory
-the process held before it (inputs, gradients and a small warm-up step of the same mode). Run:
+the process held before it (inputs, gradients and a small warm-up step of the same mode), and `floor` is that of a
+step with no logits at all, which still allocates the head's (V, H) weight gradient once. Run:
 
     .venv/bin/python tests/benchmarks/bench_head_memory.py            # prints one row per mode and a JSON line
 """
@@ -46,6 +47,9 @@ def one_mode(mode: str, tokens: int, hidden: int, vocab: int, chunk: int) -> dic
     y = torch.randint(0, vocab, (tokens,))
 
     def step(n: int) -> None:
+        if mode == "floor":  # no logits at all: what any path spends on the head's (V, H) weight gradient
+            (h[:n] * w[y[:n]]).sum().backward()
+            return
         if mode == "full":
             logits = h[:n] @ w.t()  # (n, V) float32, kept for backward
             logp = rl_math.logprobs_from_logits(logits, y[:n])
@@ -72,13 +76,13 @@ def main() -> None:
     p.add_argument("--hidden", type=int, default=896)
     p.add_argument("--vocab", type=int, default=151_936)
     p.add_argument("--chunk", type=int, default=256)
-    p.add_argument("--mode", choices=["full", "chunked"], help="run one mode in this process (used internally)")
+    p.add_argument("--mode", choices=["floor", "full", "chunked"], help="run one mode in this process (used internally)")
     a = p.parse_args()
     if a.mode:
         print(json.dumps(one_mode(a.mode, a.tokens, a.hidden, a.vocab, a.chunk)))
         return
     rows = []
-    for mode in ("full", "chunked"):
+    for mode in ("floor", "full", "chunked"):
         cmd = [sys.executable, __file__, "--mode", mode, "--tokens", str(a.tokens), "--hidden", str(a.hidden),
                "--vocab", str(a.vocab), "--chunk", str(a.chunk)]  # fmt: skip
         out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
