@@ -11,7 +11,8 @@ Plain functions over plain values, no trainer class: a script's `main` reads top
         rewards, truncated = rl.shape_rewards(ro, args)                     # 3. rewards -> the script's advantages
         ... the script's update: rl.minibatches, rl.forward_logp, its loss, rl.backward, optimizer_step
         stats.update(rl.sync_weights(run, args, actor))                     # 5. sync, eval, log, checkpoint
-        if rl.end_step(run, args, step, stats, perf, state): return ...
+        if rl.end_step(run, args, step, stats, state):                      # True: --train.halt-after stops here
+            return rl.finish(run, args, actor, tokenizer, halted_at=step)
     return rl.finish(run, args, actor, tokenizer)                           # 6. export and summary
 
 Distributed bookkeeping lives here, not in the loss: with `--train.ranks N` every rank holds the whole rollout and
