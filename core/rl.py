@@ -27,7 +27,7 @@ import math
 import os
 import random
 from collections import defaultdict
-from dataclasses import dataclass, field, fields, is_dataclass
+from dataclasses import dataclass, fields, is_dataclass
 from functools import partial
 from pathlib import Path
 
@@ -166,7 +166,6 @@ class Run:
     first_eval: dict
     best: float = -math.inf
     name: str = "rl"
-    extra_state: dict = field(default_factory=dict)
 
 
 def start(args, engine_models: dict, engines, tokenizer, eval_set: list[dict], reward: tuple | None, rank: int,
