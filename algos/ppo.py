@@ -210,9 +210,9 @@ def make_critic(args: Args, device: torch.device, total_updates: int):
 
 def forward_values(critic, batch: dict) -> torch.Tensor:
     """Values (B, L) aligned with forward_logp: position t holds V(x_<t), the critic's value of the state before
-    token t is generated (the scalar head on hidden state t − 1); position 0 is 0."""
-    v = critic(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"])  # (B, L), models.TokenValues
-    return torch.cat([torch.zeros_like(v[:, :1]), v[:, :-1]], dim=1)
+    token t is generated (the scalar head on hidden state t − 1); 0 at position 0 and at padding."""
+    inputs, index = rl.model_inputs(critic, batch)  # packed padding-free, as the actor's passes
+    return rl.previous_token(critic(**inputs), index)  # models.TokenValues: (R, W) -> (B, L)
 
 
 # ALGO LOGIC: the loss, per micro-batch of (b, T) tensors; `agg` holds the whole minibatch's normalisers.
@@ -239,7 +239,7 @@ def update(actor, critic, ref, seqs: dict, rewards: torch.Tensor, args: Args, ru
     targets, then `--train.epochs` passes of `--train.minibatches` steps: on each minibatch a critic step and, after
     the critic warm-up (step ≥ --critic.warmup-steps), an actor step. seqs: (B, L) batch; rewards: (B,) -> metrics."""
     mask, temp, world = seqs["loss_mask"], args.rollout.temperature, run.world
-    batches = rl.minibatches(len(mask), args, step, run.rank, world)
+    batches = rl.minibatches(seqs, args, step, run.rank, world)
     mine = [m for _, micro in batches for m in micro]  # this rank's rows
     old_logp = rl.forward_rows(lambda b: rl.forward_logp(actor, b, temp)[0], seqs, mine, world, True)
     old_values = rl.forward_rows(partial(forward_values, critic), seqs, mine, world, True)
@@ -326,7 +326,7 @@ def main(args: Args, engines: rollout.RolloutEngines | None = None) -> dict:
         # 4. critic and policy update: GAE, then minibatches of the clipped value loss and (after the warm-up) the
         # PPO-clipped loss; the loss mask is the episodes' action mask (multi-turn feedback: 0, GAE carries through)
         with timer(perf, "perf/train_s"):
-            seqs = rl.sequences(ro.episodes, tokenizer.pad_token_id, device)
+            seqs = rl.sequences(ro.episodes, tokenizer.pad_token_id, device, args.train.packing)
             stats.update(update(actor, critic, ref, seqs, rewards, args, run, step, kl_ctl.value))
             if "loss/kl" in stats:  # β for the next rollout
                 kl_ctl.update(stats["loss/kl"], len(ro.episodes))

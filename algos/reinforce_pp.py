@@ -158,7 +158,7 @@ def update(actor, ref, seqs: dict, rewards: torch.Tensor, args: Args, run: rl.Ru
     """Minibatches of the loss over one rollout: old and reference log-probs first (by the trainer), then
     the advantages and `--train.epochs` passes of `--train.minibatches` optimizer steps. rewards: (B,) -> metrics."""
     mask, temp, world = seqs["loss_mask"], args.rollout.temperature, run.world
-    batches = rl.minibatches(len(mask), args, step, run.rank, world)
+    batches = rl.minibatches(seqs, args, step, run.rank, world)
     mine = [m for _, micro in batches for m in micro]  # this rank's rows
     old_logp = rl.forward_rows(lambda b: rl.forward_logp(actor, b, temp)[0], seqs, mine, world, True)  # on all ranks
     with ds_engine.on_device(ref, run.device):
@@ -228,7 +228,7 @@ def main(args: Args, engines: rollout.RolloutEngines | None = None) -> dict:
         # 4. policy update on the kept samples: minibatches of the PPO-clipped loss
         with timer(perf, "perf/train_s"):
             if kept:
-                seqs = rl.sequences([ro.episodes[i] for i in kept], tokenizer.pad_token_id, device)
+                seqs = rl.sequences([ro.episodes[i] for i in kept], tokenizer.pad_token_id, device, args.train.packing)
                 stats.update(update(actor, ref, seqs, rewards[kept].to(device), args, run, step, kl_ctl.value))
                 if "loss/kl" in stats:
                     kl_ctl.update(stats["loss/kl"], len(kept))

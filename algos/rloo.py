@@ -161,7 +161,7 @@ def update(actor, ref, seqs: dict, adv: torch.Tensor, args: Args, run: rl.Run, s
     `--train.epochs` passes of `--train.minibatches` optimizer steps. seqs: (B, L) batch; adv: (B,) -> metrics."""
     mask, temp, world = seqs["loss_mask"], args.rollout.temperature, run.world
     adv_tok = adv[:, None].expand_as(mask).float()
-    batches = rl.minibatches(len(mask), args, step, run.rank, world)
+    batches = rl.minibatches(seqs, args, step, run.rank, world)
     mine = [m for _, micro in batches for m in micro]  # this rank's rows
     # one optimizer step per rollout: the policy is still the sampling policy when the loss is taken, so the old
     # log-probs are the live ones detached (ratio 1) and their extra forward pass is skipped
@@ -230,7 +230,7 @@ def main(args: Args, engines: rollout.RolloutEngines | None = None) -> dict:
         # 4. policy update on the kept samples: minibatches of the PPO-clipped loss
         with timer(perf, "perf/train_s"):
             if kept:
-                seqs = rl.sequences([ro.episodes[i] for i in kept], tokenizer.pad_token_id, device)
+                seqs = rl.sequences([ro.episodes[i] for i in kept], tokenizer.pad_token_id, device, args.train.packing)
                 stats.update(update(actor, ref, seqs, adv[kept], args, run, step, kl_ctl.value))
                 if "loss/kl" in stats:
                     kl_ctl.update(stats["loss/kl"], len(kept))

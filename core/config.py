@@ -200,6 +200,13 @@ class TrainArgs:
     """passes over each rollout."""
     micro_batch_size: int = 128
     """sequences per forward/backward (gradient accumulation covers the minibatch)."""
+    max_tokens_per_micro: int | None = None
+    """token budget of a micro-batch on one rank (OpenRLHF's dynamic batching): sequences go to ranks and micro-
+    batches by their lengths, filled up to N tokens (a longer sequence gets one of its own); None: micro-batch-size
+    sequences each. The loss is the same either way (it is normalised over the whole minibatch)."""
+    packing: bool = True
+    """forward the real tokens only, packed padding-free (position ids restart per sequence, no attention mask);
+    `--train.no-packing` forwards right-padded rows (the reference path; the same log-probs within float rounding)."""
     seed: int = 1
     """seed of the prompt order, the sampling seeds and every RNG."""
     ranks: int = 1
@@ -233,7 +240,8 @@ class EvalArgs:
 # means "off" or "the default"), bools and strings are not numbers here.
 POSITIVE = frozenset({
     # sizes and counts: 0 trains nothing, divides by zero or gives NaN metrics
-    "batch_size", "n_samples", "micro_batch_size", "max_tokens_per_micro_batch", "max_new_tokens", "minibatches",
+    "batch_size", "n_samples", "micro_batch_size", "max_tokens_per_micro_batch", "max_tokens_per_micro",
+    "max_new_tokens", "minibatches",
     "epochs", "max_steps", "halt_after", "max_samples", "max_len", "pack_row_len", "max_turns", "max_total_tokens",
     "k", "ranks", "num_engines", "tensor_parallel_size", "max_model_len", "num_cpus", "lora_alpha",
     "dynamic_filter_max_rounds", "kl_horizon", "ref_pairs_per_forward", "ref_seqs_per_forward", "sleep_level",

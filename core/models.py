@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from core import embedded
+from core import embedded, rl_math
 from core.config import ModelConfig
 
 
@@ -122,6 +122,59 @@ def load_scalar_model(name_or_path: str, dtype: str = "auto", attn: str = "auto"
         raise ValueError(f"{flag} {name_or_path!r}: cannot load a scalar-head model: {e}") from None
     model.config.pad_token_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
     return model
+
+
+# Config fields of architectures whose forward rescales or caps the LM head's output after the head (Gemma 2/3,
+# Granite, Cohere): their log-probs go through the full-logits path, so that post-processing is applied.
+_LOGIT_POSTPROCESSING = ("final_logit_softcapping", "logits_scaling", "logit_scale")
+
+
+def chunked_head(model) -> torch.nn.Linear | None:
+    """The LM head `causal_logprobs` can run a chunk of tokens at a time (a bias-free nn.Linear whose output the
+    model does not post-process, in a model that is not torch.compiled), else None. `model`: an HF causal LM, a
+    DeepSpeed engine around one, or a PEFT model (a LoRA-wrapped head is not plain and takes the full path)."""
+    hf = getattr(model, "module", model)
+    head = hf.get_output_embeddings() if hasattr(hf, "get_output_embeddings") else None
+    if type(head) is not torch.nn.Linear or head.bias is not None:
+        return None
+    config = getattr(hf, "config", None)
+    if any(getattr(config, k, None) not in (None, 1, 1.0) for k in _LOGIT_POSTPROCESSING):
+        return None
+    if getattr(hf, "_compiled_call_impl", None) is not None:  # --ds.compile: do not retrace around a patched head
+        return None
+    return head
+
+
+def causal_logprobs(model, inputs: dict, at: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0,
+                    entropy: bool = False, chunk: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:  # fmt: skip
+    """log p(labels[k] | context) where the model's hidden state at flat position `at[k]` of the (R, W) forward of
+    `inputs` predicts labels[k], and optionally the entropy there; (N,) float32 each.
+
+    Only the N target positions go through the LM head, `chunk` tokens at a time (`rl_math.head_logprobs`: the
+    (N, vocab) float32 logits never exist at once; default chunk: 2^25 logits, 128 MiB). The chunked head runs inside
+    the head module's own forward (its `forward` is swapped for the call), so DeepSpeed's hooks still gather a ZeRO-3
+    partitioned weight for forward and backward, a tied weight is the embedding's, and the gradients accumulate as
+    for any forward of the engine. Heads `chunked_head` rejects take the full-logits path."""
+    head = chunked_head(model)
+    if head is None:
+        logits = model(**inputs, use_cache=False).logits
+        picked = logits.reshape(-1, logits.shape[-1])[at]  # (N, V)
+        logp = rl_math.logprobs_from_logits(picked[None], labels[None], temperature=temperature)[0].float()
+        ent = rl_math.entropy_from_logits(picked.float() / temperature) if entropy else None
+        return logp, ent
+    chunk = chunk or max(1, 2**25 // head.out_features)
+
+    def head_forward(hidden: torch.Tensor) -> torch.Tensor:  # (R, W, H) -> (N, 2): logp, entropy (or 0)
+        h = hidden.reshape(-1, hidden.shape[-1])[at]
+        logp, ent = rl_math.head_logprobs(h, head.weight, labels, temperature, chunk, entropy)
+        return torch.stack([logp, ent if entropy else torch.zeros_like(logp)], dim=-1)
+
+    head.forward = head_forward  # an instance attribute: nn.Module.__call__ (with DeepSpeed's hooks) calls it
+    try:
+        out = model(**inputs, use_cache=False).logits  # what the head returned, through the hooks
+    finally:
+        del head.forward
+    return out[:, 0], (out[:, 1] if entropy else None)
 
 
 def token_values(model, input_ids: torch.Tensor, attention_mask=None, position_ids=None) -> torch.Tensor:

@@ -187,13 +187,33 @@ def split_contiguous(items: list, n: int) -> list[list]:
     return [items[bounds[i] : bounds[i + 1]] for i in range(n)]
 
 
-def shard_minibatch(rows: list[int], rank: int, world: int, micro_size: int) -> list[tuple[list[int], bool]]:
-    """This rank's micro-batches of one minibatch (row indices): its contiguous share of `rows`, cut into as many
-    micro-batches as the largest share needs, so every rank runs the same number of passes (under ZeRO-3 each forward
-    is a collective). A micro-batch left without rows is ([rows[0]], False): a pass whose loss is multiplied by 0."""
-    share = split_contiguous(rows, world)[rank]
-    n = math.ceil(math.ceil(len(rows) / world) / micro_size)
-    return [(c, True) if c else ([rows[0]], False) for c in split_contiguous(share, n)]
+def shard_minibatch(rows: list[int], rank: int, world: int, micro_size: int, lengths: list[int] | None = None,
+                    max_tokens: int | None = None) -> list[tuple[list[int], bool]]:  # fmt: skip
+    """This rank's micro-batches of one minibatch (row indices), as many as every other rank's (under ZeRO-3 each
+    forward is a collective). A micro-batch left without rows is ([rows[0]], False): a pass whose loss is multiplied
+    by 0.
+
+    By count (max_tokens None): the rank's contiguous share of `rows`, cut into micro-batches of at most
+    `micro_size` rows. By tokens (`--train.max-tokens-per-micro`, OpenRLHF's dynamic batching; `lengths[i]` is row
+    i's token count): rows go longest first to the rank holding the fewest tokens so far, then each rank's rows into
+    micro-batches of at most max_tokens tokens (a longer row alone), first-fit-decreasing. Every rank computes every
+    rank's share from the same lengths, so the counts agree without communication."""
+    if max_tokens is None:
+        share = split_contiguous(rows, world)[rank]
+        n = math.ceil(math.ceil(len(rows) / world) / micro_size)
+        return [(c, True) if c else ([rows[0]], False) for c in split_contiguous(share, n)]
+    from core.packing import first_fit_rows
+
+    shares, load = [[] for _ in range(world)], [0] * world
+    for i in sorted(rows, key=lambda i: -lengths[i]):  # stable: equal lengths keep the minibatch's order
+        k = min(range(world), key=lambda k: load[k])
+        shares[k].append(i)
+        load[k] += lengths[i]
+    # a row longer than the budget counts as exactly the budget: it fills a micro-batch alone
+    micro = [[[s[j] for j in group] for group in first_fit_rows([min(lengths[i], max_tokens) for i in s], max_tokens)]
+             if s else [] for s in shares]  # fmt: skip
+    n = max(len(m) for m in micro)
+    return [(m, True) for m in micro[rank]] + [([rows[0]], False)] * (n - len(micro[rank]))
 
 
 def all_ranks(obj, world: int, reduce: bool = False):

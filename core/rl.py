@@ -315,44 +315,77 @@ def rollout_stats(ro: Rollout, rewards: torch.Tensor, truncated: torch.Tensor, k
 
 
 # ---------------------------------------------------------------------------------------------------- 4. update
-def sequences(episodes: list[Episode], pad_id: int, device) -> dict:
-    """Right-padded prompt+response batch (B, L): the loss mask is True on the tokens the policy generated (the
-    episode's action mask), `rollout_logp` holds the engine's log-probs at the same positions."""
+def sequences(episodes: list[Episode], pad_id: int, device, packed: bool = True) -> dict:
+    """The rollout as a right-padded prompt+response table (B, L): the loss mask is True on the tokens the policy
+    generated (the episode's action mask), `rollout_logp` holds the engine's log-probs at the same positions. Every
+    per-token quantity of the update (advantages, old and reference log-probs, values) lives in this (B, L) layout;
+    the model forwards pack the real tokens padding-free (`model_inputs`) unless `packed` is False (`--train.no-
+    packing`: the padded forward, the reference the packed one is tested against)."""
     examples = [{"input_ids": e.prompt_ids + e.token_ids, "loss_mask": [0] * len(e.prompt_ids) + e.action_mask}
                 for e in episodes]  # fmt: skip
     batch = packing.collate_padded(examples, pad_id, device)
     batch["rollout_logp"] = torch.zeros(batch["loss_mask"].shape)
     for row, e in enumerate(episodes):
         batch["rollout_logp"][row, len(e.prompt_ids) : len(e.prompt_ids) + len(e.token_ids)] = torch.tensor(e.logprobs)
+    batch["packed"] = packed
     return batch
 
 
 def rows(batch: dict, r: list[int]) -> dict:
-    """The batch's rows `r` (every tensor of it)."""
-    return {k: v[r] for k, v in batch.items()}
+    """The batch's rows `r` (every tensor of it; other entries as they are)."""
+    return {k: v[r] if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+
+
+def model_inputs(model, batch: dict) -> tuple[dict, torch.Tensor]:
+    """The forward inputs for a (b, L) table of `sequences`, and `index` (b, L): where token (b, t)'s output lands
+    in the forward's flattened (R · W) output, −1 at padding. Packed (default): the real tokens only, in rows
+    (core.packing.pack_padded) of twice the longest sequence for sdpa/eager attention (whose block-diagonal mask
+    costs O(row length²)), one row for flash-attention's varlen kernels. Unpacked: the padded table itself."""
+    lengths = batch["attention_mask"].sum(1).tolist()
+    if not batch.get("packed", True):
+        width = batch["input_ids"].shape[1]
+        index = torch.arange(batch["input_ids"].numel(), device=batch["input_ids"].device).view(-1, width)
+        index = index.masked_fill(batch["attention_mask"] == 0, -1)
+        return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}, index
+    config = getattr(getattr(model, "module", model), "config", None)
+    flash = str(getattr(config, "_attn_implementation", "")).startswith("flash")
+    packed = packing.pack_padded(batch["input_ids"], lengths, None if flash else 2 * max(lengths))
+    return {"input_ids": packed["input_ids"], "position_ids": packed["position_ids"]}, packed["index"]
+
+
+def previous_token(y: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """A forward's per-position output y (R, W) read back into the (b, L) table one token late: position t holds y
+    at token t − 1 (what the model computed before seeing token t); 0 at position 0 and at padding."""
+    prev = torch.cat([torch.full_like(index[:, :1], -1), index[:, :-1]], dim=1)
+    prev = torch.where(index >= 0, prev, -1)
+    out = y.reshape(-1)[prev.clamp(min=0)]
+    return torch.where(prev >= 0, out, torch.zeros_like(out))
 
 
 def forward_logp(model, batch: dict, temperature: float, entropy: bool = False):
-    """Per-token log-probs (B, L) of the batch's tokens (position t: log p(x_t | x_<t)), and optionally entropies."""
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"], use_cache=False).logits
-    logits = logits[:, :-1]
-    logp = rl_math.logprobs_from_logits(logits, batch["input_ids"][:, 1:], temperature=temperature)
-    logp = torch.cat([torch.zeros_like(logp[:, :1]), logp], dim=1)
-    ent = None
-    if entropy:
-        ent = rl_math.entropy_from_logits(logits.float() / temperature)
-        ent = torch.cat([torch.zeros_like(ent[:, :1]), ent], dim=1)
-    return logp, ent
+    """Per-token log-probs (b, L) of a (b, L) table (position t: log p(x_t | x_<t) where the loss mask is set, 0
+    elsewhere), and optionally entropies. The forward sees the packed real tokens (`model_inputs`), and only the
+    target positions go through the LM head, a chunk of tokens at a time (`models.causal_logprobs`): the full
+    (tokens, vocab) logits are never held."""
+    inputs, index = model_inputs(model, batch)
+    b, t = batch["loss_mask"].nonzero(as_tuple=True)  # the targets; t ≥ 1 (a prompt token is never one)
+    logp, ent = models.causal_logprobs(model, inputs, index[b, t - 1], batch["input_ids"][b, t], temperature, entropy)
+    zeros = torch.zeros(batch["loss_mask"].shape, dtype=logp.dtype, device=logp.device)
+    return zeros.index_put((b, t), logp), (None if ent is None else zeros.index_put((b, t), ent))
 
 
-def minibatches(n: int, args, step: int, rank: int, world: int) -> list[tuple[list[int], list[tuple[list[int], bool]]]]:
-    """The step's minibatches over rows 0..n-1, shuffled by (seed, step): [(rows, micro)] with `rows` the whole
-    minibatch (all ranks) and `micro` this rank's micro-batches of it, [(row indices, real)]; every rank gets as many
-    micro-batches as every other (a padding one is `real` False and its loss counts 0)."""
+def minibatches(seqs: dict, args, step: int, rank: int, world: int) -> list[tuple[list[int], list[tuple[list[int], bool]]]]:
+    """The step's minibatches over the rows of the (B, L) table `seqs`, shuffled by (seed, step): [(rows, micro)]
+    with `rows` the whole minibatch (all ranks) and `micro` this rank's micro-batches of it, [(row indices, real)],
+    of `--train.micro-batch-size` rows or, with `--train.max-tokens-per-micro N`, filled up to N tokens
+    (`placement.shard_minibatch`); every rank gets as many micro-batches as every other (a padding one is `real`
+    False and its loss counts 0)."""
+    n, lengths = len(seqs["loss_mask"]), seqs["attention_mask"].sum(1).tolist()
     order = list(range(n))
     random.Random(args.train.seed + step).shuffle(order)
     size = max(1, math.ceil(n / args.train.minibatches))
-    return [(order[i : i + size], shard_minibatch(order[i : i + size], rank, world, args.train.micro_batch_size))
+    return [(order[i : i + size], shard_minibatch(order[i : i + size], rank, world, args.train.micro_batch_size,
+                                                  lengths, args.train.max_tokens_per_micro))
             for i in range(0, n, size)]  # fmt: skip
 
 

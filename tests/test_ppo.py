@@ -126,11 +126,14 @@ def test_forward_values_are_the_state_values_before_each_token(engines_and_batch
 
     _, critic, seqs = engines_and_batch
     with torch.no_grad():
-        v = forward_values(critic, seqs)
+        v = forward_values(critic, seqs)  # packed padding-free
+        v_padded = forward_values(critic, {**seqs, "packed": False})
         raw = models.token_values(critic.module.model, seqs["input_ids"], attention_mask=seqs["attention_mask"])
+    real = seqs["attention_mask"].bool()
     assert v.shape == seqs["input_ids"].shape
-    assert torch.equal(v[:, 0], torch.zeros(v.shape[0]))
-    assert torch.equal(v[:, 1:], raw[:, :-1])  # V(s_t) reads the hidden state of token t − 1
+    assert torch.equal(v[:, 0], torch.zeros(v.shape[0])) and torch.equal(v[~real], torch.zeros(int((~real).sum())))
+    assert torch.equal(v_padded[:, 1:][real[:, 1:]], raw[:, :-1][real[:, 1:]])  # V(s_t): hidden state of token t − 1
+    torch.testing.assert_close(v, v_padded, rtol=0, atol=1e-5)  # packed == padded
 
 
 def test_critic_warmup_leaves_the_actor_untouched_then_the_actor_trains(engines_and_batch):
