@@ -8,6 +8,14 @@ the process held before it (inputs, gradients and a small warm-up step of the sa
 step with no logits at all, which still allocates the head's (V, H) weight gradient once. Run:
 
     .venv/bin/python tests/benchmarks/bench_head_memory.py            # prints one row per mode and a JSON line
+
+`--model`: the same three modes as a whole micro-step of the RL scripts (`core.rl.forward_logp` and its backward) on a
+randomly initialised Qwen2.5-0.5B-shaped model (hidden 896, MLP 4864, 14 heads, vocabulary 151,936, tied head; bf16,
+`--layers` decoder layers, default 24): 8 sequences of 512 tokens packed, 32 prompt tokens each and the rest targets.
+`full` forces the full-logits path (`models.chunked_head` returns None), `floor` replaces the head by a product with
+the target rows only (no logits); the extra peak of `chunked` and `full` over `floor` is what the logits cost:
+
+    .venv/bin/python tests/benchmarks/bench_head_memory.py --model
 """
 
 from __future__ import annotations
@@ -70,21 +78,66 @@ def one_mode(mode: str, tokens: int, hidden: int, vocab: int, chunk: int) -> dic
             "full_logits_gib": round(tokens * vocab * 4 / 2**30, 3)}  # fmt: skip
 
 
+def one_model_mode(mode: str, layers: int, seqs: int, seq_len: int) -> dict:
+    sys.path.insert(0, str(ROOT))
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from agents.executor import Episode
+    from core import models, rl, rl_math
+
+    torch.manual_seed(0)
+    config = Qwen2Config(vocab_size=151_936, hidden_size=896, intermediate_size=4864, num_hidden_layers=layers,
+                         num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=2048,
+                         tie_word_embeddings=True, attn_implementation="sdpa")  # fmt: skip
+    model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+    if mode == "floor":  # the head's weight gradient without logits: h · W[y] per target
+        rl_math.head_logprobs = lambda h, w, y, t, c, e: ((h * w[y]).sum(-1).float(), (h * w[y]).sum(-1).float())
+    elif mode == "full":
+        models.chunked_head = lambda model: None
+    prompt = 32
+    episodes = [Episode({}, list(range(3, 3 + prompt)), [(7 * i + k) % 151_900 + 3 for k in range(seq_len - prompt)],
+                        [0.0] * (seq_len - prompt), [1] * (seq_len - prompt), False) for i in range(seqs)]  # fmt: skip
+    batch = rl.sequences(episodes, 0, torch.device("cpu"))
+
+    def step(b: dict) -> None:
+        logp, ent = rl.forward_logp(model, b, 1.0, entropy=True)
+        (logp.sum() - 0.01 * ent.sum()).backward()
+
+    step(rl.rows(batch, [0]))  # warm-up on one sequence: the parameters' gradient buffers exist from here on
+    before = status_gib("VmRSS")
+    reset_peak()
+    t0 = time.perf_counter()
+    step(batch)
+    seconds = time.perf_counter() - t0
+    peak = status_gib("VmHWM")
+    tokens = seqs * seq_len
+    return {"mode": mode, "tokens": tokens, "targets": int(batch["loss_mask"].sum()), "vocab": 151_936,
+            "layers": layers, "chunk": 2**25 // 151_936 if mode == "chunked" else None,
+            "extra_peak_gib": round(peak - before, 3), "seconds": round(seconds, 1),
+            "full_logits_gib": round(tokens * 151_936 * 4 / 2**30, 3)}  # fmt: skip
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--hidden", type=int, default=896)
     p.add_argument("--vocab", type=int, default=151_936)
     p.add_argument("--chunk", type=int, default=256)
+    p.add_argument("--model", action="store_true", help="a whole micro-step of a 0.5B-shaped model (see above)")
+    p.add_argument("--layers", type=int, default=24, help="--model: decoder layers")
     p.add_argument("--mode", choices=["floor", "full", "chunked"], help="run one mode in this process (used internally)")
     a = p.parse_args()
     if a.mode:
-        print(json.dumps(one_mode(a.mode, a.tokens, a.hidden, a.vocab, a.chunk)))
+        row = one_model_mode(a.mode, a.layers, 8, a.tokens // 8) if a.model else one_mode(a.mode, a.tokens, a.hidden,
+                                                                                            a.vocab, a.chunk)  # fmt: skip
+        print(json.dumps(row))
         return
     rows = []
     for mode in ("floor", "full", "chunked"):
         cmd = [sys.executable, __file__, "--mode", mode, "--tokens", str(a.tokens), "--hidden", str(a.hidden),
-               "--vocab", str(a.vocab), "--chunk", str(a.chunk)]  # fmt: skip
+               "--vocab", str(a.vocab), "--chunk", str(a.chunk), "--layers", str(a.layers)] + (["--model"] if a.model
+                                                                                               else [])  # fmt: skip
         out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
         rows.append(json.loads(out))
     print(f"{'mode':<8} {'tokens':>6} {'vocab':>7} {'chunk':>5} {'extra peak GiB':>14} {'s':>6}")
