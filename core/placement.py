@@ -72,9 +72,10 @@ class RayConfig:
     address: str | None = None
     """Ray cluster to join (e.g. `auto` or `ray://host:10001`, or set RAY_ADDRESS); None starts Ray on this machine
     with its detected CPUs and GPUs."""
-    strategy: Literal["PACK", "SPREAD"] = "PACK"
+    strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] = "PACK"
     """placement-group strategy: PACK fills nodes one by one (ranks talk over fast local links), SPREAD puts bundles on
-    different nodes where it can."""
+    different nodes where it can; STRICT_PACK: all on one node or fail, STRICT_SPREAD: every bundle on a different
+    node or fail."""
     timeout_s: float = 600
     """limit on waiting for placement groups and on every call to a model group; past it a clear error instead of a
     hang."""

@@ -1,0 +1,120 @@
+"""The project's own `slurm/*.sbatch` scripts, submitted unchanged to a real two-node SLURM cluster started on this
+machine (tests/slurm_cluster.py: munged, slurmctld and two slurmd nodes on 127.0.0.2 and 127.0.0.3). Configuration
+goes only through sbatch flags and environment variables, as a user's would: `--gpus-per-node 0` and
+GPUS_PER_NODE=0 for a CPU cluster, one trainer process per node."""
+
+import json
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from core import models
+from core.config import ModelConfig
+
+pytestmark = pytest.mark.slow
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="session")
+def slurm(tmp_path_factory):
+    from slurm_cluster import SlurmCluster
+
+    with SlurmCluster(tmp_path_factory.mktemp("slurm")) as cluster:
+        yield cluster
+
+
+def job_env(**extra) -> dict:
+    """This process's environment for a job, without the torch.distributed variables in-process tests may set."""
+    dist_vars = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+    env = {k: v for k, v in os.environ.items() if k not in dist_vars}
+    return {**env, "TOKENIZERS_PARALLELISM": "false", "RAY_AUTH_MODE": "disabled", **extra}
+
+
+def leftovers(marker: str) -> list[str]:
+    """Command lines of processes that mention `marker` (a run folder, a Ray port), this test process excluded."""
+    out = subprocess.run(["ps", "-eo", "pid=,stat=,args="], capture_output=True, text=True).stdout
+    return [line for line in out.splitlines() if marker in line and " Z " not in f" {line.split()[1]} "
+            and int(line.split()[0]) != os.getpid()]  # fmt: skip
+
+
+def wait_for_no_leftovers(marker: str, timeout_s: float = 30) -> list[str]:
+    deadline = time.time() + timeout_s
+    while (left := leftovers(marker)) and time.time() < deadline:
+        time.sleep(1)
+    return left
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def grpo_job(slurm, tmp_path: Path, run_dir: Path, port: int, *flags: str) -> int:
+    return slurm.sbatch(["--nodes=2", "--gpus-per-node=0", f"--output={tmp_path}/grpo-%j.out",
+                         "slurm/grpo_ray.sbatch", "--ray.strategy", "STRICT_SPREAD", "--vllm.num-engines", "2",
+                         "--ds.zero-stage", "3", "--logger.quiet", "--run-dir", str(run_dir), *flags],
+                        cwd=ROOT, env=job_env(GPUS_PER_NODE="0", RANKS_PER_NODE="1", RAY_PORT=str(port)))  # fmt: skip
+
+
+def test_sft_sbatch_runs_torchrun_on_two_nodes_with_zero3(slurm, tmp_path):
+    run_dir = tmp_path / "sft"
+    job = slurm.sbatch(["--nodes=2", "--gpus-per-node=0", f"--output={tmp_path}/sft.out", "slurm/sft.sbatch",
+                        "--ds.zero-stage", "3", "--train.max-steps", "12", "--train.batch-size", "32",
+                        "--train.warmup-steps", "0", "--eval.every", "12", "--eval.no-generate", "--eval.max-samples",
+                        "64", "--run-dir", str(run_dir)],
+                       cwd=ROOT, env=job_env(PROCS_PER_NODE="1", MASTER_PORT="29531"))  # fmt: skip
+    state = slurm.wait(job, timeout_s=600)
+    log = (tmp_path / "sft.out").read_text()
+    assert state == "COMPLETED", log[-3000:]
+    config = json.loads((run_dir / "config.json").read_text())
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["eval_loss_last"] < summary["eval_loss_first"] - 0.3, summary
+    assert "ds" in config and config["ds"]["zero_stage"] == 3
+    assert "world size 2" in log  # one torchrun per node, one rendezvous
+    model = models.load_causal_lm(ModelConfig(name_or_path=summary["export_dir"]))  # the gathered ZeRO-3 export
+    assert sum(p.numel() for p in model.parameters()) > 1e6
+    assert not wait_for_no_leftovers(str(run_dir))
+
+
+def test_grpo_ray_sbatch_spreads_ranks_and_engines_over_two_nodes_and_learns(slurm, tmp_path):
+    """A Ray head and worker started by the script, two ZeRO-3 trainer ranks placed STRICT_SPREAD (one per node: Ray
+    refuses the group otherwise), two vLLM engines colocated with them, so rank 0 syncs weights to an engine on the
+    other node; `--debug` checks the engines' log-probs against the trainer's after every sync."""
+    run_dir, port = tmp_path / "grpo", 6391
+    job = grpo_job(slurm, tmp_path, run_dir, port, "--train.max-steps", "20", "--eval.every", "20", "--debug")
+    state = slurm.wait(job, timeout_s=900)
+    log = (tmp_path / f"grpo-{job}.out").read_text()
+    assert state == "COMPLETED", log[-3000:]
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["eval_pass@1_last"] >= summary["eval_pass@1_first"] + 0.1, summary
+    assert "ip=127.0.0.3" in log  # actors ran on the second node (Ray tags their output with its address)
+    assert not wait_for_no_leftovers(f"127.0.0.2:{port}"), "Ray processes outlived the job"
+    assert not wait_for_no_leftovers(str(run_dir))
+
+
+def test_a_cancelled_grpo_job_resubmitted_with_its_run_folder_resumes(slurm, tmp_path):
+    run_dir, port = tmp_path / "grpo", 6393
+    flags = ("--train.max-steps", "8", "--rollout.batch-size", "16", "--eval.every", "0", "--ckpt.every", "1")
+    job = grpo_job(slurm, tmp_path, run_dir, port, *flags)
+    deadline = time.time() + 600
+    while time.time() < deadline:  # cancel once two steps are checkpointed
+        if (run_dir / "metrics.jsonl").exists() and sum("rollout/" in line for line in
+                                                        (run_dir / "metrics.jsonl").read_text().splitlines()) >= 3:  # fmt: skip
+            break
+        assert slurm.state(job) in ("PENDING", "RUNNING"), (tmp_path / f"grpo-{job}.out").read_text()[-3000:]
+        time.sleep(1)
+    slurm.run(["scancel", str(job)])
+    assert slurm.wait(job, timeout_s=120) == "CANCELLED"
+    assert not wait_for_no_leftovers(f"127.0.0.2:{port}"), "Ray processes outlived the cancelled job"
+    assert not wait_for_no_leftovers(str(run_dir)), "trainer processes outlived the cancelled job"
+    done_before = {m["step"] for m in metrics(run_dir) if "rollout/reward_mean" in m}
+    assert 2 <= len(done_before) < 8, done_before
+
+    job = grpo_job(slurm, tmp_path, run_dir, port, *flags)  # the same command
+    state = slurm.wait(job, timeout_s=600)
+    assert state == "COMPLETED", (tmp_path / f"grpo-{job}.out").read_text()[-3000:]
+    steps = [m["step"] for m in metrics(run_dir) if "rollout/reward_mean" in m]
+    assert sorted(set(steps)) == list(range(1, 9)) and len(steps) == len(set(steps)), steps  # each step once
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 8
