@@ -1,0 +1,228 @@
+"""A real chat tokenizer end to end: the Qwen2.5-style BPE of `cleanrlhf/tiny-chat` (core/embedded.py: eos
+`<|im_end|>`, pad `<|endoftext|>`, no BOS, a default system prompt) on its tiny random Qwen2.
+
+What is checked: the tokenizer's layout; SFT's multi-turn loss mask (every assistant turn through its `<|im_end|>`,
+nothing else); chat prompts, pairs and bad rows in core/data.py; a multi-turn environment whose turns are appended
+exactly as tokenizing the whole templated conversation gives them; and, on the real engines, that vLLM stops at
+`<|im_end|>`, that sft.py, grpo.py (single and multi-turn), dpo.py and rm.py run on chat data and train on the ids
+the engine generated, with the pad id nowhere inside a trained sequence.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from agents.executor import MultiTurnExecutor
+from core import chat, data, embedded, models
+from core.config import DataConfig
+from core.rollout import Sample
+
+CFG = DataConfig(apply_chat_template=True, max_len=512)
+MESSAGES = [
+    {"role": "system", "content": "Add numbers."},
+    {"role": "user", "content": "What is 1+2?"},
+    {"role": "assistant", "content": "3, easy"},
+    {"role": "user", "content": "And 10+20?"},
+    {"role": "assistant", "content": "30"},
+]
+
+
+@pytest.fixture(scope="module")
+def chat_path(tmp_path_factory):
+    """A folder holding `cleanrlhf/tiny-chat` (the tokenizer and a random model), built for this module."""
+    return embedded.save_tiny_chat(tmp_path_factory.mktemp("tiny-chat"))
+
+
+@pytest.fixture(scope="module")
+def tok(chat_path):
+    return models.load_tokenizer(str(chat_path))
+
+
+def ids_of(tok, text: str) -> list[int]:
+    return tok(text, add_special_tokens=False)["input_ids"]
+
+
+def spans(mask: list[int]) -> list[tuple[int, int]]:
+    """(start, end) of every run of 1s in `mask`."""
+    out, start = [], None
+    for t, m in enumerate([*mask, 0]):
+        if m and start is None:
+            start = t
+        elif not m and start is not None:
+            out.append((start, t))
+            start = None
+    return out
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+# ------------------------------------------------------------------------------------------------ the tokenizer
+def test_tokenizer_layout_is_qwen_style(tok, chat_path):
+    from transformers import AutoTokenizer
+
+    assert tok.eos_token == "<|im_end|>" and tok.pad_token == "<|endoftext|>" and tok.eos_token_id != tok.pad_token_id
+    assert tok.bos_token is None and tok("12+30")["input_ids"] == ids_of(tok, "12+30")  # nothing prepended
+    text = tok.apply_chat_template(MESSAGES[1:2], tokenize=False, add_generation_prompt=True)
+    assert text == (
+        f"<|im_start|>system\n{embedded.DEFAULT_SYSTEM_PROMPT}<|im_end|>\n<|im_start|>user\nWhat is 1+2?<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    assert tok.apply_chat_template(MESSAGES[:2], tokenize=False).startswith(
+        "<|im_start|>system\nAdd numbers.<|im_end|>"
+    )
+    # the specials are single tokens; the tokenizer as built and as transformers loads it cut text alike
+    built = embedded.build_chat_tokenizer()
+    specials = ids_of(tok, "<|im_start|>user\n<|im_end|><|endoftext|>")
+    assert [specials[0], *specials[-2:]] == [tok.convert_tokens_to_ids("<|im_start|>"), 2, 0]
+    for s in (text, "Hello  world!\n\n  x y's 42 café\t\n", "😀 ünï"):
+        assert ids_of(tok, s) == ids_of(built, s) == ids_of(AutoTokenizer.from_pretrained(chat_path), s)
+        assert tok.decode(ids_of(tok, s)) == s
+    assert chat.end_of_turn_id(tok) == tok.eos_token_id and chat.stop_ids(tok) == [tok.eos_token_id]
+
+
+def test_end_of_turn_is_read_off_the_template(tok, tokenizer):
+    """A base model's layout (eos <|endoftext|>, turns ending with <|im_end|>) stops at both; the embedded character
+    tokenizer's plain-text template has no end-of-turn token."""
+    base = embedded.build_chat_tokenizer()
+    base.eos_token = "<|endoftext|>"
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    assert chat.end_of_turn_id(base) == im_end and chat.stop_ids(base) == [base.eos_token_id, im_end]
+    assert chat.turn_end_ids(base) == [im_end]
+    assert chat.end_of_turn_id(tokenizer) is None and chat.stop_ids(tokenizer) == [tokenizer.eos_token_id]
+
+
+# ------------------------------------------------------------------------------------------------ data
+def test_sft_multiturn_mask_is_every_assistant_turn_through_im_end(tok):
+    ex = data.sft_example({"prompt": MESSAGES}, tok, CFG, mode="multiturn")
+    assert ex["input_ids"] == ids_of(tok, tok.apply_chat_template(MESSAGES, tokenize=False))
+    targets = [ex["input_ids"][a:b] for a, b in spans(ex["loss_mask"])]
+    assert targets == [ids_of(tok, "3, easy") + [tok.eos_token_id], ids_of(tok, "30") + [tok.eos_token_id]]
+    # not targets: the headers `<|im_start|>assistant\n` before, and the template's `\n` after each turn
+    assert ex["loss_mask"][-1] == 0 and ex["input_ids"][-1] == ids_of(tok, "\n")[0]
+    assert tok.pad_token_id not in ex["input_ids"]
+
+
+def test_sft_single_chat_response_ends_with_im_end(tok):
+    ex = data.sft_example({"prompt": "What is 1+2?", "answer": "3"}, tok, CFG)
+    prompt = ids_of(tok, tok.apply_chat_template(MESSAGES[1:2], tokenize=False, add_generation_prompt=True))
+    assert ex["input_ids"] == prompt + ids_of(tok, "3") + [tok.eos_token_id]
+    assert ex["loss_mask"] == [0] * len(prompt) + [1, 1]
+    # a base model's layout: the response ends its turn with <|im_end|>, not with the tokenizer's eos
+    base = embedded.build_chat_tokenizer()
+    base.eos_token = "<|endoftext|>"
+    assert data.sft_example({"prompt": "x", "answer": "3"}, base, CFG)["input_ids"][-1] == tok.eos_token_id
+
+
+def test_chat_pairs_share_the_templated_prompt(tok):
+    row = {"prompt": MESSAGES[:4], "chosen": "30", "rejected": "31"}
+    prompt = ids_of(tok, tok.apply_chat_template(MESSAGES[:4], tokenize=False, add_generation_prompt=True))
+    pair = data.preference_example(row, tok, CFG)
+    for name, answer in (("chosen", "30"), ("rejected", "31")):
+        assert pair[name]["input_ids"] == prompt + ids_of(tok, answer) + [tok.eos_token_id]
+        assert pair[name]["loss_mask"] == [0] * len(prompt) + [1] * (len(pair[name]["input_ids"]) - len(prompt))
+    rm = data.reward_pair_example(row, tok, CFG)
+    assert rm["chosen"][: len(prompt)] == rm["rejected"][: len(prompt)] == prompt
+    assert rm["chosen"][-1] == rm["rejected"][-1] == tok.eos_token_id  # scored at the turn's <|im_end|>
+
+
+def test_prompt_example_with_messages(tok):
+    ex = data.prompt_example({"prompt": MESSAGES[:2], "answer": 3}, tok, CFG)
+    assert ex["prompt"] == tok.apply_chat_template(MESSAGES[:2], tokenize=False, add_generation_prompt=True)
+    assert ex["prompt_ids"] == ids_of(tok, ex["prompt"]) and ex["label"] == "3"
+
+
+@pytest.mark.parametrize(
+    "value, words",
+    [
+        ([], "non-empty list"),
+        ([{"role": "user"}], "message 0 must be a {role, content} dict"),
+        ([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "3"}], "last message is an assistant"),
+    ],
+)
+def test_bad_chat_prompt_names_file_row_and_key(tmp_path, tok, value, words):
+    f = write_jsonl(
+        tmp_path / "train.jsonl", [{"messages": MESSAGES[1:2], "answer": "3"}, {"messages": value, "answer": "3"}]
+    )
+    cfg = replace(CFG, input_key="messages", on_bad_row="raise")
+    make = lambda row: data.prompt_example(row, tok, cfg)  # noqa: E731
+    with pytest.raises(ValueError, match=rf"train.jsonl: row 1: key 'messages': .*{_re(words)}"):
+        data.build_examples(data.load_sources(str(f), "train"), make, cfg)
+
+
+def _re(words: str) -> str:
+    import re
+
+    return re.escape(words)
+
+
+def test_no_chat_template_is_a_clear_error(tok, tmp_path):
+    plain = embedded.build_chat_tokenizer()
+    plain.chat_template = None
+    with pytest.raises(ValueError, match="apply-chat-template: the tokenizer has no chat template"):
+        data.prompt_example({"prompt": "x", "answer": "1"}, plain, CFG)
+
+
+# ------------------------------------------------------------------------------------------------ multi-turn
+class CannedEngines:
+    """Stands for `RolloutEngines`: each turn answers with the next canned reply's ids, + <|im_end|> unless the reply
+    is marked cut (a turn that hit max-new-tokens); records what it generated."""
+
+    def __init__(self, tok, replies: list[str], cut: bool = False):
+        self.tok, self.replies, self.cut, self.generated, self.prompts = tok, replies, cut, [], []
+
+    def generate(self, prompt_token_ids, n=1, max_new_tokens=8, temperature=1.0, top_p=1.0, seed=None):
+        out = []
+        for p in prompt_token_ids:
+            self.prompts.append(list(p))
+            ids = ids_of(self.tok, self.replies[len(self.generated) % len(self.replies)])
+            ids = ids if self.cut else ids + [self.tok.eos_token_id]
+            self.generated.append(ids)
+            out.append([Sample(ids, [-0.5] * len(ids), "length" if self.cut else "stop", self.cut)])
+        return out
+
+
+class ChatRetry:
+    """Answer the sum; a wrong answer gets a user turn "Wrong, try again." and one more try."""
+
+    def __init__(self, example):
+        self.label = example["label"]
+
+    def reset(self, example):
+        return ""
+
+    def step(self, response):
+        if response.strip() == self.label:
+            return "", 1.0, True
+        return {"role": "user", "content": "Wrong, try again."}, 0.0, False
+
+
+def test_environment_turns_are_the_templated_conversation_tokens(tok):
+    example = data.prompt_example({"prompt": "What is 1+2?", "answer": "3"}, tok, CFG)
+    engines = CannedEngines(tok, ["4", "3"])
+    ro = MultiTurnExecutor(engines, tok, ChatRetry, max_new_tokens=8, max_turns=3).run([example], 1, 0, 0)
+    ep = ro.episodes[0]
+    conversation = [*MESSAGES[1:2], {"role": "assistant", "content": "4"},
+                    {"role": "user", "content": "Wrong, try again."}, {"role": "assistant", "content": "3"}]  # fmt: skip
+    whole = ids_of(tok, tok.apply_chat_template(conversation, tokenize=False))
+    # the episode is the templated conversation token for token, up to the model's last <|im_end|>
+    assert ep.prompt_ids + ep.token_ids == whole[:-1] and whole[-1] == ids_of(tok, "\n")[0]
+    # the tokens the policy is trained on are exactly the ones generated, turn by turn
+    assert [ep.token_ids[a:b] for a, b in spans(ep.action_mask)] == engines.generated
+    assert ro.rewards.tolist() == [1.0] and ro.logs["rollout/turns_mean"] == 2
+    # the second turn was generated after the conversation's own tokens, generation prompt included
+    assert engines.prompts[1] == ep.prompt_ids + ep.token_ids[: len(ep.token_ids) - len(engines.generated[1])]
+
+
+def test_a_turn_cut_before_im_end_ends_the_chat_episode(tok):
+    example = data.prompt_example({"prompt": "What is 1+2?", "answer": "3"}, tok, CFG)
+    engines = CannedEngines(tok, ["4 4 4"], cut=True)
+    ro = MultiTurnExecutor(engines, tok, ChatRetry, max_new_tokens=8, max_turns=3).run([example], 1, 0, 0)
+    ep = ro.episodes[0]
+    assert len(engines.generated) == 1 and ep.token_ids == engines.generated[0] and ep.truncated
