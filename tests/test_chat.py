@@ -18,7 +18,7 @@ import pytest
 
 from agents.executor import MultiTurnExecutor
 from core import chat, data, embedded, models
-from core.config import DataConfig
+from core.config import DataConfig, ModelConfig
 from core.rollout import Sample
 
 CFG = DataConfig(apply_chat_template=True, max_len=512)
@@ -226,3 +226,243 @@ def test_a_turn_cut_before_im_end_ends_the_chat_episode(tok):
     ro = MultiTurnExecutor(engines, tok, ChatRetry, max_new_tokens=8, max_turns=3).run([example], 1, 0, 0)
     ep = ro.episodes[0]
     assert len(engines.generated) == 1 and ep.token_ids == engines.generated[0] and ep.truncated
+
+
+# ------------------------------------------------------------------------------------------------ the scripts
+# One SFT run on chat messages makes a model that ends its turns (the random one almost never samples <|im_end|>);
+# the RL runs start from it. The whole section takes ~2 minutes on a 2-core CPU, hence `slow`.
+def sum_chat(rng, turns: int) -> list[dict]:
+    messages = []
+    for _ in range(turns):
+        a, b = rng.randrange(50), rng.randrange(50)
+        messages += [{"role": "user", "content": f"What is {a}+{b}?"}, {"role": "assistant", "content": str(a + b)}]
+    return messages
+
+
+def quiet(args, run_dir: Path):
+    args.logger.quiet, args.logger.tensorboard, args.run_dir = True, False, str(run_dir)
+    return args
+
+
+@pytest.fixture(scope="module")
+def chat_sft(chat_path, tmp_path_factory):
+    """sft.py --train.mode multiturn on `messages` rows of 1-2 turns: (summary, metrics rows, export folder)."""
+    import random
+
+    from algos import sft
+
+    rng, root = random.Random(0), tmp_path_factory.mktemp("chat-sft")
+    for split, n in (("train", 256), ("test", 32)):
+        write_jsonl(root / f"{split}.jsonl", [{"messages": sum_chat(rng, 1 + i % 2)} for i in range(n)])
+    args = quiet(sft.Args(), root / "run")
+    args.model.name_or_path, args.data.path, args.data.input_key = str(chat_path), str(root), "messages"
+    args.data.apply_chat_template, args.train.mode, args.eval.generate = True, "multiturn", False
+    args.train.max_steps, args.train.batch_size, args.eval.every = 40, 32, 40
+    summary = sft.main(args)
+    rows = [json.loads(line) for line in (root / "run" / "metrics.jsonl").read_text().splitlines()]
+    return summary, rows, Path(summary["export_dir"])
+
+
+@pytest.mark.slow
+def test_sft_on_chat_messages_learns_the_turns(chat_sft):
+    summary, rows, export = chat_sft
+    assert summary["eval_loss_last"] < summary["eval_loss_first"] - 2, summary  # ~6.1 -> ~1.6
+    assert all(r["train/tokens"] > 0 for r in rows if "train/tokens" in r)
+    tok = models.load_tokenizer(str(export))  # exported with its template, eos and pad
+    assert (tok.eos_token, tok.pad_token, tok.bos_token) == ("<|im_end|>", "<|endoftext|>", None)
+    prompt = ids_of(tok, tok.apply_chat_template(MESSAGES[1:2], tokenize=False, add_generation_prompt=True))
+    model = models.load_causal_lm(ModelConfig(name_or_path=str(export), dtype="fp32"))
+    (out,) = models.greedy_generate(model, tok, [prompt], max_new_tokens=8)
+    assert 0 < len(out) < 8 and tok.decode(out).isdigit()  # a number, then it stopped at <|im_end|>
+
+
+@pytest.mark.slow
+def test_vllm_stops_at_im_end_when_eos_is_another_token(chat_sft, tmp_path):
+    """A base model's layout: eos <|endoftext|> in tokenizer and config, turns ending with <|im_end|>. vLLM alone would
+    run past <|im_end|> into a made-up next turn; the engine stops there, the stop token last in `token_ids`."""
+    import shutil
+
+    from conftest import in_process_engines
+
+    folder = tmp_path / "base-layout"
+    shutil.copytree(chat_sft[2], folder)
+    for name, key, value in (("tokenizer_config.json", "eos_token", "<|endoftext|>"), ("config.json", "eos_token_id", 0),
+                             ("generation_config.json", "eos_token_id", 0)):  # fmt: skip
+        cfg = json.loads((folder / name).read_text())
+        (folder / name).write_text(json.dumps({**cfg, key: value}))
+    tok = models.load_tokenizer(str(folder))
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    assert tok.eos_token_id == 0 and chat.stop_ids(tok) == [0, im_end]
+    prompts = [
+        data.prompt_example({"prompt": f"What is {a}+{a}?", "answer": 1}, tok, CFG)["prompt_ids"] for a in range(8)
+    ]
+    engines = in_process_engines(str(folder), "float32")
+    try:
+        samples = [s for g in next(engines).generate(prompts, n=4, max_new_tokens=12, seed=3) for s in g]
+    finally:
+        next(engines, None)
+    stopped = [s for s in samples if s.finish_reason == "stop"]
+    assert len(stopped) >= 24, [s.token_ids for s in samples]  # measured: 32 of 32
+    for s in stopped:
+        assert s.token_ids[-1] == im_end and s.token_ids.count(im_end) == 1 and not s.truncated
+
+
+PARITY_REWARD = '''
+import torch
+
+
+def reward_func(queries, prompts, labels):
+    """1 when the response starts with an even digit: any policy gets groups with both rewards."""
+    r = torch.tensor([float(q[len(p):].strip()[:1] in "02468") for q, p in zip(queries, prompts)])
+    return {"rewards": r, "scores": r}
+'''
+
+CHAT_ENV = '''
+class ChatRetry:
+    """A wrong sum gets a user turn (chat messages) and one more try."""
+
+    def __init__(self, example):
+        self.label = example["label"]
+
+    def reset(self, example):
+        return ""
+
+    def step(self, response):
+        if response.strip() == self.label:
+            return "", 1.0, True
+        return [{"role": "user", "content": "Wrong, try again."}], 0.0, False
+
+
+def make_env(example):
+    return ChatRetry(example)
+'''
+
+
+def chat_grpo(chat_sft, tmp_path, monkeypatch, env: bool):
+    """2 steps of grpo.py on chat prompts from the SFT model; returns (the batches trained on as (episodes, batch),
+    every engine call as (prompts, samples), the tokenizer, and the prompt messages by templated prompt text)."""
+    import random
+
+    from algos import grpo
+    from core import rl, rollout
+
+    tok, rng, messages = models.load_tokenizer(str(chat_sft[2])), random.Random(1), {}
+    for split, n in (("train", 64), ("test", 8)):
+        rows = [dict(zip(("prompt", "answer"), sum_chat(rng, 1))) for _ in range(n)]
+        for r in rows:
+            r["prompt"], r["answer"] = [r["prompt"]], int(r["answer"]["content"])
+            messages[tok.apply_chat_template(r["prompt"], tokenize=False, add_generation_prompt=True)] = r["prompt"]
+        write_jsonl(tmp_path / f"{split}.jsonl", rows)
+    trained, calls = [], []
+    sequences, generate = rl.sequences, rollout.RolloutEngines.generate
+
+    def spy_sequences(episodes, pad_id, device):
+        batch = sequences(episodes, pad_id, device)
+        trained.append((episodes, batch))
+        return batch
+
+    def spy_generate(self, prompt_token_ids, *a, **kw):
+        out = generate(self, prompt_token_ids, *a, **kw)
+        calls.append(([list(p) for p in prompt_token_ids], out))
+        return out
+
+    monkeypatch.setattr(rl, "sequences", spy_sequences)
+    monkeypatch.setattr(rollout.RolloutEngines, "generate", spy_generate)
+    (tmp_path / "reward.py").write_text(PARITY_REWARD)
+    (tmp_path / "env.py").write_text(CHAT_ENV)
+    args = quiet(grpo.Args(), tmp_path / "run")
+    args.actor.model.name_or_path, args.data.path, args.data.apply_chat_template = str(chat_sft[2]), str(tmp_path), True
+    args.reward.func = str(tmp_path / "reward.py")
+    args.rollout.env_file = str(tmp_path / "env.py") if env else None
+    args.rollout.batch_size, args.rollout.n_samples, args.rollout.max_new_tokens = 8, 4, 8
+    args.train.max_steps, args.eval.every, args.eval.k, args.vllm.kv_cache_gib = 2, 0, 2, 0.5
+    args.algo.filter_zero_variance = False  # train on every episode, the all-wrong groups of the environment too
+    summary = grpo.main(args)
+    assert summary["steps"] == 2 and trained
+    return trained, calls, tok, messages
+
+
+def assert_trained_ids_were_generated(trained, calls, tok):
+    """Every span the loss covers is the engine's output for exactly the tokens before it; pad only as padding."""
+    outputs = {}
+    for prompts, groups in calls:
+        for p, g in zip(prompts, groups):
+            outputs.setdefault(tuple(p), []).extend(tuple(s.token_ids) for s in g)
+    n_spans = 0
+    for episodes, batch in trained:
+        for row, ep in enumerate(episodes):
+            ids = batch["input_ids"][row].tolist()
+            mask = batch["loss_mask"][row].int().tolist()
+            length = len(ep.prompt_ids) + len(ep.token_ids)
+            assert ids[:length] == ep.prompt_ids + ep.token_ids and tok.pad_token_id not in ids[:length]
+            assert set(ids[length:]) <= {tok.pad_token_id} and not any(mask[length:])
+            for a, b in spans(mask):
+                assert tuple(ids[a:b]) in outputs[tuple(ids[:a])]
+                n_spans += 1
+    assert n_spans > 0
+    return n_spans
+
+
+@pytest.mark.slow
+def test_grpo_on_chat_prompts_stops_at_im_end_and_trains_on_generated_ids(chat_sft, tmp_path, monkeypatch):
+    trained, calls, tok, _ = chat_grpo(chat_sft, tmp_path, monkeypatch, env=False)
+    assert_trained_ids_were_generated(trained, calls, tok)
+    for episodes, _ in trained:
+        for ep in episodes:
+            assert ep.prompt_ids[-3:] == ids_of(tok, "<|im_start|>assistant\n")  # the generation prompt
+            assert ep.action_mask == [1] * len(ep.token_ids)
+            if ep.finish_reason == "stop":  # <|im_end|> once, last, in the action mask; nothing after it
+                assert ep.token_ids[-1] == tok.eos_token_id and ep.token_ids.count(tok.eos_token_id) == 1
+            else:
+                assert ep.truncated and tok.eos_token_id not in ep.token_ids
+    assert sum(ep.finish_reason == "stop" for eps, _ in trained for ep in eps) > 0
+
+
+@pytest.mark.slow
+def test_grpo_multi_turn_chat_environment_appends_templated_turns(chat_sft, tmp_path, monkeypatch):
+    trained, calls, tok, messages = chat_grpo(chat_sft, tmp_path, monkeypatch, env=True)
+    n_spans = assert_trained_ids_were_generated(trained, calls, tok)
+    assert n_spans > sum(len(eps) for eps, _ in trained)  # some episodes had a second turn
+    retry = chat.continuation_ids(tok, [{"role": "user", "content": "Wrong, try again."}])
+    for episodes, _ in trained:
+        for ep in episodes:
+            turns = [ep.token_ids[a:b] for a, b in spans(ep.action_mask)]
+            feedback = [ep.token_ids[a:b] for a, b in spans([1 - m for m in ep.action_mask])]
+            assert feedback == [retry] * (len(turns) - 1)
+            assert all(t[-1] == tok.eos_token_id for t in turns[:-1])  # only a finished turn gets an answer
+            # the episode's text is the templated conversation of its turns, up to where it ended
+            conv = list(messages[ep.example["prompt"]])
+            for k, t in enumerate(turns):
+                conv += [{"role": "assistant", "content": tok.decode(t, skip_special_tokens=True)}]
+                conv += [{"role": "user", "content": "Wrong, try again."}] if k < len(turns) - 1 else []
+            assert tok.apply_chat_template(conv, tokenize=False).startswith(tok.decode(ep.prompt_ids + ep.token_ids))
+
+
+def pair_rows(n: int, seed: int) -> list[dict]:
+    import random
+
+    rng = random.Random(seed)
+    rows = []
+    for _ in range(n):
+        a, b = rng.randrange(50), rng.randrange(50)
+        rows.append({"prompt": [{"role": "user", "content": f"What is {a}+{b}?"}], "chosen": str(a + b),
+                     "rejected": str(a + b + 10)})  # fmt: skip
+    return rows
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", ["dpo", "rm"])
+def test_preference_scripts_on_chat_pairs(chat_sft, tmp_path, script):
+    import importlib
+    import math
+
+    mod = importlib.import_module(f"algos.{script}")
+    write_jsonl(tmp_path / "train.jsonl", pair_rows(64, 0))
+    write_jsonl(tmp_path / "test.jsonl", pair_rows(16, 1))
+    args = quiet(mod.Args(), tmp_path / "run")
+    args.model.name_or_path, args.data.path, args.data.apply_chat_template = str(chat_sft[2]), str(tmp_path), True
+    args.train.max_steps, args.train.batch_size, args.eval.every = 3, 16, 3
+    summary = mod.main(args)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    loss = [r[f"loss/{script}"] for r in rows if f"loss/{script}" in r]
+    assert summary["steps"] == 3 and len(loss) == 3 and all(math.isfinite(v) for v in loss)
