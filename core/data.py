@@ -160,12 +160,11 @@ def _messages(value, key: str, prompt: bool = False) -> list[dict]:
     """Chat messages of column `key`: a non-empty list of {role, content} dicts with text values (a prompt's must not
     end with an assistant turn: the generation prompt opens the turn the model answers). BadRow otherwise."""
     try:
-        messages = chat.check_messages(value, f"key {key!r}")
+        messages = chat.check_messages(value, "the messages")
     except ValueError as e:
         raise BadRow(key, str(e)) from None
     if prompt and messages[-1]["role"] == "assistant":
-        raise BadRow(key, f"key {key!r}: the prompt's last message is an assistant turn (the model answers the last "
-                          "user turn)")  # fmt: skip
+        raise BadRow(key, "the prompt's last message is an assistant turn (the model answers the last user turn)")
     return messages
 
 
@@ -179,7 +178,7 @@ def _render(tokenizer, messages: list[dict], key: str, add_generation_prompt: bo
     try:
         return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
     except TemplateError as e:
-        raise BadRow(key, f"key {key!r}: the chat template refused the messages: {e}") from None
+        raise BadRow(key, f"the chat template refused the messages: {e}") from None
 
 
 def format_prompt(prompt, tokenizer, cfg: DataConfig) -> str:

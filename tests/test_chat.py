@@ -162,11 +162,14 @@ def _re(words: str) -> str:
     return re.escape(words)
 
 
-def test_no_chat_template_is_a_clear_error(tok, tmp_path):
+def test_no_chat_template_or_a_refusing_one_is_a_clear_error():
     plain = embedded.build_chat_tokenizer()
     plain.chat_template = None
     with pytest.raises(ValueError, match="apply-chat-template: the tokenizer has no chat template"):
         data.prompt_example({"prompt": "x", "answer": "1"}, plain, CFG)
+    plain.chat_template = "{{ raise_exception('roles must alternate') }}"
+    with pytest.raises(data.BadRow, match="the chat template refused the messages: roles must alternate"):
+        data.sft_example({"prompt": MESSAGES}, plain, CFG, mode="multiturn")
 
 
 # ------------------------------------------------------------------------------------------------ multi-turn
