@@ -87,6 +87,14 @@ def test_tokenizer_layout_is_qwen_style(tok, chat_path):
     assert chat.end_of_turn_id(tok) == tok.eos_token_id and chat.stop_ids(tok) == [tok.eos_token_id]
 
 
+def test_embedded_name_builds_once_under_the_home(tmp_path, monkeypatch):
+    monkeypatch.setenv("CLEANRLHF_HOME", str(tmp_path))
+    path = embedded.resolve_model("cleanrlhf/tiny-chat")
+    assert path == str(tmp_path / "models" / "tiny-chat") and (Path(path) / ".complete").exists()
+    assert models.max_positions("cleanrlhf/tiny-chat") == 1024
+    assert models.load_tokenizer("cleanrlhf/tiny-chat").eos_token == "<|im_end|>"
+
+
 def test_end_of_turn_is_read_off_the_template(tok, tokenizer):
     """A base model's layout (eos <|endoftext|>, turns ending with <|im_end|>) stops at both; the embedded character
     tokenizer's plain-text template has no end-of-turn token."""
