@@ -241,7 +241,8 @@ def test_a_turn_cut_before_im_end_ends_the_chat_episode(tok):
 
 # ------------------------------------------------------------------------------------------------ the scripts
 # One SFT run on chat messages makes a model that ends its turns (the random one almost never samples <|im_end|>);
-# the RL runs start from it. The whole section takes ~2 minutes on a 2-core CPU, hence `slow`.
+# the RL runs start from it. The model is so small that the whole section takes ~20 s on a 2-core CPU (plus the
+# one-time build of DeepSpeed's shm op, ~30 s, when no earlier test built it).
 def sum_chat(rng, turns: int) -> list[dict]:
     messages = []
     for _ in range(turns):
@@ -256,7 +257,7 @@ def quiet(args, run_dir: Path):
 
 
 @pytest.fixture(scope="module")
-def chat_sft(chat_path, tmp_path_factory):
+def chat_sft(chat_path, tmp_path_factory, one_thread):
     """sft.py --train.mode multiturn on `messages` rows of 1-2 turns: (summary, metrics rows, export folder)."""
     import random
 
@@ -274,7 +275,6 @@ def chat_sft(chat_path, tmp_path_factory):
     return summary, rows, Path(summary["export_dir"])
 
 
-@pytest.mark.slow
 def test_sft_on_chat_messages_learns_the_turns(chat_sft):
     summary, rows, export = chat_sft
     assert summary["eval_loss_last"] < summary["eval_loss_first"] - 2, summary  # ~6.1 -> ~1.6
@@ -287,7 +287,6 @@ def test_sft_on_chat_messages_learns_the_turns(chat_sft):
     assert 0 < len(out) < 8 and tok.decode(out).isdigit()  # a number, then it stopped at <|im_end|>
 
 
-@pytest.mark.slow
 def test_vllm_stops_at_im_end_when_eos_is_another_token(chat_sft, tmp_path):
     """A base model's layout: eos <|endoftext|> in tokenizer and config, turns ending with <|im_end|>. vLLM alone would
     run past <|im_end|> into a made-up next turn; the engine stops there, the stop token last in `token_ids`."""
@@ -414,7 +413,6 @@ def assert_trained_ids_were_generated(trained, calls, tok):
     return n_spans
 
 
-@pytest.mark.slow
 def test_grpo_on_chat_prompts_stops_at_im_end_and_trains_on_generated_ids(chat_sft, tmp_path, monkeypatch):
     trained, calls, tok, _ = chat_grpo(chat_sft, tmp_path, monkeypatch, env=False)
     assert_trained_ids_were_generated(trained, calls, tok)
@@ -429,7 +427,6 @@ def test_grpo_on_chat_prompts_stops_at_im_end_and_trains_on_generated_ids(chat_s
     assert sum(ep.finish_reason == "stop" for eps, _ in trained for ep in eps) > 0
 
 
-@pytest.mark.slow
 def test_grpo_multi_turn_chat_environment_appends_templated_turns(chat_sft, tmp_path, monkeypatch):
     trained, calls, tok, messages = chat_grpo(chat_sft, tmp_path, monkeypatch, env=True)
     n_spans = assert_trained_ids_were_generated(trained, calls, tok)
@@ -461,7 +458,6 @@ def pair_rows(n: int, seed: int) -> list[dict]:
     return rows
 
 
-@pytest.mark.slow
 @pytest.mark.parametrize("script", ["dpo", "rm"])
 def test_preference_scripts_on_chat_pairs(chat_sft, tmp_path, script):
     import importlib
