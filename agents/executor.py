@@ -12,7 +12,9 @@ and `rollout.scores`. What happens inside `run` is the executor's business:
   re-tokenisation of decoded text.
 - `MultiTurnExecutor`: the same API for an environment with `reset` / `step`; the environment's replies are appended
   as tokens between the model's turns and masked out of the loss (`Episode.action_mask` 0), and the environment's
-  rewards are summed. A script switches executor without touching its loop.
+  rewards are summed. A reply given as chat messages is appended as the chat template renders it (`core.chat`), so
+  the episode's tokens are those of the whole templated conversation, and the model's own turns stay the tokens it
+  sampled. A script switches executor without touching its loop.
 
 An `Episode` is everything a trainer needs for one trajectory: prompt tokens, response tokens (model and environment
 tokens interleaved), the engine's log-probs of them (for importance-sampling corrections), the action mask, and how
@@ -26,6 +28,8 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
+
+from core import chat
 
 
 @dataclass
@@ -104,8 +108,14 @@ class Environment(Protocol):
         """Text appended to the prompt before the first turn ("" for none)."""
         ...
 
-    def step(self, response: str) -> tuple[str, float, bool]:
-        """The model's latest turn (decoded) -> (feedback text appended as tokens, reward of this turn, done)."""
+    def step(self, response: str) -> tuple[str | dict | list[dict], float, bool]:
+        """The model's latest turn (decoded, special tokens removed) -> (feedback, reward of this turn, done).
+
+        Feedback text is appended as its tokens. Feedback as chat messages (a {role, content} dict or a list of them,
+        e.g. `{"role": "user", "content": "Wrong, try again."}`) is appended as the chat template continues the
+        conversation: the separator after the model's end-of-turn token, the messages and the next assistant header
+        (`core.chat.continuation_ids`); with a chat prompt (`--data.apply-chat-template`) that is what keeps the
+        episode a well-formed conversation."""
         ...
 
 
@@ -115,7 +125,9 @@ class MultiTurnExecutor:
     All episodes of a batch advance turn by turn together (one engine call per turn for the still-running ones).
     The response grows by the model's tokens (action_mask 1) and the feedback's tokens (action_mask 0); the episode's
     reward is the sum of its turns' rewards (its score: that reward clipped to [0, 1]). An episode whose response
-    plus the next feedback would reach `max_total_tokens` stops there and is marked truncated."""
+    plus the next feedback would reach `max_total_tokens` stops there and is marked truncated. Feedback as chat
+    messages continues only a turn that ended with the template's end-of-turn token: after a turn cut off at
+    max-new-tokens (truncated) or ended by another stop token (eos), the episode ends."""
 
     def __init__(self, engines, tokenizer, env_factory: Callable[[dict], Environment], max_new_tokens: int,
                  max_turns: int = 4, max_total_tokens: int = 1024, temperature: float = 1.0,
@@ -126,6 +138,15 @@ class MultiTurnExecutor:
 
     def _tokens(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
+
+    def _feedback_ids(self, feedback: str | dict | list[dict], turn: list[int]) -> list[int] | None:
+        """The tokens appended after the model's `turn` for the environment's `feedback`; None when chat messages
+        cannot follow that turn (it did not end with the template's end-of-turn token)."""
+        if isinstance(feedback, str):
+            return self._tokens(feedback)
+        if not turn or turn[-1] != chat.end_of_turn_id(self.tokenizer):
+            return None
+        return chat.continuation_ids(self.tokenizer, [feedback] if isinstance(feedback, dict) else feedback)
 
     def run(self, batch: list[dict], n: int, seed: int | list[int] | None, step: int,
             temperature: float | None = None) -> Rollout:  # fmt: skip
@@ -156,7 +177,9 @@ class MultiTurnExecutor:
                 feedback, r, done = envs[i].step(self.tokenizer.decode(s.token_ids, skip_special_tokens=True))
                 rewards[i] += float(r)
                 done = done or turn == self.max_turns - 1  # no feedback after the last turn: nothing would read it
-                fb = self._tokens(feedback) if not done else []
+                fb = self._feedback_ids(feedback, s.token_ids) if not done else []
+                if fb is None:  # a chat turn that did not end its turn: the conversation cannot go on
+                    fb, done = [], True
                 if len(ep.token_ids) + len(fb) >= self.max_total_tokens:
                     ep.truncated, done = True, True
                 if not done:

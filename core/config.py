@@ -62,7 +62,8 @@ class DataConfig:
     input_template: str | None = None
     """python format string applied to the prompt, e.g. `'Question: {}\\nAnswer: '`."""
     apply_chat_template: bool = False
-    """render prompts (and responses) with the tokenizer's chat template."""
+    """render prompts (a string becomes one user turn) with the tokenizer's chat template and end responses with its
+    end-of-turn token (see docs/guide.md, Chat models)."""
     max_samples: int = 100_000_000
     """keep at most this many rows per dataset."""
     max_len: int | None = None
@@ -182,8 +183,9 @@ class RolloutArgs:
     """nucleus sampling."""
     env_file: str | None = None
     """multi-turn: a Python file defining `make_env(example)` -> an environment with `reset(example) -> str` and
-    `step(response) -> (feedback, reward, done)` (e.g. agents/retry_env.py). Its feedback is appended as tokens that
-    are not trained on, its rewards replace `--reward.*`. None: one generation per episode, scored by `--reward.*`."""
+    `step(response) -> (feedback, reward, done)` (e.g. agents/retry_env.py). Its feedback (text, or chat messages that
+    the chat template renders) is appended as tokens that are not trained on, its rewards replace `--reward.*`. None:
+    one generation per episode, scored by `--reward.*`."""
     max_turns: int = 2
     """multi-turn: model turns per episode at most."""
     max_total_tokens: int = 256

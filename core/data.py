@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from core import embedded, preference
+from core import chat, embedded, preference
 from core.config import DataConfig
 
 DATA_SUFFIXES = {".json": "json", ".jsonl": "json", ".parquet": "parquet"}
@@ -156,11 +156,37 @@ def _text(row: dict, key: str) -> str:
     return value
 
 
+def _messages(value, key: str, prompt: bool = False) -> list[dict]:
+    """Chat messages of column `key`: a non-empty list of {role, content} dicts with text values (a prompt's must not
+    end with an assistant turn: the generation prompt opens the turn the model answers). BadRow otherwise."""
+    try:
+        messages = chat.check_messages(value, "the messages")
+    except ValueError as e:
+        raise BadRow(key, str(e)) from None
+    if prompt and messages[-1]["role"] == "assistant":
+        raise BadRow(key, "the prompt's last message is an assistant turn (the model answers the last user turn)")
+    return messages
+
+
+def _render(tokenizer, messages: list[dict], key: str, add_generation_prompt: bool) -> str:
+    """The chat template's text; a template error (e.g. roles that must alternate) is a BadRow of column `key`."""
+    from jinja2 import TemplateError
+
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("--data.apply-chat-template: the tokenizer has no chat template (--model.tokenizer, or a "
+                         "chat_template.jinja in the model folder)")  # fmt: skip
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+    except TemplateError as e:
+        raise BadRow(key, f"the chat template refused the messages: {e}") from None
+
+
 def format_prompt(prompt, tokenizer, cfg: DataConfig) -> str:
-    """Prompt text as the model sees it: chat template (a string becomes one user turn) or `input_template`."""
+    """Prompt text as the model sees it: chat template (a string becomes one user turn) with the generation prompt,
+    or `input_template`."""
     if cfg.apply_chat_template:
-        messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        raw = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
+        return _render(tokenizer, _messages(raw, cfg.input_key, prompt=True), cfg.input_key, True)
     if not isinstance(prompt, str):
         raise BadRow(cfg.input_key, "a list of messages needs --data.apply-chat-template")
     return cfg.input_template.format(prompt) if cfg.input_template else prompt
@@ -173,8 +199,10 @@ def _ids(tokenizer, text: str, special: bool) -> list[int]:
 def sft_example(row: dict, tokenizer, cfg: DataConfig, mode: str = "single") -> dict:
     """One training example: `input_ids` and `loss_mask` (1 where the token is a target), both lists of length L.
 
-    mode `single`: loss on the response + eos; `multiturn`: `input_key` holds chat messages, loss on every
-    assistant turn; `pretrain`: `input_key` holds plain text, loss on every token after the first.
+    mode `single`: loss on the response + eos (with `--data.apply-chat-template`: + the template's end-of-turn token);
+    `multiturn`: `input_key` holds chat messages, loss on every assistant turn's tokens through its end-of-turn token
+    (the role header and the template's separator after the turn are not targets); `pretrain`: `input_key` holds
+    plain text, loss on every token after the first.
     """
     if mode == "pretrain":
         text = _text(row, cfg.input_key)
@@ -183,21 +211,25 @@ def sft_example(row: dict, tokenizer, cfg: DataConfig, mode: str = "single") -> 
         ids = _ids(tokenizer, text, True) + [tokenizer.eos_token_id]
         example = {"input_ids": ids, "loss_mask": [0] + [1] * (len(ids) - 1)}
     elif mode == "multiturn":
-        messages = _text(row, cfg.input_key)
-        if not isinstance(messages, list) or not all(isinstance(m, dict) and "role" in m for m in messages):
-            raise BadRow(cfg.input_key, f"key {cfg.input_key!r} must hold a list of {{role, content}} messages")
+        messages = _messages(_text(row, cfg.input_key), cfg.input_key)
+        # An assistant turn is learned up to and including the template's end-of-turn token; what the template
+        # writes after it (Qwen: "\n") is a separator the model never generates, so it is not a target.
+        eot = chat.end_of_turn_id(tokenizer)
         ids, mask = [], []
         for k, m in enumerate(messages):
             if m["role"] == "assistant":  # the role header comes from the generation prompt: not a target
-                head = tokenizer.apply_chat_template(messages[:k], tokenize=False, add_generation_prompt=True)
+                head = _render(tokenizer, messages[:k], cfg.input_key, True)
                 new = _ids(tokenizer, head, False)[len(ids) :]
                 ids, mask = ids + new, mask + [0] * len(new)
-            full = _ids(tokenizer, tokenizer.apply_chat_template(messages[: k + 1], tokenize=False), False)
+            full = _ids(tokenizer, _render(tokenizer, messages[: k + 1], cfg.input_key, False), False)
             if full[: len(ids)] != ids:
                 raise BadRow(cfg.input_key, f"chat template output of turn {k} does not extend turns < {k}")
             new = full[len(ids) :]
+            target = len(new) if m["role"] == "assistant" else 0
+            if target and eot in new:
+                target = len(new) - new[::-1].index(eot)
             ids += new
-            mask += [int(m["role"] == "assistant")] * len(new)
+            mask += [1] * target + [0] * (len(new) - target)
         if not any(mask):
             raise BadRow(cfg.input_key, "no assistant turn to learn from")
         example = {"input_ids": ids, "loss_mask": mask}
@@ -208,7 +240,9 @@ def sft_example(row: dict, tokenizer, cfg: DataConfig, mode: str = "single") -> 
         response = _text(row, cfg.output_key)
         if not isinstance(response, str):
             raise BadRow(cfg.output_key, f"key {cfg.output_key!r} must hold text")
-        response_ids = _ids(tokenizer, response, False) + [tokenizer.eos_token_id]
+        # a chat response ends its turn as the template does (Qwen: <|im_end|>, whatever the tokenizer's eos)
+        end = chat.turn_end_ids(tokenizer) if cfg.apply_chat_template else [tokenizer.eos_token_id]
+        response_ids = _ids(tokenizer, response, False) + end
         example = {"input_ids": prompt_ids + response_ids, "loss_mask": [0] * len(prompt_ids) + [1] * len(response_ids)}
     else:
         raise ValueError(f"unknown SFT mode {mode!r}: expected single, multiturn or pretrain")

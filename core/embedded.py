@@ -9,6 +9,11 @@ script accepts a real model or dataset name in their place unchanged:
 | `cleanrlhf/tiny`      | randomly initialised Qwen2 (~1 M parameters) + character tokenizer            |
 | `cleanrlhf/tiny-sft`  | `cleanrlhf/tiny` after `algos/sft.py` on `cleanrlhf/add2` (the RL warm start) |
 | `cleanrlhf/add2`      | 2-digit addition, `train.jsonl` / `test.jsonl` (`addN` for N digits)          |
+| `cleanrlhf/tiny-chat` | randomly initialised Qwen2 (~0.1 M parameters) + a BPE chat tokenizer         |
+
+`cleanrlhf/tiny-chat` is the chat-model stand-in the tests use (it is not trained): a byte-level BPE trained here on
+text this module writes, with a Qwen2.5-style chat template (`<|im_start|>role\ncontent<|im_end|>\n`, a default
+system prompt), eos `<|im_end|>`, pad `<|endoftext|>` and no BOS, the layout of Qwen2.5-Instruct checkpoints.
 
 The task: prompt `"37+05="`, answer `"042"` (fixed width); the rule reward is `rewards/arithmetic.py`. 2-digit addition is
 learnable by a 1 M model in CPU minutes, and SFT stopped at ~25-50 % exact match leaves room for RL.
@@ -194,6 +199,113 @@ def ensure_tiny_base() -> Path:
     return _atomic_build(home() / "models" / "tiny", build)
 
 
+# --------------------------------------------------------------------------------------------------------------
+# `cleanrlhf/tiny-chat`: a chat tokenizer laid out like Qwen2.5-Instruct's, on a tiny random Qwen2
+
+CHAT_SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+"""pad, start of turn, end of turn (= eos): ids 0, 1, 2 of the chat tokenizer."""
+DEFAULT_SYSTEM_PROMPT = "You are a helpful assistant."
+# Qwen2.5's layout: every turn is `<|im_start|>role\ncontent<|im_end|>\n`; a conversation without a system turn gets
+# the default one; the generation prompt opens an assistant turn. The model ends its turn with `<|im_end|>` (eos),
+# and the template's `\n` after it is a separator the model never writes.
+QWEN_CHAT_TEMPLATE = (
+    "{%- if not messages or messages[0]['role'] != 'system' -%}"
+    "{{- '<|im_start|>system\\n" + DEFAULT_SYSTEM_PROMPT + "<|im_end|>\\n' -}}"
+    "{%- endif -%}"
+    "{%- for m in messages -%}"
+    "{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+# Qwen2's pre-tokenizer split: contractions, letter runs with one leading non-letter, single digits, punctuation
+# runs, newline runs, other whitespace. transformers rebuilds a `qwen2` checkpoint's tokenizer with this split, so
+# the saved tokenizer and the rebuilt one cut text alike.
+QWEN_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def chat_corpus(seed: int = 0, n: int = 400) -> list[str]:
+    """Text the chat tokenizer's merges are learned from: templated conversations about sums, counting and a few
+    common words, deterministic given `seed`."""
+    rng = random.Random(seed)
+    words = ("the answer is what how many sum of and plus equals please add numbers try again correct wrong yes no "
+             "count letters in word hello you are a helpful assistant system user can help me with this that "
+             "thanks good great one two three four five six seven eight nine ten").split()  # fmt: skip
+    texts = []
+    for _ in range(n):
+        a, b = rng.randrange(100), rng.randrange(100)
+        chat = [{"role": "user", "content": f"What is {a}+{b}?"}, {"role": "assistant", "content": f"{a + b}"}]
+        if rng.random() < 0.5:
+            chat += [{"role": "user", "content": rng.choice(["Wrong, try again.", "Correct!", "Thanks."])},
+                     {"role": "assistant", "content": " ".join(rng.choices(words, k=rng.randrange(3, 12)))}]  # fmt: skip
+        system = "" if rng.random() < 0.7 else f"<|im_start|>system\n{' '.join(rng.choices(words, k=6))}<|im_end|>\n"
+        texts.append(system + "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in chat))
+    return texts
+
+
+def build_chat_tokenizer(vocab_size: int = 512, seed: int = 0):
+    """A byte-level BPE of at most `vocab_size` tokens trained on `chat_corpus(seed)`, with Qwen2's pre-tokenizer split, the
+    specials `CHAT_SPECIALS` and `QWEN_CHAT_TEMPLATE`: eos `<|im_end|>`, pad `<|endoftext|>`, no BOS (nothing is
+    prepended: `add_special_tokens` adds no token)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizers.NFC()
+    split = pre_tokenizers.Split(Regex(QWEN_SPLIT), behavior="isolated", invert=False)
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.pre_tokenizer = pre_tokenizers.Sequence([split, byte_level])
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, special_tokens=CHAT_SPECIALS, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())  # fmt: skip
+    tok.train_from_iterator(chat_corpus(seed), trainer=trainer)
+    return PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=["<|im_start|>"],
+        padding_side="left",
+        chat_template=QWEN_CHAT_TEMPLATE,
+    )
+
+
+def build_chat_model(tokenizer, seed: int = 0):
+    """Qwen2 with hidden 64, 2 layers, 2 heads of 32 (vLLM's CPU attention wants head sizes of 32 and up), MLP 128,
+    tied embeddings, the chat tokenizer's vocabulary, eos and pad, no BOS: ~0.1 M parameters."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=1024,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=None,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    torch.manual_seed(seed)
+    return Qwen2ForCausalLM(config)
+
+
+def save_tiny_chat(folder: Path, seed: int = 0) -> Path:
+    """Write the chat tokenizer and a random `build_chat_model` into `folder` (an HF model folder)."""
+    tokenizer = build_chat_tokenizer(seed=seed)
+    build_chat_model(tokenizer, seed).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return Path(folder)
+
+
+def ensure_tiny_chat() -> Path:
+    """Build (once) and return `cleanrlhf/tiny-chat`'s folder."""
+    return _atomic_build(home() / "models" / "tiny-chat", save_tiny_chat)
+
+
 def reproducible_cpu_env() -> dict[str, str]:
     """Environment variables that make torch's CPU math take the AVX2 code paths on every x86-64 machine with AVX2.
 
@@ -254,11 +366,13 @@ def ensure_sft_warm_start() -> Path:
 
 
 def resolve_model(name_or_path: str) -> str:
-    """Map `cleanrlhf/tiny` and `cleanrlhf/tiny-sft` to their built directories; pass anything else through."""
+    """Map `cleanrlhf/tiny`, `cleanrlhf/tiny-sft` and `cleanrlhf/tiny-chat` to their built directories; pass anything else through."""
     if name_or_path == PREFIX + "tiny":
         return str(ensure_tiny_base())
     if name_or_path == PREFIX + "tiny-sft":
         return str(ensure_sft_warm_start())
+    if name_or_path == PREFIX + "tiny-chat":
+        return str(ensure_tiny_chat())
     return name_or_path
 
 

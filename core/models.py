@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from core import embedded, rl_math
+from core import chat, embedded, rl_math
 from core.config import ModelConfig
 
 
@@ -212,11 +212,12 @@ def sequence_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor
 @torch.no_grad()
 def greedy_generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: int, batch_size: int = 256,
                     synced_gpus: bool = False):  # fmt: skip
-    """Greedy continuations (lists of token ids, eos and after removed) for prompt token lists; left padding.
+    """Greedy continuations (lists of token ids, the stop token and after removed) for prompt token lists; left
+    padding. A continuation stops at eos or at the chat template's end-of-turn token (`core.chat.stop_ids`).
     `synced_gpus=True` keeps ZeRO-3 ranks stepping together until all of them are done."""
     model.eval()
     device = next(model.parameters()).device
-    pad, eos = tokenizer.pad_token_id, tokenizer.eos_token_id
+    pad, stops = tokenizer.pad_token_id, chat.stop_ids(tokenizer)
     out = []
     for i in range(0, len(prompts), batch_size):
         chunk = prompts[i : i + batch_size]
@@ -229,8 +230,8 @@ def greedy_generate(model, tokenizer, prompts: list[list[int]], max_new_tokens: 
         with torch.compiler.set_stance("force_eager"):  # a --ds.compile model: one shape per decode step
             gen = model.generate(
                 input_ids=ids, attention_mask=attn, max_new_tokens=max_new_tokens, do_sample=False,
-                pad_token_id=pad, eos_token_id=eos, synced_gpus=synced_gpus,
+                pad_token_id=pad, eos_token_id=stops, synced_gpus=synced_gpus,
             )  # fmt: skip
         for row in gen[:, width:].tolist():
-            out.append(row[: row.index(eos)] if eos in row else row)
+            out.append(row[: min((row.index(t) for t in stops if t in row), default=len(row))])
     return out

@@ -41,7 +41,7 @@ from typing import Any, Literal
 
 import torch
 
-from core import embedded
+from core import chat, embedded
 
 Named = list[tuple[str, torch.Tensor]]
 
@@ -94,7 +94,8 @@ class VLLMConfig:
 @dataclass
 class Sample:
     """One sampled response. `logprobs[t]` is log p(token_ids[t]) under the sampling distribution (temperature, top-p);
-    at temperature 0 it is the plain log-softmax. `token_ids` ends with eos when the model stopped."""
+    at temperature 0 it is the plain log-softmax. `token_ids` ends with its stop token (eos, or the chat template's
+    end-of-turn token) when the model stopped."""
 
     token_ids: list[int]
     logprobs: list[float]
@@ -380,6 +381,10 @@ class VLLMEngine:
                 enable_sleep_mode=cfg.enable_sleep and cuda,  # CPU: vLLM refuses the flag; sleep() is a no-op there
             )
         self.eos_token_id = self.llm.llm_engine.model_config.hf_config.eos_token_id
+        # vLLM stops at the tokenizer's eos and the generation config's; a chat template's end-of-turn token may be
+        # neither (a base model's tokenizer with a chat template: eos <|endoftext|>, turns end with <|im_end|>), and a
+        # response that runs past it trains on the next turn's header. It stops generation too.
+        self.stop_token_ids = chat.stop_ids(self.llm.get_tokenizer())
 
     def ready(self) -> str:
         return self.name
@@ -390,7 +395,8 @@ class VLLMEngine:
         """n samples for each prompt (token ids in, token ids out), `result[i][j]` the j-th sample of prompt i.
         An int `seed` samples prompt i with seed `seed + i * n` (vLLM gives its j-th sample `seed + i * n + j`); a
         list gives one seed per prompt; None draws fresh randomness. Per-request seeds make a sample independent of
-        batching. `ignore_eos` (benchmarks) always generates max_new_tokens."""
+        batching. A sample stops at eos or the chat template's end-of-turn token (`core.chat.stop_ids`; the stop token
+        is the last of `token_ids`); `ignore_eos` (benchmarks) always generates max_new_tokens."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
@@ -399,6 +405,7 @@ class VLLMEngine:
             return SamplingParams(
                 n=n, max_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=s,
                 logprobs=0, flat_logprobs=True, detokenize=False, ignore_eos=ignore_eos,
+                stop_token_ids=None if ignore_eos else self.stop_token_ids,
             )  # fmt: skip
 
         prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in prompt_token_ids]
