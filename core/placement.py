@@ -98,8 +98,11 @@ def init_ray(cfg: RayConfig, **ray_init_kwargs) -> dict[str, float]:
     import ray
 
     if not ray.is_initialized():
-        kwargs: dict[str, Any] = {"address": cfg.address, "include_dashboard": False}
-        if cfg.address is None and cfg.num_cpus is not None:
+        # No address (flag or RAY_ADDRESS): a new local instance ("local"), never whatever cluster Ray's address file
+        # under /tmp/ray names, which a cluster stopped by a signal leaves behind (and which may be another job's).
+        address = cfg.address or os.environ.get("RAY_ADDRESS") or "local"
+        kwargs: dict[str, Any] = {"address": address, "include_dashboard": False}
+        if address == "local" and cfg.num_cpus is not None:
             kwargs["num_cpus"] = cfg.num_cpus
         ray.init(**(kwargs | ray_init_kwargs))
     return ray.cluster_resources()

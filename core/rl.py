@@ -23,9 +23,11 @@ token mean. Metric names mean one thing in every script (see `Meter`).
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import random
+import sys
 from collections import defaultdict
 from dataclasses import dataclass, fields, is_dataclass
 from functools import partial
@@ -64,10 +66,31 @@ def launch(main, args) -> dict:
                                      backend=args.ds.backend)  # fmt: skip
         group.timeout_s = 10 * 365 * 86400.0  # the whole run is one call; a rank that dies still ends it at once
         return group.run(_run_rank, main, args, engines, os.getcwd())[0]
+    except Exception as e:  # a rank, an engine or a group died or raised: say where the run stands
+        if hasattr(e, "add_note"):  # Python >= 3.11: printed right under the error
+            e.add_note(where_stopped(args))
+        else:
+            print(where_stopped(args), file=sys.stderr)
+        raise
     finally:
         if group is not None:
             group.shutdown()
         engines.shutdown()
+
+
+def where_stopped(args) -> str:
+    """One line for a run that failed: the step it was in (one past the last logged), the newest checkpoint, and the
+    command that resumes it."""
+    run_dir = Path(args.run_dir)
+    metrics = run_dir / "metrics.jsonl"
+    steps = [json.loads(line).get("step", 0) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+    try:
+        ckpt = checkpoint.latest(Path(args.ckpt.dir or run_dir / "checkpoints"))
+    except ValueError:
+        ckpt = None
+    resume = f"resumes from {ckpt.name}" if ckpt else "starts over (no checkpoint yet; --ckpt.every N saves them)"
+    return (f"[{args.exp_name}] the run stopped during step {max(steps, default=0) + 1} of {args.train.max_steps}; "
+            f"the same command with --run-dir {run_dir} {resume}")
 
 
 def _run_rank(worker, main, args, engines, cwd: str) -> dict:

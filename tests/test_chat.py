@@ -366,8 +366,8 @@ def chat_grpo(chat_sft, tmp_path, monkeypatch, env: bool):
     trained, calls = [], []
     sequences, generate = rl.sequences, rollout.RolloutEngines.generate
 
-    def spy_sequences(episodes, pad_id, device):
-        batch = sequences(episodes, pad_id, device)
+    def spy_sequences(episodes, pad_id, device, *rest):
+        batch = sequences(episodes, pad_id, device, *rest)
         trained.append((episodes, batch))
         return batch
 

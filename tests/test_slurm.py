@@ -92,6 +92,8 @@ def test_grpo_ray_sbatch_spreads_ranks_and_engines_over_two_nodes_and_learns(slu
     assert "ip=127.0.0.3" in log  # actors ran on the second node (Ray tags their output with its address)
     assert not wait_for_no_leftovers(f"127.0.0.2:{port}"), "Ray processes outlived the job"
     assert not wait_for_no_leftovers(str(run_dir))
+    address_file = Path("/tmp/ray/ray_current_cluster")  # the job's Ray kept to its own temp folder
+    assert not (address_file.exists() and f":{port}" in address_file.read_text())
 
 
 def test_a_cancelled_grpo_job_resubmitted_with_its_run_folder_resumes(slurm, tmp_path):
