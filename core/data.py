@@ -334,13 +334,39 @@ def batch_indices(n: int, batch_size: int, step: int, seed: int) -> list[int]:
     return out
 
 
+def _conversation_pair(row: dict, cfg: DataConfig, chosen_key: str, rejected_key: str) -> dict:
+    """The row with chosen/rejected given as whole conversations (the common hub format: lists of messages whose last
+    one is the assistant's answer) rewritten as prompt + response text: the prompt is the shared messages before the
+    answer (or `input_key` when the conversations hold only the answer), the responses the answers' text. Rows whose
+    responses are text come back unchanged."""
+    if not isinstance(row.get(chosen_key), list) and not isinstance(row.get(rejected_key), list):
+        return row
+    if not cfg.apply_chat_template:
+        raise BadRow(chosen_key, "chosen/rejected conversations (lists of messages) need --data.apply-chat-template")
+    prefixes, out = [], dict(row)
+    for key in (chosen_key, rejected_key):
+        messages = _messages(_text(row, key), key)
+        if messages[-1]["role"] != "assistant":
+            raise BadRow(key, f"the conversation in key {key!r} must end with the assistant's answer")
+        prefixes.append(messages[:-1])
+        out[key] = messages[-1]["content"]
+    if prefixes[0] != prefixes[1]:
+        raise BadRow(rejected_key, f"keys {chosen_key!r} and {rejected_key!r} must share every message before the "
+                     "last assistant answer")  # fmt: skip
+    if prefixes[0]:
+        out[cfg.input_key] = prefixes[0]
+    return out
+
+
 def preference_example(row: dict, tokenizer, cfg: DataConfig, chosen_key: str = "chosen",
                        rejected_key: str = "rejected") -> dict:  # fmt: skip
     """A preference pair (DPO, and KTO's paired eval): `{"chosen": ex, "rejected": ex}`, each an `sft_example` of
-    prompt `cfg.input_key` with that response (`loss_mask` on the response + eos). BadRow when a response is missing,
+    prompt `cfg.input_key` with that response (`loss_mask` on the response + eos); responses are text, or whole
+    conversations ending with the assistant's answer (`_conversation_pair`). BadRow when a response is missing,
     empty or not text, or when both responses tokenize identically (the pair would carry no preference)."""
     from dataclasses import replace
 
+    row = _conversation_pair(row, cfg, chosen_key, rejected_key)
     chosen = sft_example(row, tokenizer, replace(cfg, output_key=chosen_key))
     rejected = sft_example(row, tokenizer, replace(cfg, output_key=rejected_key))
     if chosen["input_ids"] == rejected["input_ids"]:
@@ -360,6 +386,7 @@ def reward_pair_example(row: dict, tokenizer, cfg: DataConfig, chosen_key: str =
                         rejected_key: str = "rejected", margin_key: str | None = None) -> dict:  # fmt: skip
     """A reward-model pair: `{"chosen": ids, "rejected": ids, "margin": float}` where ids = `reward_ids` of the
     formatted prompt + response. Same BadRow rules as `preference_example`; `margin_key` (optional) must hold a number."""
+    row = _conversation_pair(row, cfg, chosen_key, rejected_key)
     prompt = format_prompt(_text(row, cfg.input_key), tokenizer, cfg)
     special = not cfg.apply_chat_template
     out: dict = {"margin": 0.0}

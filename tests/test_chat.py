@@ -140,6 +140,25 @@ def test_chat_pairs_share_the_templated_prompt(tok):
     assert rm["chosen"][-1] == rm["rejected"][-1] == tok.eos_token_id  # scored at the turn's <|im_end|>
 
 
+def test_chat_pairs_as_whole_conversations_equal_prompt_plus_answer(tok):
+    """The hub format: chosen/rejected are conversations that share every message but the last assistant answer."""
+    as_text = {"prompt": MESSAGES[:4], "chosen": "30", "rejected": "31"}
+    whole = {"chosen": [*MESSAGES[:4], {"role": "assistant", "content": "30"}],
+             "rejected": [*MESSAGES[:4], {"role": "assistant", "content": "31"}]}  # fmt: skip
+    answers_only = {"prompt": MESSAGES[:4], "chosen": [{"role": "assistant", "content": "30"}],
+                    "rejected": [{"role": "assistant", "content": "31"}]}  # fmt: skip
+    for row in (whole, answers_only):
+        assert data.preference_example(row, tok, CFG) == data.preference_example(as_text, tok, CFG)
+        assert data.reward_pair_example(row, tok, CFG) == data.reward_pair_example(as_text, tok, CFG)
+    other = {**whole, "rejected": [*MESSAGES[:2], {"role": "assistant", "content": "31"}]}
+    with pytest.raises(data.BadRow, match="share every message"):
+        data.preference_example(other, tok, CFG)
+    with pytest.raises(data.BadRow, match="end with the assistant"):
+        data.preference_example({**whole, "chosen": MESSAGES[:4]}, tok, CFG)
+    with pytest.raises(data.BadRow, match="need --data.apply-chat-template"):
+        data.preference_example(whole, tok, DataConfig(max_len=512))
+
+
 def test_prompt_example_with_messages(tok):
     ex = data.prompt_example({"prompt": MESSAGES[:2], "answer": 3}, tok, CFG)
     assert ex["prompt"] == tok.apply_chat_template(MESSAGES[:2], tokenize=False, add_generation_prompt=True)
