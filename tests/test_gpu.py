@@ -163,6 +163,36 @@ def test_packed_equals_padded_on_cuda(tiny_path, dtype, tol):
                                        rtol=0, atol=tol)  # fmt: skip
 
 
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 0.1)])
+def test_rl_forward_logp_packed_chunked_equals_padded_full_logits_on_cuda(tiny_path, tokenizer, dtype, tol):
+    """The RL scripts' forward (`core.rl.forward_logp`: packed rows, the chunked LM head on the generated positions)
+    against the padded forward with the model's full logits, log-probs and entropies, gradients included in fp32."""
+    from test_rl_packing import mixed_rollout
+
+    from core import models, rl
+
+    model = models.load_causal_lm(models.ModelConfig(name_or_path=str(tiny_path), dtype="fp32")).to(dtype).cuda()
+    seqs = rl.sequences(mixed_rollout(len(tokenizer)), tokenizer.pad_token_id, torch.device("cuda"))
+    out = {}
+    for name, chunked, packed in (("fast", True, True), ("reference", False, False)):
+        model.zero_grad()
+        head = models.chunked_head
+        if not chunked:
+            models.chunked_head = lambda m: None
+        try:
+            logp, ent = rl.forward_logp(model, {**seqs, "packed": packed}, 0.8, entropy=True)
+        finally:
+            models.chunked_head = head
+        (logp.sum() + 0.1 * ent.sum()).backward()
+        out[name] = (logp.detach().float(), ent.detach().float(), [p.grad.float().clone() for p in model.parameters()])
+    (lp, en, g), (lp0, en0, g0) = out["fast"], out["reference"]
+    torch.testing.assert_close(lp, lp0, rtol=0, atol=tol)
+    torch.testing.assert_close(en, en0, rtol=0, atol=tol)
+    if dtype == torch.float32:
+        for a, b in zip(g, g0):
+            torch.testing.assert_close(a, b, rtol=1e-3, atol=1e-4)
+
+
 # ------------------------------------------------------------------------------------------------- weight transport
 
 
