@@ -28,6 +28,7 @@ import math
 import os
 import random
 import sys
+import time
 from collections import defaultdict
 from dataclasses import dataclass, fields, is_dataclass
 from functools import partial
@@ -493,15 +494,18 @@ def sync_weights(run: Run, args, actor, changed: bool = True, sample: list[list[
     weights memory back, new weights in, then the KV cache. `changed` False skips the transfer (nothing trained).
     `--debug` with `sample` token lists: check that the engines' log-probs equal the trainer's (on every rank: under
     ZeRO-3 the trainer's forward is a collective)."""
-    stats = {}
+    stats, t0 = {}, time.perf_counter()
     if args.vllm.enable_sleep and run.rank == 0:
         run.engines.wake_up(["weights"])
     if changed:
         stats = placement.sync_weights(run.engines, actor, run.rank)
+        stats["perf/transfer_s"] = time.perf_counter() - t0  # gather, send and load the weights (no debug check)
     if args.vllm.enable_sleep and run.rank == 0:
         run.engines.wake_up(["kv_cache"])
     if changed and args.debug and sample:
+        t1 = time.perf_counter()
         rollout.check_weights(run.engines, actor.module, sample)
+        stats["perf/debug_check_s"] = time.perf_counter() - t1
     return stats
 
 

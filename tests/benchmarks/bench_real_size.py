@@ -1,0 +1,197 @@
+"""A Qwen2-0.5B-shaped model through algos/grpo.py end to end on the CPU: two ZeRO-3 trainer ranks (bf16), a vLLM
+engine as a Ray actor, `--debug` (the engine's log-probs checked against the trainer's after every weight sync), a
+halt after step 2 and an exact resume to step 3, then the HF export loaded into vLLM.
+
+The model is randomly initialised from a config: 24 layers, hidden 896, MLP 4864, 14 heads (2 KV heads), tied
+embeddings, the embedded tokenizer's 100-token vocabulary (358 M parameters; the 151,936-token vocabulary's cost is
+measured by bench_head_memory.py). It learns nothing (its reward is 0; `--algo.no-filter-zero-variance` keeps every
+sample in the update so the training passes run at full size). Reported: wall time per phase (the scripts' perf/gen_s,
+perf/train_s, perf/sync_s per step), the weight sync's share of the step, and the peak resident memory of each
+process (sampled every 0.2 s over the whole run, every process started after the driver; Ray's own daemons left
+out). Run:
+
+    .venv/bin/python tests/benchmarks/bench_real_size.py                 # ~10 min on 2 CPU cores
+    .venv/bin/python tests/benchmarks/bench_real_size.py --layers 4      # what tests/test_real_size.py runs
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import defaultdict
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+
+def build_model(out: Path, layers: int) -> Path:
+    """The 0.5B-shaped model (bf16) and the embedded tokenizer in `out`, built once."""
+    import torch
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    from core import models
+
+    if (out / "config.json").exists():
+        return out
+    tokenizer = models.load_tokenizer("cleanrlhf/tiny")
+    config = Qwen2Config(vocab_size=len(tokenizer), hidden_size=896, intermediate_size=4864, num_hidden_layers=layers,
+                         num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=512,
+                         tie_word_embeddings=True, pad_token_id=tokenizer.pad_token_id,
+                         bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)  # fmt: skip
+    torch.manual_seed(0)
+    Qwen2ForCausalLM(config).to(torch.bfloat16).save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
+
+
+def role(cmdline: str) -> str | None:
+    """What a process of the run is, from its command line; None for Ray's daemons and helpers."""
+    if "ray::VLLMEngine" in cmdline:
+        return "vLLM engine actor"
+    if "ray::Worker" in cmdline:
+        return "trainer rank"
+    if "algos/grpo.py" in cmdline:
+        return "driver"
+    if "EngineCore" in cmdline or "VLLM::" in cmdline:
+        return "vLLM engine core"
+    return None
+
+
+class PeakMemory:
+    """Peak RSS per process of a run (the driver `pid` and every process started after it), sampled in a thread."""
+
+    def __init__(self, pid: int, every_s: float = 0.2):
+        import psutil
+
+        self.root, self.every_s, self.peak, self.roles = psutil.Process(pid), every_s, defaultdict(int), {}
+        self.start = self.root.create_time()
+        self.stop = threading.Event()
+        self.thread = threading.Thread(target=self._loop, daemon=True)
+        self.thread.start()
+
+    def _loop(self) -> None:
+        import psutil
+
+        while not self.stop.is_set():
+            # Ray's actors are children of its raylet, not of the driver: every process started since the run began
+            # (a benchmark machine runs nothing else)
+            procs = [p for p in psutil.process_iter(["create_time"]) if p.info["create_time"] >= self.start - 1]
+            for p in procs:
+                try:
+                    if self.roles.get(p.pid) is None:  # a Ray worker takes its actor's name once it becomes one
+                        self.roles[p.pid] = role(" ".join(p.cmdline()))
+                    if self.roles[p.pid]:
+                        self.peak[p.pid] = max(self.peak[p.pid], p.memory_info().rss)
+                except psutil.Error:
+                    continue
+            time.sleep(self.every_s)
+
+    def result(self) -> dict[str, float]:
+        """{role: largest peak GiB among its processes}."""
+        self.stop.set()
+        self.thread.join()
+        out: dict[str, float] = {}
+        for pid, rss in self.peak.items():
+            r = self.roles[pid]
+            out[r] = max(out.get(r, 0.0), rss / 2**30)
+        return out
+
+
+def grpo_command(model: Path, run_dir: Path, steps: int, halt_after: int | None) -> list[str]:
+    cmd = [sys.executable, "algos/grpo.py", "--actor.model.name-or-path", str(model), "--actor.model.dtype", "bf16",
+           "--actor.lr", "1e-6", "--train.ranks", "2", "--ds.zero-stage", "3", "--vllm.num-engines", "1",
+           "--vllm.dtype", "bfloat16", "--vllm.kv-cache-gib", "1", "--ray.num-cpus", "4", "--debug",
+           "--train.max-steps", str(steps), "--train.minibatches", "1", "--rollout.batch-size", "8",
+           "--rollout.n-samples", "2", "--rollout.max-new-tokens", "16", "--algo.no-filter-zero-variance",
+           "--eval.every", "0", "--eval.best-metric", "None", "--ckpt.every", "1", "--logger.quiet", "--run-dir",
+           str(run_dir)]  # fmt: skip
+    return cmd + (["--train.halt-after", str(halt_after)] if halt_after else [])
+
+
+def run(cmd: list[str], log: Path) -> tuple[float, dict]:
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
+    for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(k, None)
+    t0 = time.perf_counter()
+    with open(log, "w") as f:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=f, stderr=subprocess.STDOUT)
+        mem = PeakMemory(proc.pid)
+        rc = proc.wait()
+    peaks = mem.result()
+    if rc != 0:
+        raise SystemExit(f"{' '.join(cmd[:3])} ... failed ({rc}); the log: {log}\n{log.read_text()[-3000:]}")
+    return time.perf_counter() - t0, peaks
+
+
+def load_export_in_vllm(path: Path) -> list[int]:
+    """Greedy-generate 4 tokens from the exported folder with vLLM (a fresh process's engine)."""
+    code = (
+        "import json, sys\n"
+        "from vllm import LLM, SamplingParams\n"
+        f"llm = LLM(model={str(path)!r}, dtype='bfloat16', max_model_len=256, enforce_eager=True,"
+        " kv_cache_memory_bytes=1 << 29)\n"
+        "out = llm.generate([{'prompt_token_ids': [5, 6, 7]}], SamplingParams(max_tokens=4, temperature=0))\n"
+        "print('TOKENS', json.dumps(list(out[0].outputs[0].token_ids)))\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("TOKENS ")]
+    if proc.returncode != 0 or not lines:
+        raise SystemExit(f"vLLM could not load the export {path}:\n{proc.stderr[-3000:]}")
+    return json.loads(lines[-1].split(" ", 1)[1])
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--layers", type=int, default=24)
+    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--out", default=None, help="work folder (default: a new temporary one)")
+    opts = ap.parse_args(argv)
+    out = Path(opts.out or tempfile.mkdtemp(prefix="real_size_"))
+    out.mkdir(parents=True, exist_ok=True)
+    model = build_model(out / f"qwen2-0.5b-shaped-{opts.layers}l", opts.layers)
+    run_dir = out / "run"
+    halted_s, peaks1 = run(grpo_command(model, run_dir, opts.steps, opts.steps - 1), out / "halted.log")
+    resumed_s, peaks2 = run(grpo_command(model, run_dir, opts.steps, None), out / "resumed.log")
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "perf/gen_s" in r]
+    keys = ("gen", "train", "sync", "transfer", "debug_check")
+    phases = {k: sum(r.get(f"perf/{k}_s", 0.0) for r in steps) / len(steps) for k in keys}
+    step_s = phases["gen"] + phases["train"] + phases["sync"]  # sync_s holds the transfer and the --debug check
+    tokens = load_export_in_vllm(run_dir / "hf")
+    import torch
+
+    from core import models
+    from core.config import ModelConfig
+
+    n_params = sum(p.numel() for p in models.load_causal_lm(ModelConfig(name_or_path=str(model))).parameters())
+    peaks = {k: max(peaks1.get(k, 0.0), peaks2.get(k, 0.0)) for k in {*peaks1, *peaks2}}
+    result = {
+        "layers": opts.layers, "params_m": round(n_params / 1e6, 1), "steps": [r["step"] for r in steps],
+        "halted_run_s": round(halted_s, 1), "resumed_run_s": round(resumed_s, 1),
+        "per_step_s": {k: round(v, 2) for k, v in phases.items()}, "step_s": round(step_s, 2),
+        "sync_share": round(phases["transfer"] / step_s, 4),
+        "sync_mb": steps[-1].get("sync/mb"), "peak_rss_gib": {k: round(v, 2) for k, v in sorted(peaks.items())},
+        "export_generates": tokens, "torch_threads": torch.get_num_threads(),
+    }  # fmt: skip
+    print(f"Qwen2-0.5B-shaped, {opts.layers} layers, {result['params_m']} M parameters, bf16; 2 ZeRO-3 ranks + 1 "
+          f"vLLM engine actor, --debug; steps logged {result['steps']}")  # fmt: skip
+    print(f"runs: halted after step {opts.steps - 1} in {halted_s:.0f} s, resumed to step {opts.steps} in "
+          f"{resumed_s:.0f} s (start-up included)")  # fmt: skip
+    print(f"per step {step_s:.2f} s: " + ", ".join(f"{k} {v:.2f} s" for k, v in phases.items()) +
+          f"; weight transfer {result['sync_mb']:.0f} MB, {100 * result['sync_share']:.1f} % of the step, "
+          f"{1000 * phases['transfer'] / result['sync_mb']:.2f} ms/MB")  # fmt: skip
+    print("peak RSS: " + ", ".join(f"{k} {v:.2f} GiB" for k, v in result["peak_rss_gib"].items()))
+    print(f"export loaded in vLLM, greedy tokens {tokens}")
+    print(json.dumps({"bench": "real_size", **result}))
+    return result
+
+
+if __name__ == "__main__":
+    main()
