@@ -12,6 +12,8 @@ import os
 import re
 import shutil
 import socket
+import sys
+import time
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -27,6 +29,27 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def clear_stale_build_lock(name: str = "deepspeed_shm_comm", max_age_s: float = 900) -> Path | None:
+    """DeepSpeed builds its CPU shared-memory collectives op just in time (`deepspeed_shm_comm`, once per machine)
+    under torch's file baton: a `lock` file that other processes wait on, with no time limit, until it is gone. A
+    process killed during that build leaves the file, and every later run then hangs in `init_distributed`. A lock
+    older than `max_age_s` (a build takes about a minute) is removed, with a warning naming it; returns its path."""
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(
+        os.path.expanduser("~"), ".cache", "torch_extensions",
+        f"py{sys.version_info.major}{sys.version_info.minor}_{'cu' if torch.cuda.is_available() else 'cpu'}")  # fmt: skip
+    lock = Path(root) / name / "lock"
+    try:
+        age = time.time() - lock.stat().st_mtime
+    except FileNotFoundError:
+        return None
+    if age <= max_age_s:
+        return None
+    lock.unlink(missing_ok=True)
+    print(f"[cleanrlhf] removed {lock}, left {age / 60:.0f} min ago by a process killed while building DeepSpeed's "
+          f"{name} op (every start would have waited on it forever)", file=sys.stderr, flush=True)  # fmt: skip
+    return lock
 
 
 def init_distributed(backend: str = "auto", timeout_s: int = 600) -> tuple[int, int, torch.device]:
@@ -54,6 +77,8 @@ def init_distributed(backend: str = "auto", timeout_s: int = 600) -> tuple[int, 
 
         if hasattr(groups, "_release_process_group_references"):
             groups._release_process_group_references(None)
+        if not torch.cuda.is_available():
+            clear_stale_build_lock()
         deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(seconds=timeout_s), auto_mpi_discovery=False)
     device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
     return dist.get_rank(), dist.get_world_size(), device

@@ -304,3 +304,23 @@ def test_two_ranks_agree_on_the_gradient_norm_and_both_stop(tiny_path, tmp_path)
             assert what == "ok" and float(rest[0]) == pytest.approx(float(rest[1]), rel=1e-5), (stage, rank, rest)
     norms = {stage: float(rest[0]) for _, stage, _, poison, _, rank, what, *rest in lines if poison == "False"}
     assert norms["0"] == pytest.approx(norms["2"], rel=1e-5) and norms["0"] == pytest.approx(norms["3"], rel=1e-5)
+
+
+def test_a_stale_deepspeed_build_lock_is_removed_and_a_fresh_one_kept(tmp_path, monkeypatch, capsys):
+    """A process killed while DeepSpeed JIT-builds its CPU shm op leaves torch's baton file; every later
+    `init_distributed` would wait on it forever. An old one is removed with a message naming it; a fresh one (a build
+    in progress) is left alone."""
+    import os
+    import time
+
+    from core.engine import clear_stale_build_lock
+
+    monkeypatch.setenv("TORCH_EXTENSIONS_DIR", str(tmp_path))
+    lock = tmp_path / "deepspeed_shm_comm" / "lock"
+    lock.parent.mkdir()
+    lock.touch()
+    assert clear_stale_build_lock() is None and lock.exists()  # a build may be running
+    old = time.time() - 3600
+    os.utime(lock, (old, old))
+    assert clear_stale_build_lock() == lock and not lock.exists()
+    assert str(lock) in capsys.readouterr().err

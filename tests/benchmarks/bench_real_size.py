@@ -6,7 +6,8 @@ The model is randomly initialised from a config: 24 layers, hidden 896, MLP 4864
 embeddings, the embedded tokenizer's 100-token vocabulary (358 M parameters; the 151,936-token vocabulary's cost is
 measured by bench_head_memory.py). It learns nothing (its reward is 0; `--algo.no-filter-zero-variance` keeps every
 sample in the update so the training passes run at full size). Reported: wall time per phase (the scripts' perf/gen_s,
-perf/train_s, perf/sync_s per step), the weight sync's share of the step, and the peak resident memory of each
+perf/train_s, perf/sync_s per step), the weight sync's share of the step against the floor of moving its bytes (a
+gloo broadcast of as many MB between two processes), and the peak resident memory of each
 process (sampled every 0.2 s over the whole run, every process started after the driver; Ray's own daemons left
 out). Run:
 
@@ -131,20 +132,63 @@ def run(cmd: list[str], log: Path) -> tuple[float, dict]:
 
 
 def load_export_in_vllm(path: Path) -> list[int]:
-    """Greedy-generate 4 tokens from the exported folder with vLLM (a fresh process's engine)."""
+    """Greedy-generate 4 tokens from the exported folder with a vLLM engine built as the scripts build theirs
+    (`core.rollout.create_engines`, in a fresh process)."""
     code = (
-        "import json, sys\n"
-        "from vllm import LLM, SamplingParams\n"
-        f"llm = LLM(model={str(path)!r}, dtype='bfloat16', max_model_len=256, enforce_eager=True,"
-        " kv_cache_memory_bytes=1 << 29)\n"
-        "out = llm.generate([{'prompt_token_ids': [5, 6, 7]}], SamplingParams(max_tokens=4, temperature=0))\n"
-        "print('TOKENS', json.dumps(list(out[0].outputs[0].token_ids)))\n"
+        "import json\n"
+        "from core import rollout\n"
+        f"cfg = rollout.VLLMConfig(in_process=True, dtype='bfloat16', kv_cache_gib=0.5, max_model_len=256)\n"
+        f"engines = rollout.create_engines({str(path)!r}, cfg)\n"
+        "out = engines.generate([[5, 6, 7]], max_new_tokens=4, temperature=0.0, ignore_eos=True)\n"
+        "print('TOKENS', json.dumps(list(out[0][0].token_ids)))\n"
+        "engines.shutdown()\n"
     )
     proc = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=600)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("TOKENS ")]
     if proc.returncode != 0 or not lines:
         raise SystemExit(f"vLLM could not load the export {path}:\n{proc.stderr[-3000:]}")
     return json.loads(lines[-1].split(" ", 1)[1])
+
+
+def _floor_rank(rank: int, port: int, mb: float, bucket_mb: float, out) -> None:
+    import torch
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=2)
+    bucket = torch.ones(int(bucket_mb * 2**20) // 2, dtype=torch.bfloat16)
+    n = max(1, round(mb / bucket_mb))
+    times = []
+    for _ in range(3):
+        dist.barrier()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            dist.broadcast(bucket, src=0)
+        dist.barrier()
+        times.append(time.perf_counter() - t0)
+    if rank == 0:
+        out.put((n * bucket_mb, min(times)))
+    dist.destroy_process_group()
+
+
+def gloo_floor(mb: float, bucket_mb: float = 256) -> float:
+    """ms/MB of broadcasting `mb` MB in `bucket_mb` buckets between two processes over gloo (best of 3): what moving
+    the weights' bytes costs on this machine, without the gather, the bucketing or the engine's load."""
+    import torch.multiprocessing as mp
+
+    from core.engine import free_port
+
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_floor_rank, args=(r, port, mb, bucket_mb, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    moved, seconds = out.get(timeout=600)
+    for p in procs:
+        p.join()
+    return 1000 * seconds / moved
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -170,6 +214,7 @@ def main(argv: list[str] | None = None) -> dict:
     from core import models
     from core.config import ModelConfig
 
+    floor = gloo_floor(steps[-1]["sync/mb"])
     n_params = sum(p.numel() for p in models.load_causal_lm(ModelConfig(name_or_path=str(model))).parameters())
     peaks = {k: max(peaks1.get(k, 0.0), peaks2.get(k, 0.0)) for k in {*peaks1, *peaks2}}
     result = {
@@ -177,7 +222,9 @@ def main(argv: list[str] | None = None) -> dict:
         "halted_run_s": round(halted_s, 1), "resumed_run_s": round(resumed_s, 1),
         "per_step_s": {k: round(v, 2) for k, v in phases.items()}, "step_s": round(step_s, 2),
         "sync_share": round(phases["transfer"] / step_s, 4),
-        "sync_mb": steps[-1].get("sync/mb"), "peak_rss_gib": {k: round(v, 2) for k, v in sorted(peaks.items())},
+        "sync_mb": steps[-1].get("sync/mb"),
+        "transfer_ms_per_mb": round(1000 * phases["transfer"] / steps[-1]["sync/mb"], 3),
+        "gloo_floor_ms_per_mb": round(floor, 3), "floor_share": round(floor * steps[-1]["sync/mb"] / 1000 / step_s, 4), "peak_rss_gib": {k: round(v, 2) for k, v in sorted(peaks.items())},
         "export_generates": tokens, "torch_threads": torch.get_num_threads(),
     }  # fmt: skip
     print(f"Qwen2-0.5B-shaped, {opts.layers} layers, {result['params_m']} M parameters, bf16; 2 ZeRO-3 ranks + 1 "
@@ -186,7 +233,8 @@ def main(argv: list[str] | None = None) -> dict:
           f"{resumed_s:.0f} s (start-up included)")  # fmt: skip
     print(f"per step {step_s:.2f} s: " + ", ".join(f"{k} {v:.2f} s" for k, v in phases.items()) +
           f"; weight transfer {result['sync_mb']:.0f} MB, {100 * result['sync_share']:.1f} % of the step, "
-          f"{1000 * phases['transfer'] / result['sync_mb']:.2f} ms/MB")  # fmt: skip
+          f"{result['transfer_ms_per_mb']:.2f} ms/MB; a gloo broadcast of the same bytes: {floor:.2f} ms/MB, "
+          f"{100 * result['floor_share']:.1f} % of the step")  # fmt: skip
     print("peak RSS: " + ", ".join(f"{k} {v:.2f} GiB" for k, v in result["peak_rss_gib"].items()))
     print(f"export loaded in vLLM, greedy tokens {tokens}")
     print(json.dumps({"bench": "real_size", **result}))
