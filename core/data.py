@@ -339,8 +339,11 @@ def _conversation_pair(row: dict, cfg: DataConfig, chosen_key: str, rejected_key
     one is the assistant's answer) rewritten as prompt + response text: the prompt is the shared messages before the
     answer (or `input_key` when the conversations hold only the answer), the responses the answers' text. Rows whose
     responses are text come back unchanged."""
-    if not isinstance(row.get(chosen_key), list) and not isinstance(row.get(rejected_key), list):
-        return row
+    def conversation(value) -> bool:
+        return isinstance(value, list) and bool(value) and all(isinstance(m, dict) for m in value)
+
+    if not conversation(row.get(chosen_key)) and not conversation(row.get(rejected_key)):
+        return row  # text responses (anything else is refused as "must hold text" by sft_example)
     if not cfg.apply_chat_template:
         raise BadRow(chosen_key, "chosen/rejected conversations (lists of messages) need --data.apply-chat-template")
     prefixes, out = [], dict(row)
