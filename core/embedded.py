@@ -125,26 +125,32 @@ def build_tokenizer():
     )
 
 
-def build_tiny_model(tokenizer, seed: int = 0):
-    """Qwen2 with hidden 128, 4 layers, 4 heads, MLP 512, tied embeddings: ~1.0 M parameters."""
+def random_qwen2(tokenizer, seed: int, hidden: int, mlp: int, layers: int, heads: int, max_positions: int,
+                 bos: bool = True):
+    """A randomly initialised Qwen2 (tied embeddings) with the tokenizer's vocabulary and special tokens."""
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     config = Qwen2Config(
         vocab_size=len(tokenizer),
-        hidden_size=128,
-        intermediate_size=512,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=4,
-        max_position_embeddings=512,
+        hidden_size=hidden,
+        intermediate_size=mlp,
+        num_hidden_layers=layers,
+        num_attention_heads=heads,
+        num_key_value_heads=heads,
+        max_position_embeddings=max_positions,
         tie_word_embeddings=True,
         pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=tokenizer.bos_token_id,
+        bos_token_id=tokenizer.bos_token_id if bos else None,
         eos_token_id=tokenizer.eos_token_id,
     )
     torch.manual_seed(seed)
     return Qwen2ForCausalLM(config)
+
+
+def build_tiny_model(tokenizer, seed: int = 0):
+    """Qwen2 with hidden 128, 4 layers, 4 heads, MLP 512, tied embeddings: ~1.0 M parameters."""
+    return random_qwen2(tokenizer, seed, hidden=128, mlp=512, layers=4, heads=4, max_positions=512)
 
 
 def task_rows(digits: int, seed: int = 0) -> tuple[list[dict], list[dict]]:
@@ -273,24 +279,7 @@ def build_chat_tokenizer(vocab_size: int = 512, seed: int = 0):
 def build_chat_model(tokenizer, seed: int = 0):
     """Qwen2 with hidden 64, 2 layers, 2 heads of 32 (vLLM's CPU attention wants head sizes of 32 and up), MLP 128,
     tied embeddings, the chat tokenizer's vocabulary, eos and pad, no BOS: ~0.1 M parameters."""
-    import torch
-    from transformers import Qwen2Config, Qwen2ForCausalLM
-
-    config = Qwen2Config(
-        vocab_size=len(tokenizer),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=1024,
-        tie_word_embeddings=True,
-        pad_token_id=tokenizer.pad_token_id,
-        bos_token_id=None,
-        eos_token_id=tokenizer.eos_token_id,
-    )
-    torch.manual_seed(seed)
-    return Qwen2ForCausalLM(config)
+    return random_qwen2(tokenizer, seed, hidden=64, mlp=128, layers=2, heads=2, max_positions=1024, bos=False)
 
 
 def save_tiny_chat(folder: Path, seed: int = 0) -> Path:
