@@ -241,15 +241,25 @@ def all_ranks(obj, world: int, reduce: bool = False):
 
 def sync_weights(engines, engine, rank: int) -> dict[str, float]:
     """A DeepSpeed engine's weights -> vLLM engines. Collective: every rank walks the parameters (gathered one by one
-    under ZeRO-3), rank 0 sends them. Returns rank 0's sync stats, {} on other ranks."""
+    under ZeRO-3), rank 0 sends them. Returns rank 0's sync stats, {} on other ranks.
+
+    Ends with a barrier: the other ranks finish their gathers before rank 0 has sent (or even handed the engines) the
+    last bucket, and without it their next request (the next rollout's generation) could reach a shared engine first
+    and be sampled from the previous weights, or after a resume from the model the engine was started with."""
+    import torch.distributed as dist
+
     from core.engine import full_named_parameters
 
     named = full_named_parameters(engine)
+    stats: dict[str, float] = {}
     if rank == 0:
-        return engines.update_weights(named)
-    for _ in named:  # follow rank 0 through every gather
-        pass
-    return {}
+        stats = engines.update_weights(named)
+    else:
+        for _ in named:  # follow rank 0 through every gather
+            pass
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+    return stats
 
 
 # ---------------------------------------------------------------------------------------------------------------
