@@ -70,6 +70,25 @@ def _sleep_on(worker, rank: int, seconds: float) -> int:
     return worker.rank
 
 
+class _SlowEngines:
+    """Stands in for the vLLM engines: takes a second to load what rank 0 sends, and notes when it finished."""
+
+    def update_weights(self, named) -> dict:
+        n = sum(1 for _ in named)
+        time.sleep(1.0)
+        return {"sync/tensors": n, "loaded_at": time.time()}
+
+
+def _sync_and_time(worker) -> tuple[int, dict, float]:
+    """`placement.sync_weights` of a plain (non-ZeRO) module on every rank; when each rank got control back."""
+    from types import SimpleNamespace
+
+    module = torch.nn.Linear(3, 2)
+    engine = SimpleNamespace(module=module, zero_optimization_stage=lambda: 0)
+    stats = placement.sync_weights(_SlowEngines() if worker.rank == 0 else None, engine, worker.rank)
+    return worker.rank, stats, time.time()
+
+
 def _build_zero3(worker, path: str) -> None:
     from transformers import AutoModelForCausalLM
 
@@ -199,6 +218,14 @@ def test_group_is_one_world_with_ordered_and_split_calls(pair):
 
 
 @pytest.mark.slow
+def test_no_rank_leaves_the_weight_sync_before_the_engines_hold_the_new_weights(pair):
+    """Rank 1 has nothing to send, but if it returned before rank 0's send had loaded, its next generation could reach
+    a shared engine first and be sampled from the previous weights: every rank leaves after the load."""
+    (r0, stats, _), (r1, none, returned) = pair.run(_sync_and_time)
+    assert (r0, r1) == (0, 1) and stats["sync/tensors"] == 2 and none == {}
+    assert returned >= stats["loaded_at"]
+
+
 def test_zero3_group_trains_then_syncs_weights_to_a_vllm_actor(pair, tiny_path):
     path = str(tiny_path)
     building = pair.submit("run", _build_zero3, path)  # the engine actor starts meanwhile
