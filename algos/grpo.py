@@ -163,9 +163,7 @@ def update(actor, ref, seqs: dict, adv: torch.Tensor, args: Args, run: rl.Run, s
     # log-probs are the live ones detached (ratio 1) and their extra forward pass is skipped
     on_policy = args.train.minibatches == 1 and args.train.epochs == 1
     old_logp = None if on_policy else rl.forward_rows(lambda b: rl.forward_logp(actor, b, temp)[0], seqs, mine, world, False)
-    with ds_engine.on_device(ref, run.device):
-        ref_logp = None if ref is None else rl.forward_rows(lambda b: rl.forward_logp(ref, b, temp)[0], seqs, mine,
-                                                            world, False)  # fmt: skip
+    ref_logp = None if ref is None else rl.on_model(ref, rl.logp_table, seqs, args, step, run=run)  # or --ref.ranks
     meter = rl.Meter()
     for _ in range(args.train.epochs):
         for minibatch, micro in batches:
@@ -182,7 +180,7 @@ def update(actor, ref, seqs: dict, adv: torch.Tensor, args: Args, run: rl.Run, s
     return {**meter.result(world), "train/tokens": float(mask.sum())}
 
 
-def main(args: Args, engines: rollout.RolloutEngines | None = None) -> dict:
+def main(args: Args, engines: rollout.RolloutEngines | None = None, groups: dict | None = None) -> dict:
     # 1. setup ------------------------------------------------------------------------------------------------
     check_args(args)  # PLUMBING: generic flag rules (sizes > 0, finite floats, ...) before anything is loaded
     if args.rollout.n_samples < 2:  # ALGO LOGIC: a group of one has no baseline
@@ -190,14 +188,14 @@ def main(args: Args, engines: rollout.RolloutEngines | None = None) -> dict:
                          "2 samples per prompt (with --algo.filter-zero-variance every group of 1 is dropped)")  # fmt: skip
     # PLUMBING: `--train.ranks 1`: this process holds the DeepSpeed actor and an in-process vLLM engine. N > 1: the
     # driver starts Ray, the engine actors and N ranks, each of which runs this function with the engines given.
-    if args.train.ranks > 1 and engines is None:
+    if engines is None and rl.needs_launch(args):
         return rl.launch(main, args)
     rank, world, device = rl.init_rank(args, engines)
     if args.algo.dr_grpo:
         args.algo.scale_by_std, args.algo.loss_agg = False, "seq-mean-token-sum-norm"
-    tokenizer, train_set, eval_set, reward = rl.load_task(args)
+    tokenizer, train_set, eval_set, reward = rl.load_task(args, groups)
     actor = rl.make_actor(args, device, args.train.max_steps * args.train.minibatches * args.train.epochs)
-    ref = rl.make_ref(args, device)  # DEVIATION(3): only with --algo.kl-coef > 0
+    ref = rl.make_ref(args, device, groups)  # DEVIATION(3): only with --algo.kl-coef > 0
     run = rl.start(args, {"actor": actor}, engines, tokenizer, eval_set, reward, rank, world, device, "grpo")
     kl_ctl = (rl_math.AdaptiveKLController(args.algo.kl_coef, args.algo.kl_target, args.algo.kl_horizon)
               if args.algo.kl_target else rl_math.FixedKLController(args.algo.kl_coef))  # fmt: skip

@@ -91,6 +91,13 @@ class CriticArgs:
     warmup_steps: int = 0
     """critic-only steps at the start: the first N rollouts update the critic and leave the actor (and vLLM) as
     they are, so the policy gradient starts with a fitted baseline."""
+    ranks: int | None = None
+    """None: the critic lives in the trainer ranks (a second DeepSpeed engine of their world). N: a Ray group of its
+    own, N ranks forming their own DeepSpeed world (`--ds.*` settings), OpenRLHF's layout; the trainer's rank 0
+    sends it each rollout for its values and its update. A one-process run is launched through Ray for it."""
+    colocate: bool = True
+    """with `ranks`: rank i shares trainer rank i's placement bundle (at most `--train.ranks` ranks); off: bundles of
+    its own."""
 
 
 @dataclass
@@ -199,11 +206,14 @@ def groups_inside(scores: torch.Tensor, group_size: int, low: float, high: float
 
 def make_critic(args: Args, device: torch.device, total_updates: int):
     """V_φ: a causal LM body + scalar head (`--critic.name-or-path`, default the actor's model) as a second DeepSpeed
-    engine with its own AdamW and warmup/cosine schedule. A fresh head is drawn from torch's seeded RNG, the same on
-    every rank. models.TokenValues returns per-token values from the engine's own forward (ZeRO-3 accumulation)."""
+    engine with its own AdamW and warmup/cosine schedule. A fresh head is drawn from `--train.seed`, the same on
+    every rank and wherever the critic lives. models.TokenValues returns per-token values from the engine's own
+    forward (ZeRO-3 accumulation)."""
     flag = "--critic.name-or-path" if args.critic.name_or_path else "--actor.model.name-or-path"
-    body = models.load_scalar_model(args.critic.name_or_path or args.actor.model.name_or_path, args.actor.model.dtype,
-                                    args.actor.model.attn_implementation, flag)  # fmt: skip
+    with torch.random.fork_rng(devices=[]):  # the head from --train.seed alone: the same in the critic's own group
+        torch.manual_seed(args.train.seed)
+        body = models.load_scalar_model(args.critic.name_or_path or args.actor.model.name_or_path,
+                                        args.actor.model.dtype, args.actor.model.attn_implementation, flag)  # fmt: skip
     return ds_engine.make_engine(models.TokenValues(body).to(device), args.ds, args.critic.lr, total_updates,
                                  args.critic.lr_warmup_steps, hybrid=args.vllm.enable_sleep)  # fmt: skip
 
@@ -213,6 +223,33 @@ def forward_values(critic, batch: dict) -> torch.Tensor:
     token t is generated (the scalar head on hidden state t − 1); 0 at position 0 and at padding."""
     inputs, index = rl.model_inputs(critic, batch)  # packed padding-free, as the actor's passes
     return rl.previous_token(critic(**inputs), index)  # models.TokenValues: (R, W) -> (B, L)
+
+
+def values_table(critic, rank: int, world: int, seqs: dict, args: Args, step: int) -> torch.Tensor:
+    """V_old (B, L) of every row of the rollout: each rank its micro-batches, summed over the world (`rl.on_model`)."""
+    mine = [m for _, micro in rl.minibatches(seqs, args, step, rank, world) for m in micro]
+    return rl.forward_rows(partial(forward_values, critic), seqs, mine, world, True)
+
+
+# ALGO LOGIC: the critic's update, ½ max((V − R)², (V_clip − R)²), one optimizer step per minibatch
+def critic_update(critic, rank: int, world: int, seqs: dict, old_values, returns, args: Args, step: int) -> dict:
+    """`--train.epochs` passes of the clipped value loss over the step's minibatches (this rank's micro-batches of
+    each). It needs nothing from the actor's update (the targets are fixed), so it runs before it, in the trainer
+    ranks or in the critic's own group (`rl.on_model`). seqs, old_values, returns: (B, L) -> critic metrics."""
+    mask, meter = seqs["loss_mask"], rl.Meter()
+    for _ in range(args.train.epochs):
+        for minibatch, micro in rl.minibatches(seqs, args, step, rank, world):
+            agg = rl.agg_kwargs(mask, minibatch, args)
+            for j, (r, real) in enumerate(micro):
+                mb = rl.rows(seqs, r)
+                values = forward_values(critic, mb)
+                vloss, vstats = rl_math.value_loss(values, old_values[r], returns[r], mb["loss_mask"],
+                                                   args.critic.value_clip, args.algo.loss_agg, **agg)  # fmt: skip
+                meter.add_loss("loss/value", rl.backward(critic, vloss, step, world, real, j == len(micro) - 1,
+                                                         "critic value loss"))  # fmt: skip
+                meter.add({"critic/clipfrac": vstats["clipfrac"]}, mb["loss_mask"].sum().item() if real else 0.0)
+            meter.add_step("critic/grad_norm", ds_engine.optimizer_step(critic, step, "critic"))  # NaN/inf: raise
+    return {**meter.result(world), "critic/lr": critic.lr_scheduler.get_last_lr()[0]}
 
 
 # ALGO LOGIC: the loss, per micro-batch of (b, T) tensors; `agg` holds the whole minibatch's normalisers.
@@ -234,18 +271,16 @@ def policy_loss(logp, old_logp, ent, adv, mb: dict, args: Args, agg: dict):
 
 
 def update(actor, critic, ref, seqs: dict, rewards: torch.Tensor, args: Args, run: rl.Run, step: int, kl_coef: float):
-    """Minibatches of both losses over one rollout: old log-probs, V_old and reference log-probs of every row first
-    (by the trainer; GAE and the whitening are global, so every rank gets every row), the advantages and the critic's
-    targets, then `--train.epochs` passes of `--train.minibatches` steps: on each minibatch a critic step and, after
-    the critic warm-up (step ≥ --critic.warmup-steps), an actor step. seqs: (B, L) batch; rewards: (B,) -> metrics."""
+    """Both updates over one rollout: old log-probs, V_old and reference log-probs of every row first (GAE and the
+    whitening are global, so every rank gets every row), the advantages and the critic's targets, then the critic's
+    `--train.epochs` passes of `--train.minibatches` steps and, after the critic warm-up (step ≥
+    --critic.warmup-steps), the actor's. seqs: (B, L) batch; rewards: (B,) -> metrics."""
     mask, temp, world = seqs["loss_mask"], args.rollout.temperature, run.world
     batches = rl.minibatches(seqs, args, step, run.rank, world)
     mine = [m for _, micro in batches for m in micro]  # this rank's rows
     old_logp = rl.forward_rows(lambda b: rl.forward_logp(actor, b, temp)[0], seqs, mine, world, True)
-    old_values = rl.forward_rows(partial(forward_values, critic), seqs, mine, world, True)
-    with ds_engine.on_device(ref, run.device):
-        ref_logp = None if ref is None else rl.forward_rows(lambda b: rl.forward_logp(ref, b, temp)[0], seqs, mine,
-                                                            world, True)  # fmt: skip
+    old_values = rl.on_model(critic, values_table, seqs, args, step, run=run)  # trainer ranks or --critic.ranks
+    ref_logp = None if ref is None else rl.on_model(ref, rl.logp_table, seqs, args, step, run=run)  # or --ref.ranks
     out, kl = {"critic/warmup": float(step < args.critic.warmup_steps)}, torch.zeros_like(old_logp)
     if ref_logp is not None:  # KL_t of the sampling policy to the reference, on the sampled tokens
         kl = rl_math.approx_kl(old_logp, ref_logp, args.algo.kl_estimator, mask=mask)
@@ -256,21 +291,11 @@ def update(actor, critic, ref, seqs: dict, rewards: torch.Tensor, args: Args, ru
     out.update({"critic/values_mean": rl_math.masked_mean(old_values, mask).item(),
                 "critic/returns_mean": rl_math.masked_mean(returns, mask).item(),
                 "critic/explained_variance": explained_variance(old_values, returns, mask).item()})  # fmt: skip
+    out.update(rl.on_model(critic, critic_update, seqs, old_values, returns, args, step, run=run))
     meter = rl.Meter()
-    for _ in range(args.train.epochs):
+    for _ in range(args.train.epochs if step >= args.critic.warmup_steps else 0):  # warm-up: the actor waits
         for minibatch, micro in batches:
             agg = rl.agg_kwargs(mask, minibatch, args)
-            for j, (r, real) in enumerate(micro):  # ALGO LOGIC: the critic, ½ max((V − R)², (V_clip − R)²)
-                mb = rl.rows(seqs, r)
-                values = forward_values(critic, mb)
-                vloss, vstats = rl_math.value_loss(values, old_values[r], returns[r], mb["loss_mask"],
-                                                   args.critic.value_clip, args.algo.loss_agg, **agg)  # fmt: skip
-                meter.add_loss("loss/value", rl.backward(critic, vloss, step, world, real, j == len(micro) - 1,
-                                                         "critic value loss"))  # fmt: skip
-                meter.add({"critic/clipfrac": vstats["clipfrac"]}, mb["loss_mask"].sum().item() if real else 0.0)
-            meter.add_step("critic/grad_norm", ds_engine.optimizer_step(critic, step, "critic"))  # NaN/inf: raise
-            if step < args.critic.warmup_steps:  # critic warm-up: the actor is not touched
-                continue
             for j, (r, real) in enumerate(micro):
                 mb = rl.rows(seqs, r)
                 logp, ent = rl.forward_logp(actor, mb, temp, args.actor.entropy_coef > 0)
@@ -279,11 +304,10 @@ def update(actor, critic, ref, seqs: dict, rewards: torch.Tensor, args: Args, ru
                                                           "actor loss"))  # fmt: skip
                 meter.add(metrics, mb["loss_mask"].sum().item() if real else 0.0)
             meter.add_step("train/grad_norm", ds_engine.optimizer_step(actor, step, "actor"))  # NaN/inf: raise
-    out["critic/lr"] = critic.lr_scheduler.get_last_lr()[0]
     return {**out, **meter.result(world), "train/tokens": float(mask.sum())}
 
 
-def main(args: Args, engines: rollout.RolloutEngines | None = None) -> dict:
+def main(args: Args, engines: rollout.RolloutEngines | None = None, groups: dict | None = None) -> dict:
     # 1. setup ------------------------------------------------------------------------------------------------
     check_args(args)  # PLUMBING: generic flag rules (sizes > 0, finite floats, ...) before anything is loaded
     if not 0 <= args.critic.warmup_steps < args.train.max_steps:  # ALGO LOGIC: the actor must train at least once
@@ -292,14 +316,14 @@ def main(args: Args, engines: rollout.RolloutEngines | None = None) -> dict:
     # PLUMBING: `--train.ranks 1`: this process holds the DeepSpeed actor and critic and an in-process vLLM engine.
     # N > 1: the driver starts Ray, the engine actors and N ranks, each of which runs this function with the engines
     # given and holds an actor and a critic engine of the same DeepSpeed world.
-    if args.train.ranks > 1 and engines is None:
+    if engines is None and rl.needs_launch(args):
         return rl.launch(main, args)
     rank, world, device = rl.init_rank(args, engines)
-    tokenizer, train_set, eval_set, reward = rl.load_task(args)
+    tokenizer, train_set, eval_set, reward = rl.load_task(args, groups)
     updates = args.train.minibatches * args.train.epochs  # per step, of the actor and of the critic
     actor = rl.make_actor(args, device, (args.train.max_steps - args.critic.warmup_steps) * updates)
-    critic = make_critic(args, device, args.train.max_steps * updates)  # DEVIATION(5): the SFT body by default
-    ref = rl.make_ref(args, device)  # DEVIATION(3): only with --algo.kl-coef > 0
+    critic = rl.build_model(groups, "critic", make_critic, args, device, args.train.max_steps * updates)  # DEVIATION(5)
+    ref = rl.make_ref(args, device, groups)  # DEVIATION(3): only with --algo.kl-coef > 0
     run = rl.start(args, {"actor": actor, "critic": critic}, engines, tokenizer, eval_set, reward, rank, world,
                    device, "ppo")  # fmt: skip
     kl_ctl = (rl_math.AdaptiveKLController(args.algo.kl_coef, args.algo.kl_target, args.algo.kl_horizon)

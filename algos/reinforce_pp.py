@@ -161,9 +161,7 @@ def update(actor, ref, seqs: dict, rewards: torch.Tensor, args: Args, run: rl.Ru
     batches = rl.minibatches(seqs, args, step, run.rank, world)
     mine = [m for _, micro in batches for m in micro]  # this rank's rows
     old_logp = rl.forward_rows(lambda b: rl.forward_logp(actor, b, temp)[0], seqs, mine, world, True)  # on all ranks
-    with ds_engine.on_device(ref, run.device):
-        ref_logp = None if ref is None else rl.forward_rows(lambda b: rl.forward_logp(ref, b, temp)[0], seqs, mine,
-                                                            world, True)  # fmt: skip
+    ref_logp = None if ref is None else rl.on_model(ref, rl.logp_table, seqs, args, step, run=run)  # or --ref.ranks
     meter = rl.Meter()
     kl = torch.zeros_like(old_logp)  # KL_t of the sampling policy to the reference on the sampled tokens, every row
     if ref_logp is not None:
@@ -185,7 +183,7 @@ def update(actor, ref, seqs: dict, rewards: torch.Tensor, args: Args, run: rl.Ru
     return {**meter.result(world), "train/tokens": float(mask.sum())}
 
 
-def main(args: Args, engines: rollout.RolloutEngines | None = None) -> dict:
+def main(args: Args, engines: rollout.RolloutEngines | None = None, groups: dict | None = None) -> dict:
     # 1. setup ------------------------------------------------------------------------------------------------
     check_args(args)  # PLUMBING: generic flag rules (sizes > 0, finite floats, ...) before anything is loaded
     if args.rollout.n_samples < 2 and (args.algo.baseline == "group" or args.algo.filter_zero_variance):  # ALGO LOGIC
@@ -193,12 +191,12 @@ def main(args: Args, engines: rollout.RolloutEngines | None = None) -> dict:
         raise ValueError(f"{flag} needs --rollout.n-samples >= 2, got {args.rollout.n_samples}")
     # PLUMBING: `--train.ranks 1`: this process holds the DeepSpeed actor and an in-process vLLM engine. N > 1: the
     # driver starts Ray, the engine actors and N ranks, each of which runs this function with the engines given.
-    if args.train.ranks > 1 and engines is None:
+    if engines is None and rl.needs_launch(args):
         return rl.launch(main, args)
     rank, world, device = rl.init_rank(args, engines)
-    tokenizer, train_set, eval_set, reward = rl.load_task(args)
+    tokenizer, train_set, eval_set, reward = rl.load_task(args, groups)
     actor = rl.make_actor(args, device, args.train.max_steps * args.train.minibatches * args.train.epochs)
-    ref = rl.make_ref(args, device)  # DEVIATION(3): only with --algo.kl-coef > 0
+    ref = rl.make_ref(args, device, groups)  # DEVIATION(3): only with --algo.kl-coef > 0
     run = rl.start(args, {"actor": actor}, engines, tokenizer, eval_set, reward, rank, world, device, "reinforce_pp")
     kl_ctl = (rl_math.AdaptiveKLController(args.algo.kl_coef, args.algo.kl_target, args.algo.kl_horizon)
               if args.algo.kl_target else rl_math.FixedKLController(args.algo.kl_coef))  # fmt: skip

@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from core import engine as ds_engine
+from core.placement import ModelGroup
 
 MANIFEST = "manifest.json"
 
@@ -126,15 +127,20 @@ def verify(path: str | Path) -> str | None:
 
 
 def save(engines: dict, ckpt_dir: str | Path, step: int, client_state: dict, keep_last: int = 2) -> Path:
-    """Save every engine in `engines` (name -> DeepSpeed engine, e.g. {"actor": ..., "critic": ...}) plus
-    `client_state` and per-rank RNG. Raises FloatingPointError naming the engine, writing nothing, when a parameter
+    """Save every engine in `engines` (name -> DeepSpeed engine, e.g. {"actor": ..., "critic": ...}, or a
+    `ModelGroup` holding it in a group of its own, whose ranks save it) plus `client_state` and per-rank RNG. Raises FloatingPointError naming the engine, writing nothing, when a parameter
     on any rank is NaN/inf. Collective: call on every rank."""
     ckpt_dir = Path(ckpt_dir)
+    groups = {name: e for name, e in engines.items() if isinstance(e, ModelGroup)}  # models in groups of their own
+    engines = {name: e for name, e in engines.items() if name not in groups}
+    rank = _rank()
     for name, engine in engines.items():  # no checkpoint ever holds NaN/inf weights
         ds_engine.check_weights_finite(engine, step, name)
+    if rank == 0:
+        for name, group in groups.items():
+            group.run(_group_check_finite, step, name)
     tag = f"step_{step:08d}"
     tmp = ckpt_dir / f".tmp_{tag}"
-    rank = _rank()
     if rank == 0:
         for leftover in ckpt_dir.glob(".tmp_step_*"):  # from a kill during an earlier save
             shutil.rmtree(leftover, ignore_errors=True)
@@ -144,6 +150,9 @@ def save(engines: dict, ckpt_dir: str | Path, step: int, client_state: dict, kee
         engine.save_checkpoint(str(tmp), tag=name, client_state=client_state if name == next(iter(engines)) else {},
                                save_latest=False)  # fmt: skip
     torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
+    if rank == 0:  # a group's ranks save its engine under its name (they draw no random numbers: no RNG files)
+        for name, group in groups.items():
+            group.run(_group_save, str(tmp), name)
     _barrier()
     if rank == 0:
         write_manifest(tmp)  # last: a folder with a manifest is complete
@@ -203,9 +212,12 @@ def load(engines: dict, path: str | Path) -> dict:
         raise ValueError(f"damaged checkpoint {path}: {err}")
     client_state: dict = {}
     for i, (name, engine) in enumerate(engines.items()):
-        _, state = engine.load_checkpoint(
-            str(path), tag=name, load_optimizer_states=True, load_lr_scheduler_states=True
-        )
+        if isinstance(engine, ModelGroup):  # a model in a group of its own: its ranks load it, asked by rank 0
+            state = engine.run(_group_load, str(path), name)[0] if _rank() == 0 else {}
+        else:
+            _, state = engine.load_checkpoint(
+                str(path), tag=name, load_optimizer_states=True, load_lr_scheduler_states=True
+            )
         if state is None:
             raise ValueError(f"{path}/{name}: not a loadable DeepSpeed checkpoint")
         if i == 0:
@@ -215,6 +227,20 @@ def load(engines: dict, path: str | Path) -> dict:
         raise ValueError(f"{rng_file}: missing (checkpoint written with a different world size?)")
     set_rng_state(torch.load(rng_file, weights_only=False))
     return client_state
+
+
+def _group_check_finite(worker, step: int, name: str) -> None:
+    ds_engine.check_weights_finite(worker.engine, step, name)
+
+
+def _group_save(worker, folder: str, name: str) -> None:
+    worker.engine.save_checkpoint(folder, tag=name, client_state={}, save_latest=False)
+
+
+def _group_load(worker, folder: str, name: str) -> dict | None:
+    _, state = worker.engine.load_checkpoint(folder, tag=name, load_optimizer_states=True,
+                                             load_lr_scheduler_states=True)  # fmt: skip
+    return state
 
 
 def resume(engines: dict, ckpt_dir: str | Path, run_dir: str | Path, args) -> tuple[int, dict]:

@@ -110,6 +110,14 @@ class RefConfig:
     """keep the reference's parameters in CPU memory, leaving the accelerator to the actor: with zero-stage 3 its
     shards live there (ZeRO-Offload), with 0 the model is moved to the device only for its forward passes. No effect
     on CPU."""
+    ranks: int | None = None
+    """None: the reference lives in the trainer ranks. N: it runs as a Ray group of its own, N ranks forming their own
+    DeepSpeed world (`--ref.zero-stage` 3 partitions it over them), OpenRLHF's layout; the trainer's rank 0 sends it
+    each rollout and shares the log-probs with the other trainer ranks. RL scripts started with Ray (`--train.ranks`)
+    only; a one-process run is launched through Ray for it."""
+    colocate: bool = True
+    """with `ranks`: rank i shares trainer rank i's placement bundle (at most `--train.ranks` ranks); off: bundles of
+    its own (a CPU, or a GPU where the cluster has them, per rank)."""
 
 
 @dataclass

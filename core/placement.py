@@ -156,12 +156,14 @@ def bundle_options(pg, bundle_index: int, num_cpus: float = 1, num_gpus: float =
 
 
 def place_rl(ranks: int, num_engines: int, tensor_parallel: int, colocate: bool, strategy: str = "PACK",
-             timeout_s: float = 600) -> tuple[Any, float, list[dict]]:  # fmt: skip
+             timeout_s: float = 600, colocated_groups: int = 0) -> tuple[Any, float, list[dict]]:  # fmt: skip
     """The layout of an RL run with `--train.ranks N`: a placement group for the trainer ranks (and the engines),
     the share of a bundle each rank takes, and each engine actor's Ray options (`create_engines(actor_options=...)`).
 
     colocate: N bundles; rank i takes half of bundle i, the engines share the other half of the bundles round-robin
-    (OpenRLHF's hybrid engine). Not colocated: one bundle per rank and one per engine. Tensor-parallel engines on
+    (OpenRLHF's hybrid engine). Not colocated: one bundle per rank and one per engine. `colocated_groups` other
+    model groups (reference, reward model) sit on the trainer's bundles too: the trainer's part of a bundle is then
+    split evenly between the trainer rank and those groups' ranks, each taking the returned share. Tensor-parallel engines on
     GPUs need whole GPUs: they are placed by Ray outside the group (`num_gpus` = tp each), and cannot be colocated.
     On CPU a tensor-parallel engine's workers are processes inside its actor, so it is placed like any other."""
     import ray
@@ -173,10 +175,10 @@ def place_rl(ranks: int, num_engines: int, tensor_parallel: int, colocate: bool,
     own_gpus = gpu and tensor_parallel > 1
     bundles = ranks if colocate or own_gpus else ranks + num_engines
     pg = make_placement_group(bundles, strategy=strategy, timeout_s=timeout_s)
-    share = 0.5 if colocate else 1.0  # of a bundle's CPU (and GPU) per trainer rank
+    share = (0.5 if colocate else 1.0) / (1 + colocated_groups)  # of a bundle's CPU (and GPU) per trainer rank
     if own_gpus:
         return pg, share, [{} for _ in range(num_engines)]  # create_engines asks Ray for tp GPUs per engine
-    engine_share = share / math.ceil(num_engines / ranks) if colocate else 1.0
+    engine_share = 0.5 / math.ceil(num_engines / ranks) if colocate else 1.0
     options = [bundle_options(pg, i % ranks if colocate else ranks + i, engine_share, engine_share if gpu else 0)
                for i in range(num_engines)]  # fmt: skip
     return pg, share, options
@@ -362,7 +364,12 @@ def states_movable(engine) -> bool:
 def offload_states(engine) -> None:
     """Hybrid engine: move a DeepSpeed engine's states (parameters, gradients, fp32 master weights, Adam moments) to
     CPU memory after training, so the vLLM engines can wake up into the GPU memory. A no-op where nothing can or need
-    move (see `states_movable`), e.g. always on CPU. Tested on CUDA (H200, ZeRO-2/3): tests/test_gpu.py."""
+    move (see `states_movable`), e.g. always on CPU. Tested on CUDA (H200, ZeRO-2/3): tests/test_gpu.py. A
+    `ModelGroup` (a model in a group of its own) moves its ranks' states, asked once, by trainer rank 0."""
+    if isinstance(engine, ModelGroup):
+        if _rank() == 0:
+            engine.offload_states()
+        return
     if states_movable(engine):
         include = None  # everything
         if engine.zero_optimization_stage() == 3 and type(engine.optimizer.optimizer).__name__ != "FusedAdam":
@@ -376,8 +383,18 @@ def offload_states(engine) -> None:
 
 def reload_states(engine) -> None:
     """Hybrid engine: bring what `offload_states` moved back to the GPU before training (no-op where it was)."""
+    if isinstance(engine, ModelGroup):
+        if _rank() == 0:
+            engine.reload_states()
+        return
     if states_movable(engine):
         engine.reload_states()
+
+
+def _rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
 
 # ---------------------------------------------------------------------------------------------------------------

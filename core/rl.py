@@ -49,24 +49,34 @@ from rewards.loader import load_reward_func, score
 # ----------------------------------------------------------------------------------------------------- 1. setup
 def launch(main, args) -> dict:
     """`--train.ranks N`: start Ray, the vLLM engine actors and N trainer ranks (one DeepSpeed world) on one placement
-    group, and run `main(args, engines)` on every rank, as torchrun would; returns rank 0's summary. Embedded model
-    names are resolved (built) once here, so that the ranks agree on the models and the run folder."""
+    group, and run `main(args, engines, groups)` on every rank, as torchrun would; returns rank 0's summary. Models
+    in groups of their own (`group_layout`: `--ref.ranks`, `--critic.ranks`, `--reward.ranks`) get their Ray ranks
+    first, on the trainer's bundles or bundles of their own, and reach every rank in `groups`; the script builds its
+    models there (`build_model`), the reward model's replicas are built here. Embedded model names are
+    resolved (built) once here, so that the ranks agree on the models and the run folder."""
     resources = placement.init_ray(args.ray)
-    gpu, n = resources.get("GPU", 0) > 0, args.train.ranks
+    gpu, n, layout = resources.get("GPU", 0) > 0, args.train.ranks, group_layout(args)
     pg, share, engine_options = placement.place_rl(n, args.vllm.num_engines, args.vllm.tensor_parallel_size,
-                                                   args.train.colocate, args.ray.strategy, args.ray.timeout_s)  # fmt: skip
+                                                   args.train.colocate, args.ray.strategy, args.ray.timeout_s,
+                                                   sum(colocate for _, colocate in layout.values()))  # fmt: skip
     _resolve_model_names(args)
     args.run_dir = str(Path(args.run_dir or Path(args.logger.run_root) / run_name(args.exp_name, args.train.seed)))
     args.vllm.in_process = False
     engines = rollout.create_engines(args.actor.model.name_or_path, args.vllm, seed=args.train.seed,
                                      actor_options=engine_options, init_broadcast=False)  # fmt: skip
-    group = None
+    group, groups, own_pgs = None, {}, []
     try:
+        for role, (ranks, colocate) in layout.items():
+            groups[role] = start_group(args, role, ranks, pg if colocate else None, share, gpu, own_pgs)
         group = placement.ModelGroup(placement.Worker, n, "actor", pg=pg, num_cpus_per_rank=share,
                                      num_gpus_per_rank=share if gpu else 0, timeout_s=args.ray.timeout_s,
                                      backend=args.ds.backend)  # fmt: skip
         group.timeout_s = 10 * 365 * 86400.0  # the whole run is one call; a rank that dies still ends it at once
-        return group.run(_run_rank, main, args, engines, os.getcwd())[0]
+        summary = group.run(_run_rank, main, args, engines, groups, os.getcwd())[0]
+        if groups:  # what each group did: its ranks and how many calls its rank 0 served
+            summary["groups"] = {role: {"ranks": len(g), "colocated": layout[role][1],
+                                        "calls": g.run(_calls)[0]} for role, g in groups.items()}  # fmt: skip
+        return summary
     except Exception as e:  # a rank, an engine or a group died or raised: say where the run stands
         if hasattr(e, "add_note"):  # Python >= 3.11: printed right under the error
             e.add_note(where_stopped(args))
@@ -74,9 +84,66 @@ def launch(main, args) -> dict:
             print(where_stopped(args), file=sys.stderr)
         raise
     finally:
-        if group is not None:
-            group.shutdown()
+        for g in [group, *groups.values()]:
+            if g is not None:
+                g.shutdown()
+        for own in own_pgs:
+            import ray
+
+            ray.util.remove_placement_group(own)
         engines.shutdown()
+
+
+def needs_launch(args) -> bool:
+    """Whether the run is several processes started through Ray (`launch`): trainer ranks (`--train.ranks N`) or a
+    model in a group of its own (`group_layout`)."""
+    return args.train.ranks > 1 or bool(group_layout(args))
+
+
+def group_layout(args) -> dict[str, tuple[int, bool]]:
+    """{role: (ranks, colocated)} of the models that run as Ray groups of their own, OpenRLHF's layout: the reference
+    (`--ref.ranks N`, when a KL term uses it), PPO's critic (`--critic.ranks N`) and the reward model
+    (`--reward.model PATH --reward.ranks N`)."""
+    layout = {}
+    if args.ref.ranks is not None:
+        if args.algo.kl_coef <= 0:
+            raise ValueError(f"--ref.ranks {args.ref.ranks}: there is no reference to place (--algo.kl-coef 0)")
+        layout["ref"] = (args.ref.ranks, args.ref.colocate)
+    if getattr(getattr(args, "critic", None), "ranks", None) is not None:
+        layout["critic"] = (args.critic.ranks, args.critic.colocate)
+    if getattr(args, "reward", None) is not None and args.reward.ranks is not None:
+        if not args.reward.model:
+            raise ValueError(f"--reward.ranks {args.reward.ranks}: only for a reward model (--reward.model PATH)")
+        layout["reward"] = (args.reward.ranks, args.reward.colocate)
+    for role, (ranks, colocated) in layout.items():
+        if colocated and ranks > args.train.ranks:
+            raise ValueError(f"--{role}.ranks {ranks} colocated: at most one rank per trainer bundle (--train.ranks "
+                             f"{args.train.ranks}); give --{role}.no-colocate for bundles of its own")  # fmt: skip
+    return layout
+
+
+def start_group(args, role: str, ranks: int, pg, share: float, gpu: bool, own_pgs: list) -> placement.ModelGroup:
+    """One model group of `group_layout`, built: on the trainer's placement group `pg` (rank i on bundle i, `share`
+    of it) or, `pg` None, on a placement group of its own (one bundle per rank, appended to `own_pgs`)."""
+    if pg is None:
+        pg, share = placement.make_placement_group(ranks, strategy=args.ray.strategy, timeout_s=args.ray.timeout_s), 1.0
+        own_pgs.append(pg)
+    group = placement.ModelGroup(placement.Worker, ranks, role, pg=pg, num_cpus_per_rank=share,
+                                 num_gpus_per_rank=share if gpu else 0, timeout_s=args.ray.timeout_s,
+                                 backend=args.ds.backend)  # fmt: skip
+    if role == "reward":  # the replicas score for every trainer rank; the scripts build the other roles' models
+        from rewards.remote import build_group_reward
+
+        try:
+            group.run(build_group_reward, args.reward.model, args.reward.normalize)
+        except Exception:
+            group.shutdown()
+            raise
+    return group
+
+
+def _calls(worker) -> int:
+    return getattr(worker, "calls", 0)
 
 
 def where_stopped(args) -> str:
@@ -94,9 +161,9 @@ def where_stopped(args) -> str:
             f"the same command with --run-dir {run_dir} {resume}")
 
 
-def _run_rank(worker, main, args, engines, cwd: str) -> dict:
+def _run_rank(worker, main, args, engines, groups: dict, cwd: str) -> dict:
     os.chdir(cwd)  # relative paths of the command line mean what they meant to the driver
-    return main(args, engines)
+    return main(args, engines, groups)
 
 
 def _resolve_model_names(cfg) -> None:
@@ -129,9 +196,10 @@ def response_budget(args) -> tuple[int, str]:
     return reserve, "--rollout.max-new-tokens" + (" + --rollout.max-total-tokens" if multi_turn else "")
 
 
-def load_task(args) -> tuple[object, list[dict], list[dict], tuple | None]:
+def load_task(args, groups: dict | None = None) -> tuple[object, list[dict], list[dict], tuple | None]:
     """The task: the tokenizer, the (mixed) training prompts, the eval prompts and the reward function with its source
-    file (None in multi-turn, where the environment rewards), all loaded and checked before any model. A prompt must
+    file (None in multi-turn, where the environment rewards; the reward model's group `groups["reward"]` with
+    `--reward.ranks`), all loaded and checked before any model. A prompt must
     leave room for its response in the model's context: rows that cannot fit are skipped and counted here, instead
     of failing inside the rollout engine mid-run."""
     actor_path = args.actor.model.name_or_path
@@ -147,7 +215,7 @@ def load_task(args) -> tuple[object, list[dict], list[dict], tuple | None]:
                                              make, args.data), args.data.probs, args.train.seed)  # fmt: skip
     eval_sources = data.load_sources(args.data.eval_path or args.data.path, args.data.eval_split, args.eval.max_samples)
     eval_set = [e for g in data.build_examples(eval_sources, make, args.data) for e in g]
-    reward = None if args.rollout.env_file else load_reward_func(args.reward)
+    reward = None if args.rollout.env_file else load_reward_func(args.reward, (groups or {}).get("reward"))
     return tokenizer, train_set, eval_set, reward
 
 
@@ -159,11 +227,15 @@ def make_actor(args, device: torch.device, total_updates: int):
                                  hybrid=args.vllm.enable_sleep)  # fmt: skip
 
 
-def make_ref(args, device: torch.device):
+def make_ref(args, device: torch.device, groups: dict | None = None):
     """The frozen reference policy of the KL term (`--ref.*`, default the actor's starting model); None when
-    `--algo.kl-coef` is 0."""
+    `--algo.kl-coef` is 0. With `--ref.ranks N`: built in the reference's own group (`build_model`)."""
     if args.algo.kl_coef <= 0:
         return None
+    return build_model(groups, "ref", _load_ref, args, device)
+
+
+def _load_ref(args, device: torch.device):
     path = args.ref.name_or_path or args.actor.model.name_or_path
     flag = "--ref.name-or-path" if args.ref.name_or_path else "--actor.model.name-or-path"
     return ds_engine.make_frozen(models.load_causal_lm(ModelConfig(name_or_path=path, dtype=args.actor.model.dtype),
@@ -426,6 +498,62 @@ def forward_rows(fn, batch: dict, micro: list[tuple[list[int], bool]], world: in
     if gather_ranks and world > 1:
         torch.distributed.all_reduce(out)
     return out
+
+
+def on_model(model, fn, *args, run: Run):
+    """`fn(engine, rank, world, *args)` where `model` lives. In the trainer ranks (`model` a DeepSpeed engine or
+    module): on this rank, with the trainer's rank and world. In a group of its own (`model` a `ModelGroup`, from
+    `--ref.ranks` / `--critic.ranks`): trainer rank 0 starts it on every rank of the group, with the group's rank,
+    world and engine, and every trainer rank gets the result of the group's rank 0, its tensors on this rank's
+    device. `fn` must leave every rank of its world with the same result (tables summed over the world, metrics
+    reduced), so that the two layouts return the same."""
+    if not isinstance(model, placement.ModelGroup):
+        return fn(model, run.rank, run.world, *args)
+    out = model.run(_on_worker, fn, *_to(args, torch.device("cpu")))[0] if run.rank == 0 else None
+    return _to(all_ranks(out, run.world), run.device)
+
+
+def _on_worker(worker, fn, *args):
+    worker.calls = getattr(worker, "calls", 0) + 1
+    out = fn(worker.engine, worker.rank, worker.world_size, *_to(args, worker.device))
+    return _to(out, torch.device("cpu")) if worker.rank == 0 else None
+
+
+def _to(x, device: torch.device):
+    """Every tensor in `x` (nested in dicts, lists and tuples) on `device`; anything else as it is."""
+    if isinstance(x, torch.Tensor):
+        return x.to(device)
+    if isinstance(x, dict):
+        return {k: _to(v, device) for k, v in x.items()}
+    if isinstance(x, list | tuple):
+        return type(x)(_to(v, device) for v in x)
+    return x
+
+
+def build_model(groups: dict | None, role: str, build, args, device: torch.device, *rest):
+    """`build(args, device, *rest)`: the model of `role` in this process, or, with `--<role>.ranks N` (a group in
+    `groups`, started by `launch`), on every rank of that group (each its own device, the group's world), started by
+    trainer rank 0. Returns the built model or the group, which `on_model` and `core.checkpoint` take alike."""
+    if not groups or role not in groups:
+        return build(args, device, *rest)
+    group = groups[role]
+    if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
+        return group
+    group.run(_build_on_worker, build, args, *rest)
+    return group
+
+
+def _build_on_worker(worker, build, args, *rest) -> None:
+    worker.engine = build(args, worker.device, *rest)
+
+
+def logp_table(model, rank: int, world: int, seqs: dict, args, step: int) -> torch.Tensor:
+    """log π (B, L) of every row of the rollout table `seqs` (0 off the loss mask), e.g. the reference's: each rank
+    of the world computes its micro-batches of the step's minibatches, and the rows are summed over the world. For
+    `on_model`."""
+    mine = [m for _, micro in minibatches(seqs, args, step, rank, world) for m in micro]
+    with ds_engine.on_device(model, seqs["loss_mask"].device):
+        return forward_rows(lambda b: forward_logp(model, b, args.rollout.temperature)[0], seqs, mine, world, True)
 
 
 def agg_kwargs(mask: torch.Tensor, minibatch: list[int], args) -> dict:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from rewards.remote import ModelReward, RemoteReward
+from rewards.remote import GroupReward, ModelReward, RemoteReward
 
 
 @dataclass
@@ -38,6 +38,13 @@ class RewardConfig:
     batch between them; instead of `func`."""
     normalize: bool = False
     """with `model`: score (r − reward_mean) / reward_std using the statistics `algos/rm.py` saved."""
+    ranks: int | None = None
+    """with `model`: None scores in the trainer ranks' processes. N: a Ray group of N replicas of the reward model
+    (each holds the whole model and scores its share of every batch), OpenRLHF's reward group; RL scripts started
+    with Ray only (a one-process run is launched through Ray for it)."""
+    colocate: bool = True
+    """with `ranks`: replica i shares trainer rank i's placement bundle (at most `--train.ranks` replicas); off:
+    bundles of its own."""
     timeout_s: float = 60.0
     """seconds a python reward function (`func`, or the default rule) may take on one batch before the run stops with
     an error naming the file and the batch (it runs in a daemon thread, which is left behind); with `remote_url`,
@@ -56,17 +63,22 @@ class RewardConfig:
     """the largest overlong penalty (at max-new-tokens)."""
 
 
-def load_reward_func(cfg: RewardConfig):
-    """(reward_func, its name for messages): a remote server, a reward model, the user's python file, or the embedded
-    task's rule reward. All follow OpenRLHF's contract `reward_func(queries, prompts, labels)`."""
+def load_reward_func(cfg: RewardConfig, group=None):
+    """(reward_func, its name for messages): a remote server, a reward model (in this process, or in `group`, the Ray
+    group of replicas that `--reward.ranks` starts), the user's python file, or the embedded task's rule reward. All
+    follow OpenRLHF's contract `reward_func(queries, prompts, labels)`."""
     chosen = [name for name, on in (("func", cfg.func), ("model", cfg.model), ("remote-url", cfg.remote_url)) if on]
     if len(chosen) > 1:
         raise ValueError(f"--reward.{chosen[0]} and --reward.{chosen[1]}: give one reward source")
+    if cfg.ranks is not None and not cfg.model:
+        raise ValueError(f"--reward.ranks {cfg.ranks}: only for a reward model (--reward.model PATH)")
     if cfg.timeout_s < 0:
         raise ValueError(f"--reward.timeout-s {cfg.timeout_s}: must be >= 0 (0: no limit)")
     if cfg.remote_url:
         return RemoteReward(cfg.remote_url, cfg.timeout_s or None, cfg.retries), ", ".join(cfg.remote_url)
     if cfg.model:
+        if group is not None:
+            return GroupReward(group), f"{cfg.model} ({len(group)} replicas)"
         return ModelReward(cfg.model, cfg.normalize), cfg.model
     if cfg.func is None:
         from rewards.arithmetic import reward_func

@@ -4,8 +4,11 @@
   `POST {"query", "prompts", "labels"} -> {"rewards": [...]}`), batches split across the URLs, with a timeout and
   retries per request, then one clear error naming the URL.
 - `ModelReward(path)`: a reward model (an `algos/rm.py` export) scored in-process, no server needed.
+- `GroupReward(group)`: the same reward model in a Ray group of replicas (`--reward.ranks N`, a
+  `core.placement.ModelGroup` whose ranks each hold a `ModelReward`, built by `build_group_reward`): every batch is
+  split over the replicas. The replicas run no collective, so several trainer ranks may call the group at once.
 
-Both return `{"rewards": tensor, "scores": tensor}` so the scripts treat them exactly like a python reward file.
+All return `{"rewards": tensor, "scores": tensor}` so the scripts treat them exactly like a python reward file.
 """
 
 from __future__ import annotations
@@ -72,4 +75,27 @@ class ModelReward:
 
     def __call__(self, queries: list[str], prompts: list[str], labels: list) -> dict:
         out = torch.tensor(self.scorer(list(queries)), dtype=torch.float32)
+        return {"rewards": out, "scores": out}
+
+
+def build_group_reward(worker, path: str, normalize: bool) -> None:
+    """On each rank of a reward group: the whole reward model of this replica (`worker.engine`)."""
+    worker.engine = ModelReward(path, normalize)
+
+
+def _score(worker, queries: list[str]) -> list[float]:
+    worker.calls = getattr(worker, "calls", 0) + 1
+    return worker.engine(queries, [], [])["rewards"].tolist() if queries else []
+
+
+class GroupReward:
+    """Score queries with a Ray group of reward-model replicas (`build_group_reward` run on it): the batch is split
+    contiguously over the ranks (`ModelGroup.run_split`), each scores its share, the scores come back in order. A
+    replica that dies or stalls past the group's timeout is a `core.placement.GroupError` naming the group and rank."""
+
+    def __init__(self, group):
+        self.group = group
+
+    def __call__(self, queries: list[str], prompts: list[str], labels: list) -> dict:
+        out = torch.tensor(self.group.run_split(_score, list(queries)), dtype=torch.float32)
         return {"rewards": out, "scores": out}

@@ -81,11 +81,12 @@ def short_rl_run(main, args, run_dir, steps: int = 20) -> tuple[dict, list[dict]
     return summary, rows
 
 
-def ranks_2_vs_1(args_cls, main, tmp_path, configure=None) -> dict[int, list[dict]]:
+def ranks_2_vs_1(args_cls, main, tmp_path, configure=None, summaries: dict | None = None) -> dict[int, list[dict]]:
     """The multi-rank check every RL script with `--train.ranks` makes: 2 steps with `--train.ranks 2` (Ray placement
     group, two ZeRO-3 ranks in one gloo world, the vLLM engine as a colocated Ray actor, `--debug` checking engine ==
     trainer log-probs after every sync), then the same in one process. `configure(args, ranks)`, if given, changes
-    the arguments further. Returns the metrics.jsonl rows with a `loss/` key of each, by rank count."""
+    the arguments further. Returns the metrics.jsonl rows with a `loss/` key of each, by rank count (and the runs'
+    summaries in `summaries`, if given)."""
     import json
 
     import ray
@@ -102,7 +103,9 @@ def ranks_2_vs_1(args_cls, main, tmp_path, configure=None) -> dict[int, list[dic
         if configure is not None:
             configure(args, ranks)
         try:
-            main(args)
+            summary = main(args)
+            if summaries is not None:
+                summaries[ranks] = summary
         finally:
             if ranks == 2:
                 ray.shutdown()

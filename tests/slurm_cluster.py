@@ -138,6 +138,36 @@ PartitionName=test Nodes=n1,n2 Default=YES MaxTime=INFINITE State=UP
 """)
 
     # ------------------------------------------------------------------------------------------------ commands
+    def lose_node(self, node: str) -> int:
+        """The machine `node` vanishes: its slurmd and every process under it (job steps, a Ray node started by
+        srun) are SIGKILLed at once. Returns how many processes were killed."""
+        import psutil
+
+        slurmd = next(p for p in self.procs if p.args[-1] == node and p.args[0] == "slurmd")
+        root = psutil.Process(slurmd.pid)
+        victims = [root, *root.children(recursive=True)]
+        for proc in victims:
+            try:
+                proc.kill()
+            except psutil.NoSuchProcess:
+                pass
+        slurmd.wait()
+        return len(victims)
+
+    def restore_node(self, node: str, timeout_s: float = 120) -> None:
+        """Start `node`'s slurmd again and wait until the node is idle (a node that SLURM set DOWN is resumed)."""
+        self.procs = [p for p in self.procs if not (p.args[0] == "slurmd" and p.args[-1] == node)]
+        self._spawn(["slurmd", "-D", "-f", str(self.conf), "-N", node], f"slurmd.{node}.restarted")
+        deadline = time.time() + timeout_s
+        while time.time() < deadline:
+            state = self.run(["sinfo", "-h", "-n", node, "-o", "%t"], check=False).stdout.strip()
+            if state == "idle":
+                return
+            if state.startswith("down") or state.startswith("drain"):
+                self.run(["scontrol", "update", f"NodeName={node}", "State=RESUME"], check=False)
+            time.sleep(1)
+        raise RuntimeError(f"node {node} not idle {timeout_s} s after its slurmd restarted")
+
     def run(self, cmd: list[str], check: bool = True, **kw) -> subprocess.CompletedProcess:
         proc = subprocess.run(cmd, env=kw.pop("env", self.env), capture_output=True, text=True, timeout=60, **kw)
         if check and proc.returncode != 0:

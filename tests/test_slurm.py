@@ -5,13 +5,14 @@ GPUS_PER_NODE=0 for a CPU cluster, one trainer process per node."""
 
 import json
 import os
+import re
 import subprocess
 import time
 from pathlib import Path
 
 import pytest
 
-from core import models
+from core import checkpoint, models
 from core.config import ModelConfig
 
 pytestmark = pytest.mark.slow
@@ -120,3 +121,38 @@ def test_a_cancelled_grpo_job_resubmitted_with_its_run_folder_resumes(slurm, tmp
     steps = [m["step"] for m in metrics(run_dir) if "rollout/reward_mean" in m]
     assert sorted(set(steps)) == list(range(1, 9)) and len(steps) == len(set(steps)), steps  # each step once
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == 8
+
+
+def test_a_node_lost_mid_run_ends_the_job_with_a_clear_message(slurm, tmp_path):
+    """The second node vanishes (its slurmd, the Ray worker node and the trainer rank, engine on it SIGKILLed) after
+    two checkpointed steps: the run ends within a minute with the lost actor named and the step it stopped in, the
+    batch script fails instead of hanging, nothing of the job is left on the first node, and the same run folder
+    holds the checkpoint a resubmitted job resumes from. Last in the file: the node is restored afterwards."""
+    run_dir, port = tmp_path / "grpo", 6395
+    flags = ("--train.max-steps", "8", "--rollout.batch-size", "16", "--eval.every", "0", "--ckpt.every", "1")
+    job = grpo_job(slurm, tmp_path, run_dir, port, *flags)
+    out = tmp_path / f"grpo-{job}.out"
+    deadline = time.time() + 600
+    while time.time() < deadline:  # two steps checkpointed
+        if (run_dir / "metrics.jsonl").exists() and sum("rollout/" in line for line in
+                                                        (run_dir / "metrics.jsonl").read_text().splitlines()) >= 3:  # fmt: skip
+            break
+        assert slurm.state(job) in ("PENDING", "RUNNING"), out.read_text()[-3000:]
+        time.sleep(1)
+    try:
+        assert slurm.lose_node("n2") >= 3  # slurmd, its job step and the Ray node under it
+        lost = time.time()
+        while "the run stopped during step" not in out.read_text() and time.time() < lost + 120:
+            time.sleep(1)
+        log = out.read_text()
+        assert "the run stopped during step" in log, log[-3000:]
+        assert time.time() - lost < 60, f"the run took {time.time() - lost:.0f} s to end"
+        assert re.search(r"group 'actor' rank 1 died|engine .* died|RayActorError|ActorDiedError", log), log[-3000:]
+        assert re.search(r"--run-dir \S+ resumes from step_\d+", log), log[-3000:]
+        state = slurm.wait(job, timeout_s=120, until=("FAILED", "NODE_FAIL", "COMPLETING", "COMPLETED"))
+        assert state != "COMPLETED", log[-3000:]
+        assert not wait_for_no_leftovers(str(run_dir)), "trainer processes outlived the failed job"
+        assert not wait_for_no_leftovers(f"127.0.0.2:{port}"), "Ray processes outlived the failed job"
+        assert checkpoint.latest(run_dir / "checkpoints") is not None
+    finally:
+        slurm.restore_node("n2")

@@ -1,0 +1,135 @@
+"""Models in Ray groups of their own (OpenRLHF's layout): the reference policy (`--ref.ranks N`) and a reward model
+(`--reward.model PATH --reward.ranks N`), colocated on the trainer's placement bundles or on bundles of their own.
+Each layout must give the first step the in-trainer layout gives: the same rewards, KL and losses.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+from conftest import assert_first_step_agrees, ranks_2_vs_1, zero3_other_reference
+
+from algos import grpo, ppo
+from core import models, rl
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
+
+
+def _args(**sections):
+    """A stand-in for a script's Args with the fields `group_layout` reads."""
+    base = {
+        "train": SimpleNamespace(ranks=1),
+        "algo": SimpleNamespace(kl_coef=0.05),
+        "ref": SimpleNamespace(ranks=None, colocate=True),
+        "reward": SimpleNamespace(ranks=None, colocate=True, model=None),
+    }
+    for name, values in sections.items():
+        base[name].__dict__.update(values)
+    return SimpleNamespace(**base)
+
+
+def test_group_layout_and_its_refusals():
+    assert rl.group_layout(_args()) == {} and not rl.needs_launch(_args())
+    layout = rl.group_layout(_args(ref={"ranks": 2, "colocate": False}, reward={"ranks": 1, "model": "rm"}))
+    assert layout == {"ref": (2, False), "reward": (1, True)}
+    assert rl.needs_launch(_args(ref={"ranks": 1}))  # a one-process run is launched through Ray for its groups
+    with pytest.raises(ValueError, match=r"--ref.ranks 1: there is no reference to place \(--algo.kl-coef 0\)"):
+        rl.group_layout(_args(ref={"ranks": 1}, algo={"kl_coef": 0.0}))
+    with pytest.raises(ValueError, match=r"--reward.ranks 2: only for a reward model \(--reward.model PATH\)"):
+        rl.group_layout(_args(reward={"ranks": 2}))
+    with pytest.raises(ValueError, match=r"--ref.ranks 3 colocated: .*--train.ranks 2.*--ref.no-colocate"):
+        rl.group_layout(_args(train={"ranks": 2}, ref={"ranks": 3}))
+
+
+@pytest.fixture(scope="module")
+def rm_path(tiny_path, tmp_path_factory):
+    """A reward model as algos/rm.py exports it: the tiny body with a seeded scalar head."""
+    torch.manual_seed(0)
+    model = models.load_scalar_model(str(tiny_path), "fp32")
+    path = tmp_path_factory.mktemp("rm")
+    model.save_pretrained(path)
+    models.load_tokenizer(str(tiny_path)).save_pretrained(path)
+    return str(path)
+
+
+@pytest.mark.slow
+def test_grpo_reference_group_colocated_zero3_equals_the_in_trainer_reference(tmp_path):
+    """2 trainer ranks and a reference group of 2 ZeRO-3 ranks on the same bundles, against one process holding the
+    whole reference: the same samples, KL and losses (the reference of `zero3_other_reference` is the untrained base
+    model, so the KL is far from 0)."""
+
+    def configure(args, ranks):
+        zero3_other_reference(args, ranks)
+        if ranks == 2:
+            args.ref.ranks = 2  # colocated (the default): ref rank i on trainer bundle i
+
+    summaries = {}
+    rows = ranks_2_vs_1(grpo.Args, grpo.main, tmp_path, configure, summaries)
+    assert_first_step_agrees(rows)
+    # the group computed the reference's log-probs: one call per step with samples to train on
+    steps = sum(r["rollout/kept_frac"] > 0 for r in rows[2])
+    assert steps > 0 and summaries[2]["groups"] == {"ref": {"ranks": 2, "colocated": True, "calls": steps}}
+    assert "groups" not in summaries[1]
+
+
+@pytest.mark.slow
+def test_ppo_critic_reference_and_reward_model_in_groups_of_their_own(tmp_path, rm_path):
+    """PPO with a reward model: one process holding actor, critic and reference and scoring in-process, against 2
+    trainer ranks with the critic as a group of 2 ZeRO-3 ranks on the trainer's bundles, the reference as 1 rank on
+    a bundle of its own and the reward model as 2 colocated replicas. The first step's rewards, KL, values, both
+    losses and both gradient norms agree (the reward model scores each query in another batch in the two layouts:
+    equal to float32 rounding)."""
+
+    def configure(args, ranks):
+        zero3_other_reference(args, ranks)
+        args.reward.model = rm_path
+        if ranks == 2:
+            args.critic.ranks = 2
+            args.ref.ranks, args.ref.colocate, args.ref.zero_stage = 1, False, 0
+            args.reward.ranks = 2
+
+    summaries = {}
+    rows = ranks_2_vs_1(ppo.Args, ppo.main, tmp_path, configure, summaries)
+    groups = summaries[2]["groups"]
+    # per step the reference served one call, the critic two (V_old, its update); the replicas scored every rollout
+    assert groups["ref"] == {"ranks": 1, "colocated": False, "calls": 2}
+    assert groups["critic"] == {"ranks": 2, "colocated": True, "calls": 4}
+    assert groups["reward"]["ranks"] == 2 and groups["reward"]["calls"] >= 2
+    first2, first1 = rows[2][0], rows[1][0]
+    assert len(rows[2]) == 2 and first1["loss/kl"] > 0.1
+    for key in ("rollout/reward_mean", "loss/kl", "loss/policy", "loss/value", "train/grad_norm", "critic/grad_norm",
+                "critic/values_mean", "critic/returns_mean", "critic/clipfrac", "critic/lr"):  # fmt: skip
+        assert first2[key] == pytest.approx(first1[key], rel=1e-4, abs=1e-5), key
+
+
+@pytest.mark.slow
+def test_ppo_critic_group_checkpoints_and_resumes_exactly(tmp_path):
+    """A one-process PPO run with the critic in a group of its own (launched through Ray for it): halted after step 1
+    and run again with the same command, it resumes from the checkpoint, which holds the critic saved by the group's
+    rank, and its later steps equal those of a run that was never stopped (the critic's values and loss included)."""
+    import json
+
+    import ray
+
+    def run(name: str, halt_after: int | None) -> list[dict]:
+        args = ppo.Args()
+        args.critic.ranks = 1
+        args.train.max_steps, args.train.halt_after, args.rollout.batch_size, args.eval.every = 3, halt_after, 8, 0
+        args.ray.num_cpus = 4
+        args.logger.quiet, args.logger.tensorboard = True, False
+        args.run_dir = str(tmp_path / name)
+        try:
+            ppo.main(args)
+        finally:
+            ray.shutdown()
+        return [json.loads(line) for line in open(tmp_path / name / "metrics.jsonl") if "loss/" in line]
+
+    whole = run("whole", None)
+    assert run("halted", 1) and (tmp_path / "halted" / "checkpoints" / "step_00000000" / "critic").is_dir()
+    run("halted", 1)  # the same command again: step 2, then halted again
+    rows = run("halted", None)  # and once more to the end
+    assert [r["step"] for r in rows] == [1, 2, 3]
+    for key in ("rollout/reward_mean", "critic/values_mean", "loss/value", "critic/grad_norm", "loss/policy"):
+        assert [r[key] for r in rows] == pytest.approx([r[key] for r in whole], rel=1e-4, abs=1e-6), key
