@@ -118,6 +118,9 @@ class RefConfig:
     colocate: bool = True
     """with `ranks`: rank i shares trainer rank i's placement bundle (at most `--train.ranks` ranks); off: bundles of
     its own (a CPU, or a GPU where the cluster has them, per rank)."""
+    strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] | None = None
+    """with `ranks` and `no-colocate`: how its own bundles are placed over the nodes (see `--ray.strategy`, the
+    default)."""
 
 
 @dataclass

@@ -64,12 +64,15 @@ def flag_name(key: str) -> str:
     return "--" + key.replace("_", "-")
 
 
-def config_changes(saved: dict, now: dict) -> list[dict]:
+def config_changes(saved: dict, now: dict, defaults: dict | None = None) -> list[dict]:
     """Every flag whose value differs between two `config_dict`s: {"flag", "saved", "now", "harmless"}, with
-    `<absent>` for a flag one side lacks (e.g. added to the code since the run started)."""
-    old, new = _flat(saved), _flat(now)
+    `<absent>` for a flag one side lacks (e.g. added to the code since the run started). Such a new flag left at its
+    default (`defaults`, a `config_dict` of the script's default Args) is harmless: a new option's default keeps
+    the behaviour the run started with."""
+    old, new, default = _flat(saved), _flat(now), _flat(defaults or {})
     return [{"flag": flag_name(k), "saved": old.get(k, ABSENT), "now": new.get(k, ABSENT),
-             "harmless": any(fnmatch.fnmatchcase(k, pat) for pat in HARMLESS_FLAGS)}
+             "harmless": any(fnmatch.fnmatchcase(k, pat) for pat in HARMLESS_FLAGS)
+             or (k not in old and k in default and new.get(k, ABSENT) == default[k])}
             for k in sorted(old.keys() | new.keys()) if old.get(k, ABSENT) != new.get(k, ABSENT)]  # fmt: skip
 
 
@@ -82,7 +85,11 @@ def check_config(run_dir: str | Path, args) -> list[dict]:
     if not saved_file.is_file():
         return []
     now = config_dict(args)
-    changes = config_changes(json.loads(saved_file.read_text()), now)
+    try:  # the script's defaults, for flags the code gained since the run started
+        defaults = config_dict(type(args)()) if dataclasses.is_dataclass(args) else None
+    except TypeError:  # an Args without defaults for every field
+        defaults = None
+    changes = config_changes(json.loads(saved_file.read_text()), now, defaults)
     altering = [c for c in changes if not c["harmless"]]
     if altering and not now.get("ckpt", {}).get("allow_changes", False):
         lines = [f"  {c['flag']}: {c['saved']} -> {c['now']}{'  (harmless)' if c['harmless'] else ''}" for c in changes]

@@ -129,6 +129,9 @@ def make_placement_group(num_bundles: int, cpus_per_bundle: float = 1, gpus_per_
     nodes = [n["Resources"] for n in ray.nodes() if n["Alive"]]
     fits_a_node = any(all(r.get(k, 0) >= v for k, v in bundle.items()) for r in nodes)
     fits_total = all(total.get(k, 0) >= v * num_bundles for k, v in bundle.items())
+    if strategy == "STRICT_SPREAD" and num_bundles > len(nodes):  # one bundle per node: nodes, not resources, lack
+        raise PlacementError(f"placement group of {asked} needs {num_bundles} nodes (one bundle each); this Ray "
+                             f"cluster has {len(nodes)} alive")  # fmt: skip
     if not (fits_a_node and fits_total):
         biggest = max(nodes, key=lambda r: (r.get("GPU", 0), r.get("CPU", 0)), default={})
         raise PlacementError(

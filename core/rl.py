@@ -125,8 +125,9 @@ def group_layout(args) -> dict[str, tuple[int, bool]]:
 def start_group(args, role: str, ranks: int, pg, share: float, gpu: bool, own_pgs: list) -> placement.ModelGroup:
     """One model group of `group_layout`, built: on the trainer's placement group `pg` (rank i on bundle i, `share`
     of it) or, `pg` None, on a placement group of its own (one bundle per rank, appended to `own_pgs`)."""
-    if pg is None:
-        pg, share = placement.make_placement_group(ranks, strategy=args.ray.strategy, timeout_s=args.ray.timeout_s), 1.0
+    if pg is None:  # bundles of its own, placed by `--<role>.strategy` (default `--ray.strategy`)
+        strategy = getattr(getattr(args, role), "strategy", None) or args.ray.strategy
+        pg, share = placement.make_placement_group(ranks, strategy=strategy, timeout_s=args.ray.timeout_s), 1.0
         own_pgs.append(pg)
     group = placement.ModelGroup(placement.Worker, ranks, role, pg=pg, num_cpus_per_rank=share,
                                  num_gpus_per_rank=share if gpu else 0, timeout_s=args.ray.timeout_s,

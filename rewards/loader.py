@@ -18,6 +18,7 @@ import numbers
 import threading
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import torch
 
@@ -45,6 +46,9 @@ class RewardConfig:
     colocate: bool = True
     """with `ranks`: replica i shares trainer rank i's placement bundle (at most `--train.ranks` replicas); off:
     bundles of its own."""
+    strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] | None = None
+    """with `ranks` and `no-colocate`: how its own bundles are placed over the nodes (see `--ray.strategy`, the
+    default)."""
     timeout_s: float = 60.0
     """seconds a python reward function (`func`, or the default rule) may take on one batch before the run stops with
     an error naming the file and the batch (it runs in a daemon thread, which is left behind); with `remote_url`,

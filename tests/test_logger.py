@@ -113,6 +113,23 @@ def test_config_changes_name_every_flag_and_refuse_run_altering_ones(tmp_path):
     assert check_config(tmp_path / "nowhere", now) == []  # no saved config: nothing to compare
 
 
+def test_a_flag_added_since_the_run_started_is_harmless_at_its_default(tmp_path):
+    """A run saved before the code gained `--ref.ranks` resumes with it at its default (None: the old behaviour),
+    but not with it set."""
+    from algos.grpo import Args
+    from core.logger import config_dict
+
+    saved = config_dict(Args())
+    del saved["ref"]["ranks"], saved["ref"]["strategy"]
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    changes = check_config(tmp_path, Args())
+    assert {c["flag"] for c in changes} == {"--ref.ranks", "--ref.strategy"} and all(c["harmless"] for c in changes)
+    args = Args()
+    args.ref.ranks = 2
+    with pytest.raises(ValueError, match=r"--ref.ranks: <absent> -> 2"):
+        check_config(tmp_path, args)
+
+
 # ------------------------------------------------------------------------------------- sft.py, end to end
 def sft_args(run_dir: Path, **train):
     from algos.sft import Args

@@ -133,3 +133,25 @@ def test_ppo_critic_group_checkpoints_and_resumes_exactly(tmp_path):
     assert [r["step"] for r in rows] == [1, 2, 3]
     for key in ("rollout/reward_mean", "critic/values_mean", "loss/value", "critic/grad_norm", "loss/policy"):
         assert [r[key] for r in rows] == pytest.approx([r[key] for r in whole], rel=1e-4, abs=1e-6), key
+
+
+def test_a_group_on_bundles_of_its_own_is_placed_by_its_role_strategy():
+    """`--ref.no-colocate` with `--ref.strategy STRICT_SPREAD`: two bundles that must sit on two nodes. On this
+    one-node cluster the group is refused with the strategy named, while `--ray.strategy` (PACK) would place it."""
+    import ray
+
+    from core import placement
+
+    args = _args(ref={"ranks": 2, "colocate": False, "strategy": "STRICT_SPREAD"})
+    args.ray, args.ds = placement.RayConfig(num_cpus=4, timeout_s=120, strategy="PACK"), SimpleNamespace(backend="gloo")
+    placement.init_ray(args.ray)
+    try:
+        own: list = []
+        with pytest.raises(placement.PlacementError, match=r"\(STRICT_SPREAD\) needs 2 nodes .* has 1 alive"):
+            rl.start_group(args, "ref", 2, None, 1.0, False, own)
+        args.ref.strategy = None  # the run's strategy
+        group = rl.start_group(args, "ref", 2, None, 1.0, False, own)
+        assert len(group) == 2 and len(own) == 1
+        group.shutdown()
+    finally:
+        ray.shutdown()
