@@ -116,7 +116,7 @@ def start_engines(args, device: torch.device, cleanup: contextlib.ExitStack) -> 
         cleanup.callback(ray.shutdown)
     # the broadcast group (`--vllm.sync-backend broadcast`) is formed by rl.start, as for the launcher's engines
     engines = rollout.create_engines(args.actor.model.name_or_path, args.vllm, seed=args.train.seed,
-                                     init_broadcast=False)  # fmt: skip
+                                     init_broadcast=False, tokenizer=args.actor.model.tokenizer)  # fmt: skip
     cleanup.callback(engines.shutdown)
     return engines
 

@@ -63,7 +63,8 @@ def launch(main, args) -> dict:
     args.run_dir = str(Path(args.run_dir or Path(args.logger.run_root) / run_name(args.exp_name, args.train.seed)))
     args.vllm.in_process = False
     engines = rollout.create_engines(args.actor.model.name_or_path, args.vllm, seed=args.train.seed,
-                                     actor_options=engine_options, init_broadcast=False)  # fmt: skip
+                                     actor_options=engine_options, init_broadcast=False,
+                                     tokenizer=args.actor.model.tokenizer)  # fmt: skip
     group, groups, own_pgs = None, {}, []
     try:
         for role, (ranks, colocate) in layout.items():
@@ -272,7 +273,8 @@ def start(args, engine_models: dict, engines, tokenizer, eval_set: list[dict], r
     if engines is None:
         if args.vllm.in_process is False or args.vllm.num_engines > 1:  # engine actors: Ray as `--ray.*` says
             placement.init_ray(args.ray)
-        engines = rollout.create_engines(args.actor.model.name_or_path, args.vllm, seed=args.train.seed)
+        engines = rollout.create_engines(args.actor.model.name_or_path, args.vllm, seed=args.train.seed,
+                                         tokenizer=args.actor.model.tokenizer)  # fmt: skip
     elif rank == 0 and engines.backend == "broadcast":
         engines.init_broadcast()  # this rank sends the weights to the engine actors
     run_dir = Path(args.run_dir or Path(args.logger.run_root) / run_name(args.exp_name, args.train.seed))

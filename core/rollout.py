@@ -339,7 +339,8 @@ class VLLMEngine:
 
     All methods are plain calls; `RolloutEngines` adds dispatch, timeouts and error messages on top."""
 
-    def __init__(self, model_path: str, cfg: VLLMConfig, seed: int = 0, name: str = "vllm-engine-0"):
+    def __init__(self, model_path: str, cfg: VLLMConfig, seed: int = 0, name: str = "vllm-engine-0",
+                 tokenizer: str | None = None):  # fmt: skip
         # Read by vLLM when the engine is built (then cached by vLLM for the process): in-process engine core.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         # vLLM logs at INFO on every weight sync ("reset prefix cache") and would break the trainer's progress bar:
@@ -368,6 +369,7 @@ class VLLMEngine:
         with _keep_process_state():
             self.llm = LLM(
                 model=model_path,
+                tokenizer=tokenizer or model_path,  # its stop tokens: eos and the chat template's end of turn
                 dtype=dtype,
                 seed=seed,
                 enforce_eager=cfg.enforce_eager if cfg.enforce_eager is not None else not cuda,
@@ -705,9 +707,11 @@ class RolloutEngines:
 
 
 def create_engines(model_path: str, cfg: VLLMConfig, seed: int = 0, actor_options: list[dict] | None = None,
-                   init_broadcast: bool = True) -> RolloutEngines:  # fmt: skip
+                   init_broadcast: bool = True, tokenizer: str | None = None) -> RolloutEngines:  # fmt: skip
     """Start `cfg.num_engines` engines on `model_path` (an HF folder), in this process or as Ray actors, and wait
-    until they are ready (within `cfg.timeout_s`). Engine i samples with base seed `seed + i`.
+    until they are ready (within `cfg.timeout_s`). Engine i samples with base seed `seed + i`. `tokenizer` (a folder
+    or embedded name; default the model's): the tokenizer whose eos and chat template decide where a sample stops,
+    the run's `--actor.model.tokenizer`.
 
     Ray actors (Ray must be initialised) get 1 CPU, `OMP_NUM_THREADS=1` and, with CUDA, `tensor_parallel_size` GPUs;
     `actor_options[i]` is merged into engine i's `.options(...)` (replacing keys it names), e.g. a placement-group
@@ -715,6 +719,7 @@ def create_engines(model_path: str, cfg: VLLMConfig, seed: int = 0, actor_option
     is formed here too, with this process as the sender, unless `init_broadcast=False` (the sender is elsewhere, e.g.
     rank 0 of a `core.placement.ModelGroup`, which calls `init_broadcast` itself)."""
     model_path = embedded.resolve_model(model_path)
+    tokenizer = embedded.resolve_model(tokenizer) if tokenizer else None
     cuda = torch.cuda.is_available()
     in_process = cfg.in_process if cfg.in_process is not None else cfg.num_engines == 1
     if in_process and cfg.num_engines != 1:
@@ -723,7 +728,7 @@ def create_engines(model_path: str, cfg: VLLMConfig, seed: int = 0, actor_option
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[dtype_name]
     names = [f"vllm-engine-{i}" for i in range(cfg.num_engines)]
     if in_process:
-        engine = VLLMEngine(model_path, cfg, seed=seed, name=names[0])
+        engine = VLLMEngine(model_path, cfg, seed=seed, name=names[0], tokenizer=tokenizer)
         return RolloutEngines([engine], names, cfg, actors=False, dtype=dtype)
 
     import ray
@@ -740,7 +745,7 @@ def create_engines(model_path: str, cfg: VLLMConfig, seed: int = 0, actor_option
             "runtime_env": {"env_vars": {"OMP_NUM_THREADS": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}},
             **((actor_options or [{}] * len(names))[i]),
         }
-        actors.append(actor_cls.options(**options).remote(model_path, cfg, seed + i, name))
+        actors.append(actor_cls.options(**options).remote(model_path, cfg, seed + i, name, tokenizer))
     engines = RolloutEngines(actors, names, cfg, actors=True, dtype=dtype)
     engines._all("ready")
     if engines.backend == "broadcast" and init_broadcast:

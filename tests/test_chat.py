@@ -336,6 +336,42 @@ def test_vllm_stops_at_im_end_when_eos_is_another_token(chat_sft, tmp_path):
         assert s.token_ids[-1] == im_end and s.token_ids.count(im_end) == 1 and not s.truncated
 
 
+def test_vllm_stops_where_a_separate_tokenizer_says(chat_sft, tmp_path):
+    """`--actor.model.tokenizer`: a base model folder whose own tokenizer has no chat template (eos <|endoftext|>)
+    and the chat tokenizer given apart. The engines take their stop tokens from the given tokenizer and stop at
+    <|im_end|>; started on the model folder's own tokenizer they would not."""
+    import shutil
+
+    from core import rollout
+
+    folder = tmp_path / "no-template"
+    shutil.copytree(chat_sft[2], folder)
+    for extra in ("chat_template.jinja", "chat_template.json"):
+        (folder / extra).unlink(missing_ok=True)
+    cfg = json.loads((folder / "tokenizer_config.json").read_text())
+    cfg.pop("chat_template", None)
+    (folder / "tokenizer_config.json").write_text(json.dumps({**cfg, "eos_token": "<|endoftext|>"}))
+    for name in ("config.json", "generation_config.json"):
+        (folder / name).write_text(json.dumps({**json.loads((folder / name).read_text()), "eos_token_id": 0}))
+    assert chat.stop_ids(models.load_tokenizer(str(folder))) == [0]
+    tok = models.load_tokenizer(str(chat_sft[2]))
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    prompts = [data.prompt_example({"prompt": f"What is {a}+{a}?", "answer": 1}, tok, CFG)["prompt_ids"]
+               for a in range(8)]  # fmt: skip
+    ended = {}
+    for given in (str(chat_sft[2]), None):
+        vcfg = rollout.VLLMConfig(in_process=True, dtype="float32", kv_cache_gib=0.5, timeout_s=120)
+        engines = rollout.create_engines(str(folder), vcfg, seed=0, tokenizer=given)
+        try:
+            samples = [s for g in engines.generate(prompts, n=4, max_new_tokens=12, seed=3) for s in g]
+        finally:
+            engines.shutdown()
+        ended[given] = sum(s.finish_reason == "stop" and s.token_ids[-1] == im_end for s in samples)
+        if given:
+            assert all(s.token_ids.count(im_end) <= 1 for s in samples)
+    assert ended[str(chat_sft[2])] >= 24 and ended[None] == 0, ended
+
+
 PARITY_REWARD = '''
 import torch
 
