@@ -31,11 +31,23 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def clear_stale_build_lock(name: str = "deepspeed_shm_comm", max_age_s: float = 900) -> Path | None:
+def _compiling() -> bool:
+    """Whether a compiler or ninja runs on this machine (a JIT build of an op in progress)."""
+    import psutil
+
+    for proc in psutil.process_iter(["name"]):
+        if (proc.info["name"] or "") in ("ninja", "cc1plus", "c++", "g++", "gcc", "ld", "collect2"):
+            return True
+    return False
+
+
+def clear_stale_build_lock(name: str = "deepspeed_shm_comm", max_age_s: float = 900,
+                           idle_age_s: float = 180) -> Path | None:  # fmt: skip
     """DeepSpeed builds its CPU shared-memory collectives op just in time (`deepspeed_shm_comm`, once per machine)
     under torch's file baton: a `lock` file that other processes wait on, with no time limit, until it is gone. A
-    process killed during that build leaves the file, and every later run then hangs in `init_distributed`. A lock
-    older than `max_age_s` (a build takes about a minute) is removed, with a warning naming it; returns its path."""
+    process killed while it held the lock leaves the file, and every later run then hangs in `init_distributed`. A
+    lock older than `max_age_s`, or older than `idle_age_s` while no compiler runs on this machine (a build takes
+    about a minute of compiling), is removed with a warning naming it; returns its path."""
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(
         os.path.expanduser("~"), ".cache", "torch_extensions",
         f"py{sys.version_info.major}{sys.version_info.minor}_{'cu' if torch.cuda.is_available() else 'cpu'}")  # fmt: skip
@@ -44,7 +56,7 @@ def clear_stale_build_lock(name: str = "deepspeed_shm_comm", max_age_s: float = 
         age = time.time() - lock.stat().st_mtime
     except FileNotFoundError:
         return None
-    if age <= max_age_s:
+    if age <= idle_age_s or (age <= max_age_s and _compiling()):
         return None
     lock.unlink(missing_ok=True)
     print(f"[cleanrlhf] removed {lock}, left {age / 60:.0f} min ago by a process killed while building DeepSpeed's "

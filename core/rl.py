@@ -132,7 +132,7 @@ def start_group(args, role: str, ranks: int, pg, share: float, gpu: bool, own_pg
         own_pgs.append(pg)
     group = placement.ModelGroup(placement.Worker, ranks, role, pg=pg, num_cpus_per_rank=share,
                                  num_gpus_per_rank=share if gpu else 0, timeout_s=args.ray.timeout_s,
-                                 backend=args.ds.backend)  # fmt: skip
+                                 backend=args.ds.backend, env={"CLEANRLHF_GROUP": role})  # fmt: skip
     if role == "reward":  # the replicas score for every trainer rank; the scripts build the other roles' models
         from rewards.remote import build_group_reward
 

@@ -324,3 +324,13 @@ def test_a_stale_deepspeed_build_lock_is_removed_and_a_fresh_one_kept(tmp_path, 
     os.utime(lock, (old, old))
     assert clear_stale_build_lock() == lock and not lock.exists()
     assert str(lock) in capsys.readouterr().err
+    # a few minutes old: kept while a compiler runs, removed when none does (its builder is gone)
+    from core import engine
+
+    lock.touch()
+    old = time.time() - 300
+    os.utime(lock, (old, old))
+    monkeypatch.setattr(engine, "_compiling", lambda: True)
+    assert clear_stale_build_lock() is None and lock.exists()
+    monkeypatch.setattr(engine, "_compiling", lambda: False)
+    assert clear_stale_build_lock() == lock and not lock.exists()
