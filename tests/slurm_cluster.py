@@ -139,14 +139,23 @@ PartitionName=test Nodes=n1,n2 Default=YES MaxTime=INFINITE State=UP
 
     # ------------------------------------------------------------------------------------------------ commands
     def lose_node(self, node: str) -> int:
-        """The machine `node` vanishes: its slurmd and every process under it (job steps, a Ray node started by
-        srun) are SIGKILLed at once. Returns how many processes were killed."""
+        """The machine `node` vanishes: its slurmd, its job steps' slurmstepd and every process they started (a Ray
+        node started by srun and its workers: all carry SLURMD_NODENAME=node) are SIGKILLed at once. Returns how
+        many processes were killed."""
         import psutil
 
         slurmd = next(p for p in self.procs if p.args[-1] == node and p.args[0] == "slurmd")
-        root = psutil.Process(slurmd.pid)
-        victims = [root, *root.children(recursive=True)]
-        for proc in victims:
+        victims = {slurmd.pid: psutil.Process(slurmd.pid)}
+        for proc in psutil.process_iter():
+            try:
+                if proc.environ().get("SLURMD_NODENAME") == node:
+                    victims[proc.pid] = proc
+                    parent = proc.parent()
+                    if parent is not None and parent.name().startswith("slurmstepd"):
+                        victims[parent.pid] = parent
+            except psutil.Error:
+                continue
+        for proc in victims.values():
             try:
                 proc.kill()
             except psutil.NoSuchProcess:
