@@ -22,8 +22,9 @@ Generation: every request is one sample (`n` 1) of at most `--rollout.max-new-to
 `max_completion_tokens` may ask for fewer), sampled at the temperature and top-p of the rollout (the episode's
 temperature; 0 in the greedy eval): a request's own `temperature` / `top_p` are ignored, because the trainer's
 log-probs assume the rollout's. Concurrent requests are batched into one `engines.generate` call (token ids in, ids +
-log-probs out); the batcher waits (at most 50 ms) until every open episode has a request in flight. Each call of an episode gets its own sampling seed (episode seed + 7919 · call number), so a sample
-does not depend on how requests happen to be batched.
+log-probs out); the batcher waits (at most 50 ms) until every open episode has a request in flight. Each call of an
+episode gets its own sampling seed (episode seed + 7919 · call number), so a sample does not depend on how requests
+happen to be batched.
 
 Refused with HTTP 4xx and a message saying why (`{"error": {"message": ...}}`, as OpenAI answers): an unknown or
 finished episode (404), an unknown model (404), a body that is not a JSON object, missing or malformed `messages` /
@@ -201,7 +202,8 @@ class _Batcher:
             for (max_tokens, temperature, top_p), group in groups.items():
                 try:
                     out = self.engines.generate([g[1] for g in group], n=1, max_new_tokens=max_tokens,
-                                                temperature=temperature, top_p=top_p, seed=[g[2] for g in group])  # fmt: skip
+                                                temperature=temperature, top_p=top_p,
+                                                seed=[g[2] for g in group])  # fmt: skip
                 except Exception as e:  # the engine failed: every request of the batch fails; the executor re-raises
                     self.error = self.error or e
                     out = None
@@ -426,8 +428,8 @@ class OpenAIServer:
 
         @app.exception_handler(RequestValidationError)
         async def malformed(request: Request, e: RequestValidationError):
-            return JSONResponse({"error": {"message": f"malformed request: {e.errors()}", "type": "invalid_request_error",
-                                           "code": 422}}, status_code=422)  # fmt: skip
+            error = {"message": f"malformed request: {e.errors()}", "type": "invalid_request_error", "code": 422}
+            return JSONResponse({"error": error}, status_code=422)
 
         @app.exception_handler(RequestError)
         async def refused(request: Request, e: RequestError):
@@ -461,7 +463,8 @@ class OpenAIServer:
                 logprobs = {"content": [{"token": t, "logprob": lp, "bytes": None, "top_logprobs": []}
                                         for t, lp in zip(tokens, call.logprobs)]}  # fmt: skip
             choice = {"index": 0, "message": {"role": "assistant", "content": call.text},
-                      "finish_reason": call.finish_reason, "logprobs": logprobs, "token_ids": call.token_ids}  # fmt: skip
+                      "finish_reason": call.finish_reason, "logprobs": logprobs,
+                      "token_ids": call.token_ids}  # fmt: skip
             return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
                     "model": self.model_name, "choices": [choice], "usage": usage(call),
                     "prompt_token_ids": call.prompt_ids}  # fmt: skip
