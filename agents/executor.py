@@ -15,6 +15,9 @@ and `rollout.scores`. What happens inside `run` is the executor's business:
   rewards are summed. A reply given as chat messages is appended as the chat template renders it (`core.chat`), so
   the episode's tokens are those of the whole templated conversation, and the model's own turns stay the tokens it
   sampled. A script switches executor without touching its loop.
+- `OpenAIAgentExecutor` (agents/openai_agent.py, `--rollout.agent-file`): each episode is the user's
+  `async def agent(client, example) -> reward` talking to an OpenAI-compatible server over the engines
+  (agents/openai_server.py), which records the calls as token ids.
 
 An `Episode` is everything a trainer needs for one trajectory: prompt tokens, response tokens (model and environment
 tokens interleaved), the engine's log-probs of them (for importance-sampling corrections), the action mask, and how
@@ -99,6 +102,9 @@ class SingleTurnExecutor:
         rewards, logs, scores = self.reward_fn([p + t for p, t in zip(prompts, texts)], prompts,
                                                [ep.example["label"] for ep in episodes], step)  # fmt: skip
         return Rollout(episodes, rewards, scores, logs)
+
+    def close(self) -> None:
+        """Nothing to release (the agent executor stops its server here)."""
 
 
 class Environment(Protocol):
@@ -191,6 +197,9 @@ class MultiTurnExecutor:
         r = torch.tensor(rewards, dtype=torch.float32)
         turns = [sum(1 for a, b in zip([0] + ep.action_mask, ep.action_mask) if b and not a) for ep in episodes]
         return Rollout(episodes, r, r.clamp(0, 1), {"rollout/turns_mean": sum(turns) / max(len(turns), 1)})
+
+    def close(self) -> None:
+        """Nothing to release."""
 
 
 def load_env_factory(path: str) -> Callable[[dict], Environment]:

