@@ -27,6 +27,9 @@ Deviations from the papers (Noukhovitch et al. train online DPO on separate GPUs
 5. Which weights sample which step is fixed by the lag, not by thread timing: step t is always sampled by the weights
    after update max(t − L, first step) (the trainer waits for the engines rather than skipping ahead), so a run is
    reproducible and resumes exactly (the rollouts generated ahead are saved in the checkpoint).
+6. Partial rollout (`--train.partial-rollout N`, OpenRLHF's --partial_rollout, AReaL's interruptible generation) at a
+   fixed point: the sync of update t − L + 1 interrupts step t after N tokens per response, not at a time, and the
+   unfinished responses go on under the new weights; μ is then per token the weights that sampled it.
 
 Everything else is grpo.py's, flag for flag (Dr.GRPO: `--algo.dr-grpo`; DAPO refill: `--algo.dynamic-filter-range`).
 The producer thread and its hand-off to the training loop are core/producer.py.
@@ -84,6 +87,11 @@ class TrainArgs(config.TrainArgs):
     """with ranks > 1: each vLLM engine shares a placement-group bundle with a trainer rank (both then run at once on
     it: on GPU, leave memory for both with `--vllm.gpu-memory-utilization`); off: the engines get bundles of their
     own, the usual layout for async training."""
+    partial_rollout: int | None = None
+    """N: partial rollout (lag ≥ 1): the sync of update t − L + 1 does not wait for step t's rollout, it pauses it
+    after N new tokens per response, and the unfinished ones continue under the new weights, so a response's tokens
+    may come from two policy versions, each with its log-prob (the IS weight's μ) and version (DEVIATION(6)). None:
+    each step sampled whole by one version."""
 
 
 @dataclass
@@ -275,7 +283,7 @@ def train(args: Args, engines: rollout.RolloutEngines | None, groups: dict | Non
                     kl_ctl.update(stats["loss/kl"], len(kept))
 
         # 5. weight sync (once the engines have drawn what the old weights must draw), eval, logging, checkpoint
-        with timer(perf, "perf/wait_s"):  # the rollouts of steps t+1 .. t+L, which the checkpoint carries
+        with timer(perf, "perf/wait_s"):  # steps t+1 .. t+L (t+L paused inside with --train.partial-rollout): kept
             ahead = pipeline.engines_idle_for(step)
         with timer(perf, "perf/sync_s"):
             sample = [ro.episodes[i].prompt_ids + ro.episodes[i].token_ids for i in kept[:4]]

@@ -10,6 +10,13 @@ actors, their own processes) for step t+1's rollout while the training loop trai
 
 Which weights sample which step is fixed by `--train.max-lag` L, not by the threads' timing (see `Pipeline`), so a
 run is reproducible, and a checkpoint that carries the rollouts generated ahead resumes exactly.
+
+Partial rollout (`--train.partial-rollout N`; OpenRLHF's --partial_rollout, AReaL's interruptible generation): the
+sync of update t − L + 1 no longer waits for step t's rollout to finish. The producer generates the first N tokens of
+every response of step t, pauses there (`Pipeline.pause`: the trainer syncs, evaluates and checkpoints meanwhile) and
+continues the unfinished responses under the new weights (`interrupted_rollout`). Where the interruption falls is
+fixed too (after N tokens of step t, for the sync of update t − L + 1), so a run stays reproducible; every token
+carries the version of the weights that sampled it (`TaggedEpisode.versions`) next to its log-prob under them.
 """
 
 from __future__ import annotations
@@ -19,11 +26,34 @@ import dataclasses
 import os
 import threading
 import time
+from functools import partial
 
+import numpy as np
 import torch
 
+from agents.executor import Episode, Rollout, SingleTurnExecutor
 from core import placement, rl, rollout
 from core.placement import all_ranks
+
+
+@dataclasses.dataclass
+class TaggedEpisode(Episode):
+    """An episode of a partial rollout: `versions[k]` is the version of the weights (the number of updates behind
+    them) that sampled `token_ids[k]`, whose log-prob under those weights is `logprobs[k]`."""
+
+    versions: list[int] = dataclasses.field(default_factory=list)
+
+
+@dataclasses.dataclass
+class InFlight:
+    """A step's rollout interrupted by a weight sync (partial rollout): its first segment, n samples per prompt. A
+    checkpoint taken during the sync keeps it, and the resumed run continues it under the checkpoint's weights."""
+
+    groups: list[list[rollout.Sample]]
+
+
+class _Stopped(Exception):
+    """The pipeline stopped while the producer waited inside a step."""
 
 
 class Pipeline:
@@ -34,14 +64,22 @@ class Pipeline:
     u + lag is generated. Together: step t is sampled by exactly the weights of update max(t − lag, first step), and
     the engines never generate during a sync or an eval. Errors of the producer are raised in the trainer.
 
+    Partial rollout: `produce` may stop inside step t at `pause(t, in_flight)` (for step t ≥ first + lag, lag ≥ 1),
+    which waits for the weights of update t − lag + 1, the next ones; the trainer then syncs them once step t is paused
+    there instead of once it is generated. Each step is still sampled by fixed weights: its first segment by those of
+    update t − lag, the rest by those of update t − lag + 1.
+
     `produce(step, version) -> rollout` runs in the thread (`thread.start()` starts it); `carried` holds rollouts
-    generated before (a checkpoint's), trained first. With `world` > 1 the ranks > 0 pass `produce` None (no thread)
-    and `take` gives them rank 0's rollouts (a broadcast: every rank calls it)."""
+    generated before (a checkpoint's), trained first, and at most one `InFlight` step, continued first. With `world`
+    > 1 the ranks > 0 pass `produce` None (no thread) and `take` gives them rank 0's rollouts (a broadcast: every rank
+    calls it)."""
 
     def __init__(self, produce, first: int, last: int, lag: int, carried: dict, world: int = 1):
         self.produce, self.last, self.lag, self.world = produce, last, lag, world
-        self.synced, self.ready, self.error, self.stopped = first, dict(carried), None, False
-        self.generated = first + len(carried)  # steps < generated are in `ready` or already trained on
+        self.synced, self.error, self.stopped = first, None, False
+        self.ready = {t: r for t, r in carried.items() if not isinstance(r, InFlight)}
+        self.in_flight = {t: r for t, r in carried.items() if isinstance(r, InFlight)}  # paused inside their step
+        self.generated = first + len(self.ready)  # steps < generated are in `ready` or already trained on
         self.cond = threading.Condition()
         self.thread = threading.Thread(target=self._run, name="rollout-producer", daemon=True)
 
@@ -57,6 +95,8 @@ class Pipeline:
                 with self.cond:
                     self.ready[t], self.generated = item, t + 1
                     self.cond.notify_all()
+        except _Stopped:
+            return
         except BaseException as e:  # handed to the trainer, which raises it
             with self.cond:
                 self.error = e
@@ -78,14 +118,32 @@ class Pipeline:
         return all_ranks(item, self.world)
 
     def engines_idle_for(self, t: int) -> dict:
-        """Wait until every rollout that the weights before update t + 1 must sample is generated; the engines are
-        then idle until `synced_update(t)`. Returns those rollouts (steps t + 1 .. t + lag), which a checkpoint keeps
-        ({} on the ranks > 0)."""
+        """Wait until every rollout that the weights before update t + 1 must sample is generated (partial rollout:
+        step t + lag's first segment); the engines are then idle until `synced_update(t)`. Returns those rollouts
+        (steps t + 1 .. t + lag, the last maybe `InFlight`), which a checkpoint keeps ({} on the ranks > 0)."""
         if self.produce is None:
             return {}
-        self._wait(lambda: self.generated >= min(t + self.lag + 1, self.last))
+        self._wait(lambda: self.generated >= min(t + self.lag + 1, self.last) or t + self.lag in self.in_flight)
         with self.cond:
-            return dict(self.ready)
+            return {**self.ready, **self.in_flight}
+
+    def resumed(self, t: int) -> InFlight | None:
+        """Step t's first segment if a checkpoint carried it `InFlight` (then `produce` continues it), else None."""
+        with self.cond:
+            return self.in_flight.pop(t, None)
+
+    def pause(self, t: int, in_flight: InFlight) -> int:
+        """Partial rollout, in the producer thread: step t's first segment is generated (by the weights of update
+        t − lag); wait while the trainer syncs the next weights (and checkpoints `in_flight`), then return their
+        version, t − lag + 1, to generate the rest of the step with."""
+        with self.cond:
+            self.in_flight[t] = in_flight
+            self.cond.notify_all()
+            self.cond.wait_for(lambda: self.synced > t - self.lag or self.stopped)
+            del self.in_flight[t]
+            if self.stopped:
+                raise _Stopped
+            return self.synced
 
     def synced_update(self, t: int) -> None:
         """The engines hold the weights after step t's update: the producer may go on."""
@@ -121,20 +179,99 @@ def start_engines(args, device: torch.device, cleanup: contextlib.ExitStack) -> 
     return engines
 
 
+def tag(ro: Rollout, versions: list[list[int]] | int) -> Rollout:
+    """The rollout with its episodes as `TaggedEpisode`s carrying `versions`: one list per episode, or one version
+    for every token."""
+    if isinstance(versions, int):
+        versions = [[versions] * len(e.token_ids) for e in ro.episodes]
+    ro.episodes = [TaggedEpisode(**vars(e), versions=v) for e, v in zip(ro.episodes, versions, strict=True)]
+    return ro
+
+
+def interrupted_rollout(run: rl.Run, args, train_set: list[dict], step: int, version: int, pipeline: Pipeline,
+                        keep=None, in_flight: InFlight | None = None) -> Rollout:  # fmt: skip
+    """Step `step`'s rollout with a weight sync inside it (partial rollout): the first `--train.partial-rollout` N
+    tokens of every response under the weights of `version` (update step − lag), then `pipeline.pause` (the trainer
+    syncs the next weights), then the unfinished responses continued under those (`rollout.generate_segment`). A
+    step a checkpoint carried (`in_flight`) starts at its second segment. DAPO refill rounds (`keep`) come after the
+    sync and are generated whole under the new weights. Scored by the run's executor, episodes tagged per token."""
+    ex, G, max_new = run.executor, args.rollout.n_samples, args.rollout.max_new_tokens
+    prompts, seeds = rl.step_prompts(run, args, train_set, step)
+    segment = partial(rollout.generate_segment, run.engines, [p["prompt_ids"] for p in prompts], G, max_new,
+                      temperature=ex.temperature, top_p=ex.top_p, seed=seeds)  # fmt: skip
+    pause_s = 0.0
+    if in_flight is None:
+        in_flight = InFlight(segment(until=args.train.partial_rollout, segment=0, version=version))
+        t0 = time.perf_counter()
+        version = pipeline.pause(step, in_flight)  # the engines idle: sync, eval, checkpoint
+        pause_s = time.perf_counter() - t0
+    groups = segment(until=max_new, segment=1, version=version, groups=in_flight.groups)
+    samples = [s for g in groups for s in g]
+    ro = SingleTurnExecutor(_Generated(groups), ex.tokenizer, ex.reward_fn, max_new, ex.temperature,
+                            ex.top_p).run(prompts, G, seeds, step)  # scores the samples  # fmt: skip
+    assert [e.token_ids for e in ro.episodes] == [s.token_ids for s in samples], "episodes out of sample order"
+    ro = tag(ro, [s.versions for s in samples])
+    if keep is not None:
+
+        def more(round_: int) -> Rollout:
+            return tag(rl.generate(run, args, train_set, step, round_), version)
+
+        ro = rl.refill(ro, keep, more, G, args.algo.dynamic_filter_max_rounds)
+    ro.logs["perf/pause_s"] = pause_s
+    return ro
+
+
+class _Generated:
+    """Stands in for the engines of a `SingleTurnExecutor` that scores samples already generated: `generate` returns
+    them."""
+
+    def __init__(self, groups: list[list[rollout.Sample]]):
+        self.groups = groups
+
+    def generate(self, prompt_token_ids: list[list[int]], **_) -> list[list[rollout.Sample]]:
+        assert len(prompt_token_ids) == len(self.groups), (len(prompt_token_ids), len(self.groups))
+        return self.groups
+
+
+def version_stats(ro: Rollout, step: int) -> dict:
+    """`rollout/versions_per_sample` (distinct weight versions in a response) and `rollout/stale_token_frac` (the
+    share of response tokens sampled by weights older than the trained ones, those of update `step`)."""
+    versions = [e.versions for e in ro.episodes]
+    stale = sum(v < step for vs in versions for v in vs) / max(1, sum(len(vs) for vs in versions))
+    return {"rollout/versions_per_sample": float(np.mean([len(set(vs)) for vs in versions])),
+            "rollout/stale_token_frac": stale}  # fmt: skip
+
+
 def start(run: rl.Run, args, train_set: list[dict], keep, cleanup: contextlib.ExitStack) -> Pipeline:
     """Start the producer thread on rank 0: step t's rollout is `rl.collect_rollout` of the whole batch (DAPO refills
     by `keep`, as in grpo.py), begun once the engines hold the weights of update t − `--train.max-lag`, with
     `rollout/lag` (updates between those weights and the trained ones) and `perf/gen_s` in its logs. The rollouts a
-    resumed checkpoint carried (`ahead`) come first. The thread stops with `cleanup`."""
+    resumed checkpoint carried (`ahead`) come first. The thread stops with `cleanup`.
+
+    `--train.partial-rollout N` (lag ≥ 1): from step first + lag on, each step is an `interrupted_rollout`, with the
+    sync of the next weights inside it; every episode is a `TaggedEpisode` and the logs add `version_stats`."""
     whole = dataclasses.replace(run, world=1)  # rank 0 generates every prompt; the other ranks get the rollout from it
+    cut, lag = args.train.partial_rollout, args.train.max_lag
+    if cut is not None and cut < 1:
+        raise ValueError(f"--train.partial-rollout {cut}: the first segment must hold at least 1 token")
+    if cut is not None and (args.rollout.env_file or args.rollout.agent_file):
+        raise ValueError("--train.partial-rollout continues single-turn responses: not with --rollout.env-file or "
+                         "--rollout.agent-file")  # fmt: skip
 
     def produce(step: int, version: int):
-        t0 = time.perf_counter()
-        ro = rl.collect_rollout(whole, args, train_set, step, keep=keep)
-        ro.logs.update({"rollout/lag": step - version, "perf/gen_s": time.perf_counter() - t0})
+        t0, in_flight = time.perf_counter(), pipeline.resumed(step)
+        if cut is not None and lag >= 1 and (step - lag >= run.start_step or in_flight is not None):
+            ro = interrupted_rollout(whole, args, train_set, step, version, pipeline, keep, in_flight)
+        else:
+            ro = rl.collect_rollout(whole, args, train_set, step, keep=keep)
+            ro = ro if cut is None else tag(ro, version)
+        gen_s = time.perf_counter() - t0 - ro.logs.get("perf/pause_s", 0.0)
+        ro.logs.update({"rollout/lag": step - version, "perf/gen_s": gen_s})
+        if cut is not None:
+            ro.logs.update(version_stats(ro, step))
         return ro
 
-    pipeline = Pipeline(produce if run.rank == 0 else None, run.start_step, args.train.max_steps, args.train.max_lag,
+    pipeline = Pipeline(produce if run.rank == 0 else None, run.start_step, args.train.max_steps, lag,
                         run.client.get("ahead", {}), run.world)  # fmt: skip
     if run.rank == 0:
         pipeline.thread.start()

@@ -337,14 +337,21 @@ def evaluate(run: Run, args) -> dict:
 
 
 # --------------------------------------------------------------------------------------------------- 2. rollout
-def generate(run: Run, args, train_set: list[dict], step: int, round_: int = 0) -> Rollout:
-    """This rank's share of the step's prompts (round > 0: a refill), `--rollout.n-samples` episodes each. Seeds
-    follow the prompt's place in the global batch, so the samples do not depend on the number of ranks."""
+def step_prompts(run: Run, args, train_set: list[dict], step: int, round_: int = 0) -> tuple[list[dict], list[int]]:
+    """This rank's share of the step's prompts (round > 0: a refill) and their sampling seeds (the samples of prompt
+    j get seed j, j + 1, ...). Seeds follow the prompt's place in the global batch, so the samples do not depend on
+    the number of ranks."""
     G = args.rollout.n_samples
     idx = data.batch_indices(len(train_set), args.rollout.batch_size, step, args.train.seed + 7919 * round_)
     mine = placement.split_contiguous(list(range(len(idx))), run.world)[run.rank]
     base = args.train.seed * 1_000_003 + step * 10_007 + round_
-    return run.executor.run([train_set[idx[j]] for j in mine], G, [base + j * G for j in mine], step)
+    return [train_set[idx[j]] for j in mine], [base + j * G for j in mine]
+
+
+def generate(run: Run, args, train_set: list[dict], step: int, round_: int = 0) -> Rollout:
+    """This rank's share of the step's prompts (`step_prompts`), `--rollout.n-samples` episodes each."""
+    prompts, seeds = step_prompts(run, args, train_set, step, round_)
+    return run.executor.run(prompts, args.rollout.n_samples, seeds, step)
 
 
 def refill(ro: Rollout, keep, more, G: int, max_rounds: int) -> Rollout:
@@ -432,13 +439,21 @@ def sequences(episodes: list[Episode], pad_id: int, device, packed: bool = True)
     generated (the episode's action mask), `rollout_logp` holds the engine's log-probs at the same positions. Every
     per-token quantity of the update (advantages, old and reference log-probs, values) lives in this (B, L) layout;
     the model forwards pack the real tokens padding-free (`model_inputs`) unless `packed` is False (`--train.no-
-    packing`: the padded forward, the reference the packed one is tested against)."""
+    packing`: the padded forward, the reference the packed one is tested against). Episodes that carry `versions`
+    (grpo_async's partial rollout: the weights version that sampled each response token) give a `versions` table
+    too, −1 off the responses."""
     examples = [{"input_ids": e.prompt_ids + e.token_ids, "loss_mask": [0] * len(e.prompt_ids) + e.action_mask}
                 for e in episodes]  # fmt: skip
     batch = packing.collate_padded(examples, pad_id, device)
     batch["rollout_logp"] = torch.zeros(batch["loss_mask"].shape)
+    tagged = bool(episodes) and all(hasattr(e, "versions") for e in episodes)
+    if tagged:
+        batch["versions"] = torch.full(batch["loss_mask"].shape, -1, dtype=torch.long)
     for row, e in enumerate(episodes):
-        batch["rollout_logp"][row, len(e.prompt_ids) : len(e.prompt_ids) + len(e.token_ids)] = torch.tensor(e.logprobs)
+        response = slice(len(e.prompt_ids), len(e.prompt_ids) + len(e.token_ids))
+        batch["rollout_logp"][row, response] = torch.tensor(e.logprobs)
+        if tagged:
+            batch["versions"][row, response] = torch.tensor(e.versions, dtype=torch.long)
     batch["packed"] = packed
     return batch
 

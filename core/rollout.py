@@ -28,6 +28,8 @@ results/gpu/)."""
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import logging
 import os
 import random
@@ -103,6 +105,9 @@ class Sample:
     """`stop` (eos or a stop token), `length` (hit max_new_tokens or the context), `abort`."""
     truncated: bool
     """the response was cut at max_new_tokens (or the context length) without an eos: finish_reason == `length`."""
+    versions: list[int] | None = None
+    """partial rollout (`generate_segment`): one per token, the version of the weights that sampled it; None when
+    the caller does not track versions."""
 
 
 class EngineError(RuntimeError):
@@ -707,6 +712,63 @@ class RolloutEngines:
             else:
                 engine.llm.llm_engine.engine_core.shutdown()  # vllm 0.32: InprocClient.shutdown
         self.engines = []
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Partial rollout: a response generated in segments, each under the weights the engines hold when it is generated
+
+
+def segment_seed(seed: int | None, segment: int) -> int | None:
+    """The sampling seed of segment `segment` of a response whose own seed is `seed`. Segment 0 keeps it, so a response
+    that is never interrupted is the very sample an uninterrupted call draws; a continuation gets a seed mixed from
+    (seed, segment), so it neither replays the response's random stream from its start nor takes a neighbour's seed
+    (the seeds of a batch are consecutive integers)."""
+    if seed is None or segment == 0:
+        return seed
+    return int.from_bytes(hashlib.sha256(f"{seed}/{segment}".encode()).digest()[:7], "little")
+
+
+def generate_segment(engines: RolloutEngines, prompt_token_ids: list[list[int]], n: int, max_new_tokens: int,
+                     until: int, segment: int, version: int, groups: list[list[Sample]] | None = None,
+                     temperature: float = 1.0, top_p: float = 1.0,
+                     seed: int | list[int] | None = None) -> list[list[Sample]]:  # fmt: skip
+    """One segment of a partial rollout: every response grows to at most `until` tokens (capped at `max_new_tokens`)
+    under the weights the engines hold now, its new tokens tagged `version` (`Sample.versions`). Returns the groups,
+    n samples per prompt as `RolloutEngines.generate` gives them.
+
+    Segment 0 (`groups` None) is `generate(prompts, n, until, seed=seed)`: the same requests as an uninterrupted
+    generation, cut at `until` tokens. A later segment continues each response of `groups` that stopped only because
+    its segment ended (finish `length` at the previous cut, below `max_new_tokens`) as a request of its own: the prompt
+    followed by the response so far, token ids in and out (nothing is decoded and re-tokenised), seeded by
+    `segment_seed(its sample's seed, segment)`; the engines' prefix cache was reset at the weight sync, so the old
+    tokens' keys and values are recomputed under the new weights. Its tokens and log-probs are appended; a response
+    that stopped (a stop token, the context) or reached `max_new_tokens` is kept as it is. Seeds as in `generate`:
+    sample j of prompt i has `seed[i] + j` (a list) or `seed + i * n + j` (an int)."""
+    until = min(until, max_new_tokens)
+    if groups is None:
+        groups = engines.generate(prompt_token_ids, n=n, max_new_tokens=until, temperature=temperature, top_p=top_p,
+                                  seed=seed)  # fmt: skip
+        return [[dataclasses.replace(s, versions=[version] * len(s.token_ids)) for s in g] for g in groups]
+    todo = [(i, j) for i, g in enumerate(groups) for j, s in enumerate(g)
+            if s.finish_reason == "length" and len(s.token_ids) < max_new_tokens]  # fmt: skip
+    done = {len(groups[i][j].token_ids) for i, j in todo}
+    assert len(done) <= 1, f"responses cut at different lengths {sorted(done)}: not one segment boundary"
+    if not todo or until <= min(done):
+        return groups
+    done = done.pop()
+
+    def sample_seed(i: int, j: int) -> int | None:
+        return None if seed is None else (seed[i] if isinstance(seed, list) else seed + i * n) + j
+
+    outs = engines.generate([list(prompt_token_ids[i]) + groups[i][j].token_ids for i, j in todo], n=1,
+                            max_new_tokens=until - done, temperature=temperature, top_p=top_p,
+                            seed=[segment_seed(sample_seed(i, j), segment) for i, j in todo])  # fmt: skip
+    out = [list(g) for g in groups]
+    for (i, j), (new,) in zip(todo, outs, strict=True):
+        old = groups[i][j]
+        out[i][j] = Sample(old.token_ids + new.token_ids, old.logprobs + new.logprobs, new.finish_reason,
+                           new.truncated, old.versions + [version] * len(new.token_ids))  # fmt: skip
+    return out
 
 
 def create_engines(model_path: str, cfg: VLLMConfig, seed: int = 0, actor_options: list[dict] | None = None,
