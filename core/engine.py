@@ -368,18 +368,41 @@ def gathered_state_dict(engine) -> dict[str, torch.Tensor] | None:
         return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
 
 
+_LAYER_PREFIX = re.compile(r"^(.*?\.layers\.\d+)\.")
+
+
+def gather_groups(named: list[tuple[str, torch.nn.Parameter]]) -> list[list[tuple[str, torch.nn.Parameter]]]:
+    """Consecutive parameters split into the groups gathered together for weight sync: one decoder layer
+    (`...layers.N.`) per group, each other parameter alone (embeddings, final norm, head: the large ones)."""
+    groups: list[list[tuple[str, torch.nn.Parameter]]] = []
+    key = None
+    for name, p in named:
+        m = _LAYER_PREFIX.match(name)
+        k = m.group(1) if m else None
+        if k is None or k != key:
+            groups.append([])
+        groups[-1].append((name, p))
+        key = k
+    return groups
+
+
 def full_named_parameters(engine):
-    """Yield (name, full tensor) for every trainer parameter, for weight sync. Under ZeRO-3 each parameter is gathered
-    just in time and copied out (collective: every rank must iterate to the end); otherwise the live tensors."""
+    """Yield (name, full tensor) for every trainer parameter, for weight sync. Under ZeRO-3 a decoder layer's
+    parameters are gathered together (one coalesced all-gather per layer, `gather_groups`) and copied out before the
+    next layer is gathered, so one layer is held at a time (collective: every rank must iterate to the end);
+    otherwise the live tensors. Gathering parameter by parameter cost a collective each: ~290 for a 24-layer Qwen2,
+    about three quarters of a 0.5B-shaped model's sync on 2 CPU ranks."""
     import deepspeed
 
-    zero3 = engine.zero_optimization_stage() == 3
-    for name, p in engine.module.named_parameters():
-        if zero3:
-            with deepspeed.zero.GatheredParameters([p], modifier_rank=None):
-                yield name, p.detach().clone()
-        else:
+    named = list(engine.module.named_parameters())
+    if engine.zero_optimization_stage() != 3:
+        for name, p in named:
             yield name, p.detach()
+        return
+    for group in gather_groups(named):
+        with deepspeed.zero.GatheredParameters([p for _, p in group], modifier_rank=None):
+            full = [(name, p.detach().clone()) for name, p in group]
+        yield from full
 
 
 @contextmanager

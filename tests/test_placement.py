@@ -106,6 +106,12 @@ def _gathered(worker) -> dict | None:
     return gathered_state_dict(worker.engine)
 
 
+def _full_named(worker) -> list[tuple[str, torch.Tensor]]:
+    from core.engine import full_named_parameters
+
+    return [(n, t.clone()) for n, t in full_named_parameters(worker.engine)]
+
+
 def _train_step(worker, chunk: list[list[int]]) -> list[float]:
     """One optimizer step on this rank's sequences (next-token loss on every real token)."""
     from core.packing import collate_padded
@@ -179,6 +185,16 @@ def test_split_contiguous_keeps_order_and_balance(n, length):
     assert max(sizes) - min(sizes) <= 1 and sizes == sorted(sizes, reverse=True)
 
 
+def test_gather_groups_put_a_decoder_layer_together_and_everything_else_alone():
+    from core.engine import gather_groups
+
+    names = ["model.embed_tokens.weight", "model.layers.0.q.weight", "model.layers.0.q.bias", "model.layers.1.q.weight",
+             "model.layers.10.mlp.w", "model.layers.10.norm.weight", "model.norm.weight", "lm_head.weight"]  # fmt: skip
+    groups = gather_groups([(n, i) for i, n in enumerate(names)])
+    assert [[n for n, _ in g] for g in groups] == [names[:1], names[1:3], names[3:4], names[4:6], names[6:7], names[7:]]
+    assert [i for g in groups for _, i in g] == list(range(len(names)))  # order kept, nothing lost
+
+
 def test_rollout_engines_pickle_only_as_actors():
     cfg = rollout.VLLMConfig(num_engines=2, in_process=False)
     engines = rollout.RolloutEngines(["h0", "h1"], ["e0", "e1"], cfg, actors=True, dtype=torch.float32)
@@ -238,6 +254,11 @@ def test_zero3_group_trains_then_syncs_weights_to_a_vllm_actor(pair, tiny_path):
         probe = [[1, 5, 9, 13, 17, 21, 25, 29, 33, 37], [1, 40, 41, 42, 43, 44]]
         assert pair.check_weights(probe, atol=ATOL) <= ATOL  # both start from the same checkpoint
         before = pair.run(_gathered)[0]
+        # what the weight sync sends: every parameter in named_parameters order, equal to the gathered model, on both
+        # ranks (the gather is per decoder layer: each rank must walk the same groups)
+        for named in pair.run(_full_named):
+            assert [n for n, _ in named] == [n for n in before if n != "lm_head.weight"]  # tied to the embeddings
+            assert all(torch.equal(t, before[n]) for n, t in named)
 
         # one hybrid-engine iteration: generate, sleep, reload, train, offload, wake the weights, sync, wake the rest
         groups = engines.generate([[1, 5, 9], [1, 7, 3]], n=2, max_new_tokens=12, temperature=1.0, seed=0)
