@@ -3,7 +3,7 @@
 #
 #   bash results/gpu/run.sh            # = all: environment, GPU tests, GPU benchmarks, RL runs with vLLM
 #   bash results/gpu/run.sh tests      # tests/test_gpu.py (DeepSpeed over NCCL, packing, hybrid engine, CUDA IPC sync)
-#   bash results/gpu/run.sh bench      # weight transports; SFT and DPO against TRL (tests/benchmarks/)
+#   bash results/gpu/run.sh bench      # weight transports; SFT and DPO against TRL; packed RL step; LM-head memory
 #   bash results/gpu/run.sh rl         # grpo.py on the GPU with vLLM, --debug after every sync; with 2+ GPUs also
 #                                      #   --train.ranks 2 with the NCCL weight broadcast to a separate engine GPU
 #
@@ -61,7 +61,9 @@ if [[ $MODE == bench || $MODE == all ]]; then
         $PY tests/benchmarks/bench_sft.py --steps 20 --workload mixed --model qwen2-0.5b-shaped --bf16"
     part bench_dpo_gpu 600 bash -c "$PY tests/benchmarks/bench_dpo.py &&
         $PY tests/benchmarks/bench_dpo.py --steps 10 --batch 8 64 --model qwen2-0.5b-shaped --bf16"
-    part bench_rl_packing 600 $PY tests/benchmarks/bench_rl_packing.py
+    part bench_rl_packing 600 $PY tests/benchmarks/bench_rl_packing.py --device cuda
+    part bench_head_memory 600 bash -c "$PY tests/benchmarks/bench_head_memory.py --device cuda &&
+        $PY tests/benchmarks/bench_head_memory.py --device cuda --model"
 fi
 if [[ $MODE == rl || $MODE == all ]]; then
     if [ "$HAS_VLLM" = 1 ]; then

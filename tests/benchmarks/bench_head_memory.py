@@ -16,6 +16,9 @@ randomly initialised Qwen2.5-0.5B-shaped model (hidden 896, MLP 4864, 14 heads, 
 the target rows only (no logits); the extra peak of `chunked` and `full` over `floor` is what the logits cost:
 
     .venv/bin/python tests/benchmarks/bench_head_memory.py --model
+
+`--device cuda`: the same on a GPU, where the extra peak is the CUDA caching allocator's peak of allocated memory
+(`torch.cuda.max_memory_allocated`) above what was allocated before the step.
 """
 
 from __future__ import annotations
@@ -43,16 +46,45 @@ def reset_peak() -> None:
     Path("/proc/self/clear_refs").write_text("5")
 
 
-def one_mode(mode: str, tokens: int, hidden: int, vocab: int, chunk: int) -> dict:
+class Peak:
+    """Memory held now and the peak since `reset()`, in GiB: resident memory on the CPU, the CUDA allocator's
+    allocated bytes on a GPU."""
+
+    def __init__(self, device: str):
+        import torch
+
+        self.torch, self.cuda = torch, device.startswith("cuda")
+
+    def now(self) -> float:
+        if self.cuda:
+            self.torch.cuda.synchronize()
+            return self.torch.cuda.memory_allocated() / 2**30
+        return status_gib("VmRSS")
+
+    def reset(self) -> None:
+        if self.cuda:
+            self.torch.cuda.reset_peak_memory_stats()
+        else:
+            reset_peak()
+
+    def peak(self) -> float:
+        if self.cuda:
+            self.torch.cuda.synchronize()
+            return self.torch.cuda.max_memory_allocated() / 2**30
+        return status_gib("VmHWM")
+
+
+def one_mode(mode: str, tokens: int, hidden: int, vocab: int, chunk: int, device: str = "cpu") -> dict:
     sys.path.insert(0, str(ROOT))
     import torch
 
     from core import rl_math
 
     torch.manual_seed(0)
-    h = (torch.randn(tokens, hidden) / hidden**0.5).requires_grad_()
-    w = (torch.randn(vocab, hidden) / hidden**0.5).requires_grad_()
-    y = torch.randint(0, vocab, (tokens,))
+    h = (torch.randn(tokens, hidden) / hidden**0.5).to(device).requires_grad_()
+    w = (torch.randn(vocab, hidden) / hidden**0.5).to(device).requires_grad_()
+    y = torch.randint(0, vocab, (tokens,)).to(device)
+    mem = Peak(device)
 
     def step(n: int) -> None:
         if mode == "floor":  # no logits at all: what any path spends on the head's (V, H) weight gradient
@@ -67,18 +99,19 @@ def one_mode(mode: str, tokens: int, hidden: int, vocab: int, chunk: int) -> dic
         (logp.sum() - 0.01 * ent.sum()).backward()
 
     step(8)  # warm-up: gradient buffers of h and w exist from here on
-    before = status_gib("VmRSS")
-    reset_peak()
+    before = mem.now()
+    mem.reset()
     t0 = time.perf_counter()
     step(tokens)
+    peak = mem.peak()
     seconds = time.perf_counter() - t0
-    peak = status_gib("VmHWM")
-    return {"mode": mode, "tokens": tokens, "vocab": vocab, "chunk": chunk if mode == "chunked" else None,
-            "extra_peak_gib": round(peak - before, 3), "seconds": round(seconds, 1),
+    return {"mode": mode, "device": device, "tokens": tokens, "vocab": vocab, "chunk": chunk if mode == "chunked" else None,
+            "extra_peak_gib": round(peak - before, 3), "seconds": round(seconds, 3),
+            "gpu": torch.cuda.get_device_name() if device.startswith("cuda") else None,
             "full_logits_gib": round(tokens * vocab * 4 / 2**30, 3)}  # fmt: skip
 
 
-def one_model_mode(mode: str, layers: int, seqs: int, seq_len: int) -> dict:
+def one_model_mode(mode: str, layers: int, seqs: int, seq_len: int, device: str = "cpu") -> dict:
     sys.path.insert(0, str(ROOT))
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
@@ -90,7 +123,8 @@ def one_model_mode(mode: str, layers: int, seqs: int, seq_len: int) -> dict:
     config = Qwen2Config(vocab_size=151_936, hidden_size=896, intermediate_size=4864, num_hidden_layers=layers,
                          num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=2048,
                          tie_word_embeddings=True, attn_implementation="sdpa")  # fmt: skip
-    model = Qwen2ForCausalLM(config).to(torch.bfloat16)
+    model = Qwen2ForCausalLM(config).to(torch.bfloat16).to(device)
+    mem = Peak(device)
     if mode == "floor":  # the head's weight gradient without logits: h · W[y] per target
         rl_math.head_logprobs = lambda h, w, y, t, c, e: ((h * w[y]).sum(-1).float(), (h * w[y]).sum(-1).float())
     elif mode == "full":
@@ -98,23 +132,24 @@ def one_model_mode(mode: str, layers: int, seqs: int, seq_len: int) -> dict:
     prompt = 32
     episodes = [Episode({}, list(range(3, 3 + prompt)), [(7 * i + k) % 151_900 + 3 for k in range(seq_len - prompt)],
                         [0.0] * (seq_len - prompt), [1] * (seq_len - prompt), False) for i in range(seqs)]  # fmt: skip
-    batch = rl.sequences(episodes, 0, torch.device("cpu"))
+    batch = rl.sequences(episodes, 0, torch.device(device))
 
     def step(b: dict) -> None:
         logp, ent = rl.forward_logp(model, b, 1.0, entropy=True)
         (logp.sum() - 0.01 * ent.sum()).backward()
 
     step(rl.rows(batch, [0]))  # warm-up on one sequence: the parameters' gradient buffers exist from here on
-    before = status_gib("VmRSS")
-    reset_peak()
+    before = mem.now()
+    mem.reset()
     t0 = time.perf_counter()
     step(batch)
+    peak = mem.peak()
     seconds = time.perf_counter() - t0
-    peak = status_gib("VmHWM")
     tokens = seqs * seq_len
-    return {"mode": mode, "tokens": tokens, "targets": int(batch["loss_mask"].sum()), "vocab": 151_936,
+    return {"mode": mode, "device": device, "tokens": tokens, "targets": int(batch["loss_mask"].sum()), "vocab": 151_936,
             "layers": layers, "chunk": 2**25 // 151_936 if mode == "chunked" else None,
-            "extra_peak_gib": round(peak - before, 3), "seconds": round(seconds, 1),
+            "extra_peak_gib": round(peak - before, 3), "seconds": round(seconds, 3),
+            "gpu": torch.cuda.get_device_name() if device.startswith("cuda") else None,
             "full_logits_gib": round(tokens * 151_936 * 4 / 2**30, 3)}  # fmt: skip
 
 
@@ -126,20 +161,26 @@ def main() -> None:
     p.add_argument("--chunk", type=int, default=256)
     p.add_argument("--model", action="store_true", help="a whole micro-step of a 0.5B-shaped model (see above)")
     p.add_argument("--layers", type=int, default=24, help="--model: decoder layers")
-    p.add_argument("--mode", choices=["floor", "full", "chunked"], help="run one mode in this process (used internally)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda")
+    p.add_argument(
+        "--mode", choices=["floor", "full", "chunked"], help="run one mode in this process (used internally)"
+    )
     a = p.parse_args()
     if a.mode:
-        row = one_model_mode(a.mode, a.layers, 8, a.tokens // 8) if a.model else one_mode(a.mode, a.tokens, a.hidden,
-                                                                                            a.vocab, a.chunk)  # fmt: skip
+        if a.model:
+            row = one_model_mode(a.mode, a.layers, 8, a.tokens // 8, a.device)
+        else:
+            row = one_mode(a.mode, a.tokens, a.hidden, a.vocab, a.chunk, a.device)
         print(json.dumps(row))
         return
     rows = []
     for mode in ("floor", "full", "chunked"):
         cmd = [sys.executable, __file__, "--mode", mode, "--tokens", str(a.tokens), "--hidden", str(a.hidden),
-               "--vocab", str(a.vocab), "--chunk", str(a.chunk), "--layers", str(a.layers)] + (["--model"] if a.model
+               "--vocab", str(a.vocab), "--chunk", str(a.chunk), "--layers", str(a.layers), "--device", a.device] + (["--model"] if a.model
                                                                                                else [])  # fmt: skip
         out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
         rows.append(json.loads(out))
+    print(f"device {a.device}" + (f" ({rows[0].get('gpu')})" if rows[0].get("gpu") else ""))
     print(f"{'mode':<8} {'tokens':>6} {'vocab':>7} {'chunk':>5} {'extra peak GiB':>14} {'s':>6}")
     for r in rows:
         print(f"{r['mode']:<8} {r['tokens']:>6} {r['vocab']:>7} {r['chunk'] or '-':>5} {r['extra_peak_gib']:>14} "

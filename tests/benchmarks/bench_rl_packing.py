@@ -8,7 +8,8 @@ one forward and backward of every sequence) from the same initial weights. Repor
 computed (the forward inputs' elements) over real tokens, and the step's wall time (median of --reps after one
 warm-up), all in one run. Run:
 
-    .venv/bin/python tests/benchmarks/bench_rl_packing.py            # a table and a JSON line
+    .venv/bin/python tests/benchmarks/bench_rl_packing.py                  # a table and a JSON line
+    .venv/bin/python tests/benchmarks/bench_rl_packing.py --device cuda    # the same on a GPU (NCCL, FusedAdam)
 """
 
 from __future__ import annotations
@@ -72,6 +73,7 @@ def main() -> None:
     ap.add_argument("--micro-batch-size", type=int, default=8)
     ap.add_argument("--max-tokens-per-micro", type=int, default=4096)
     ap.add_argument("--reps", type=int, default=2)
+    ap.add_argument("--device", default="cpu", help="cpu or cuda")
     opts = ap.parse_args()
 
     import torch
@@ -82,17 +84,22 @@ def main() -> None:
     from core.config import DSConfig, ModelConfig
 
     torch.set_num_threads(1)
-    ds_engine.init_distributed("gloo")
+    cuda = opts.device.startswith("cuda")
+    ds_engine.init_distributed("nccl" if cuda else "gloo")
     path = build_model(Path(tempfile.mkdtemp()) / "model", opts.hidden, opts.layers)
     tokenizer = models.load_tokenizer(path)
     episodes = rollout(opts.episodes, len(tokenizer), opts.min_len, opts.max_len)
     real = sum(len(e.prompt_ids) + len(e.token_ids) for e in episodes)
-    run = SimpleNamespace(rank=0, world=1, device=torch.device("cpu"))
-    modes = {"padded": (False, None), "packed": (True, None), "packed + token budget": (True, opts.max_tokens_per_micro)}
+    run = SimpleNamespace(rank=0, world=1, device=torch.device(opts.device))
+    modes = {
+        "padded": (False, None),
+        "packed": (True, None),
+        "packed + token budget": (True, opts.max_tokens_per_micro),
+    }
     rows = []
     for name, (packed, budget) in modes.items():
         torch.manual_seed(0)
-        model = models.load_causal_lm(ModelConfig(name_or_path=path, dtype="fp32"))
+        model = models.load_causal_lm(ModelConfig(name_or_path=path, dtype="fp32")).to(run.device)
         attn = model.config._attn_implementation
         engine = ds_engine.make_engine(model, DSConfig(), lr=1e-6, total_steps=100)
         computed = []
@@ -101,12 +108,14 @@ def main() -> None:
         args.train.minibatches, args.train.epochs = 1, 1
         args.train.micro_batch_size, args.train.max_tokens_per_micro = opts.micro_batch_size, budget
         seqs = rl.sequences(episodes, tokenizer.pad_token_id, run.device, packed)
-        adv = torch.linspace(-1.0, 1.0, len(episodes))
+        adv = torch.linspace(-1.0, 1.0, len(episodes), device=run.device)
         times = []
         for rep in range(opts.reps + 1):
             computed.clear()
             t0 = time.perf_counter()
             stats = grpo.update(engine, None, seqs, adv, args, run, step=rep, kl_coef=0.0)
+            if cuda:
+                torch.cuda.synchronize()
             times.append(time.perf_counter() - t0)
         rows.append({"mode": name, "micro_batches": len(computed), "computed_positions": sum(computed),
                      "real_tokens": real, "computed_per_real": sum(computed) / real,
@@ -114,8 +123,11 @@ def main() -> None:
         print(f"{name:>22}: {len(computed):3d} micro-batches, computed/real {sum(computed) / real:.3f}, "
               f"step {rows[-1]['step_s']:.2f} s", flush=True)  # fmt: skip
     base = rows[0]["step_s"]
-    print(f"\n{opts.episodes} episodes, responses {opts.min_len}-{opts.max_len} tokens, {real} real tokens; "
-          f"Qwen2-shaped hidden {opts.hidden} x {opts.layers} layers, fp32, attention {rows[0]['attn']}, 1 thread")
+    print(
+        f"\n{opts.episodes} episodes, responses {opts.min_len}-{opts.max_len} tokens, {real} real tokens; "
+        f"Qwen2-shaped hidden {opts.hidden} x {opts.layers} layers, fp32, attention {rows[0]['attn']}, "
+        + (torch.cuda.get_device_name() if cuda else "CPU, 1 thread")
+    )
     print(f"{'mode':>22} | micro-batches | computed / real | step s | vs padded")
     for r in rows:
         print(f"{r['mode']:>22} | {r['micro_batches']:13d} | {r['computed_per_real']:15.3f} | {r['step_s']:6.2f} | "
