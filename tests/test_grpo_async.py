@@ -109,23 +109,27 @@ def _rows(run_dir: Path) -> list[dict]:
 @pytest.mark.slow
 def test_lag_zero_trains_exactly_like_grpo(tmp_path, one_thread):
     """With --train.max-lag 0 and no IS weight the pipeline is synchronous GRPO: the same samples (the engine is a
-    Ray actor here, in-process there; both seeded per request) and the same updates, step for step."""
+    Ray actor here, in-process there; both seeded per request) and the same updates, step for step. So is it with
+    partial rollout (`--train.partial-rollout 2`): at lag 0 no sync falls inside a step, every token is fresh."""
     from algos import grpo, grpo_async
 
     rows = {}
-    for name, mod in (("sync", grpo), ("async", grpo_async)):
+    for name, mod in (("sync", grpo), ("async", grpo_async), ("partial", grpo_async)):
         args = mod.Args()
         args.train.max_steps, args.rollout.batch_size, args.eval.every = 3, 16, 0
         args.logger.quiet, args.logger.tensorboard = True, False
         args.run_dir = str(tmp_path / name)
-        if name == "async":
+        if mod is grpo_async:
             args.train.max_lag, args.algo.is_correction = 0, None
+            args.train.partial_rollout = 2 if name == "partial" else None
         mod.main(args)
         rows[name] = _rows(tmp_path / name)
-    assert [r["rollout/lag"] for r in rows["async"]] == [0, 0, 0]
-    for a, b in zip(rows["sync"], rows["async"], strict=True):
-        for key in ("rollout/reward_mean", "rollout/response_len_mean", "loss/policy", "train/grad_norm"):
-            assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), key
+    assert [r["rollout/lag"] for r in rows["async"]] == [r["rollout/lag"] for r in rows["partial"]] == [0, 0, 0]
+    assert all(r["rollout/versions_per_sample"] == 1 and r["rollout/stale_token_frac"] == 0 for r in rows["partial"])
+    for name in ("async", "partial"):
+        for a, b in zip(rows["sync"], rows[name], strict=True):
+            for key in ("rollout/reward_mean", "rollout/response_len_mean", "loss/policy", "train/grad_norm"):
+                assert b[key] == pytest.approx(a[key], rel=1e-5, abs=1e-7), (name, key)
 
 
 @pytest.mark.slow

@@ -248,3 +248,37 @@ def test_tokens_are_tagged_with_the_weights_that_sampled_them_across_a_sync(tmp_
     assert rows[1]["rollout/versions_per_sample"] == 1 and rows[1]["rollout/stale_token_frac"] == 0
     for s in (2, 3):
         assert 1 < rows[s]["rollout/versions_per_sample"] <= 2 and 0 < rows[s]["rollout/stale_token_frac"] < 1
+
+
+@pytest.mark.slow
+def test_halt_while_a_step_is_paused_and_resume_reproduces_the_uninterrupted_run(tmp_path, monkeypatch, one_thread):
+    """Lag 1, first segment 2 tokens: 4 steps straight vs 2 steps, halt, resume. The checkpoint of step 2 is taken
+    while step 3 waits at its sync with its first segment generated (by the weights of update 1, which the resumed
+    run no longer has): it carries that segment, and the resumed run continues it under update 2's weights, so steps
+    3 and 4 equal the uninterrupted run's."""
+    from algos import grpo_async
+    from core import producer
+
+    carried = []
+    init = producer.Pipeline.__init__
+
+    def record(self, produce, first, last, lag, carried_steps, world=1):
+        carried.append({t: type(r).__name__ for t, r in carried_steps.items()})
+        init(self, produce, first, last, lag, carried_steps, world)
+
+    monkeypatch.setattr(producer.Pipeline, "__init__", record)
+    straight, part = (_small_args(tmp_path / name, steps=4, lag=1, cut=2) for name in ("straight", "part"))
+    straight.eval.every = part.eval.every = 2
+    grpo_async.main(straight)
+    part.train.halt_after = 2
+    assert grpo_async.main(part)["halted"]
+    part.train.halt_after = None
+    grpo_async.main(part)
+    assert carried == [{}, {}, {2: "InFlight"}]  # step 3 (index 2) paused inside, carried by the checkpoint
+    expected, resumed = _rows(tmp_path / "straight"), _rows(tmp_path / "part")
+    assert expected[4]["rollout/versions_per_sample"] > 1
+    for step in (3, 4):
+        for key in ("rollout/reward_mean", "rollout/response_len_mean", "rollout/versions_per_sample",
+                    "rollout/stale_token_frac", "loss/policy", "loss/is_weight", "eval/pass@1"):  # fmt: skip
+            if key in expected[step]:
+                assert resumed[step][key] == pytest.approx(expected[step][key], rel=1e-5, abs=1e-6), (step, key)
