@@ -86,7 +86,19 @@ class DSConfig:
     offload_params: bool = False
     """keep ZeRO-3 parameter shards in CPU memory."""
     grad_clip: float = 1.0
-    """global gradient-norm clipping (0 disables)."""
+    """global gradient-norm clipping (0 disables). With `--ds.optimizer muon` at ZeRO >= 1 it must be 0: DeepSpeed
+    0.19.8 orthogonalises the Muon matrices' gradients before it clips, so it would clip the updates, not the
+    gradients (see docs/guide.md, Optimizers)."""
+    optimizer: Literal["adamw", "muon"] = "adamw"
+    """`adamw`: AdamW on every trainable parameter. `muon`: Muon (Jordan et al. 2024, momentum orthogonalised by
+    Newton-Schulz; DeepSpeed's `MuonWithAuxAdam`) on the decoder layers' 2-D weight matrices at `muon-lr`, AdamW at
+    the script's lr on the rest (embeddings, LM head, norms, biases, value heads). Both follow the script's warmup and
+    cosine schedule. ZeRO 0-3; not with LoRA."""
+    muon_lr: float = 0.02
+    """with `--ds.optimizer muon`: peak learning rate of the Muon matrices (their orthogonalised updates have
+    singular values near 1, whatever the gradient's scale, so Muon takes a larger lr than AdamW)."""
+    muon_momentum: float = 0.95
+    """with `--ds.optimizer muon`: Muon's (Nesterov) momentum."""
     backend: Literal["auto", "nccl", "gloo"] = "auto"
     """torch.distributed backend: `auto` is nccl with CUDA, gloo on CPU."""
     timeout_s: int = 600
@@ -178,6 +190,10 @@ class ActorArgs:
     """importance ratio per token (PPO/GRPO) or per sequence (GSPO, Zheng et al. 2025)."""
     entropy_coef: float = 0.0
     """entropy bonus coefficient (0: off, no extra memory)."""
+    ema_beta: float = 0.0
+    """β of an exponential moving average of the policy's weights, ema ← β·ema + (1 − β)·θ after every optimizer
+    step, starting from the initial weights; exported beside the final model to `<run>/hf_ema/` and carried in
+    checkpoints (ZeRO-3: each rank keeps its own partition). 0: off."""
 
 
 @dataclass
@@ -271,18 +287,18 @@ POSITIVE = frozenset({
     "dynamic_filter_max_rounds", "kl_horizon", "ref_pairs_per_forward", "ref_seqs_per_forward", "sleep_level",
     # rates, scales and limits that have no "off" at 0
     "lr", "temperature", "top_p", "beta", "clip", "kl_target", "timeout_s", "sync_bucket_mb", "kv_cache_gib",
-    "gpu_memory_utilization", "agent_concurrency", "agent_timeout_s",
+    "gpu_memory_utilization", "agent_concurrency", "agent_timeout_s", "muon_lr",
 })  # fmt: skip
 NON_NEGATIVE = frozenset({
     # 0 means off, none or "from the start"
     "every", "keep_last", "warmup_steps", "lr_warmup_steps", "seed", "max_lag", "retries", "lora_rank", "lora_dropout",
     "overlong_buffer", "overlong_penalty_factor", "kl_coef", "entropy_coef", "nll_coef", "weight_decay", "grad_clip",
     "min_lr_ratio", "label_smoothing", "clip_low", "clip_high", "value_clip", "desirable_weight",
-    "undesirable_weight", "gamma", "lam", "stop_at_accuracy",
+    "undesirable_weight", "gamma", "lam", "stop_at_accuracy", "muon_momentum", "ema_beta",
 })  # fmt: skip
 # fractions and probabilities (on top of the rules above)
 AT_MOST_ONE = frozenset({"top_p", "gpu_memory_utilization", "min_lr_ratio", "lora_dropout", "gamma", "lam",
-                         "stop_at_accuracy"})  # fmt: skip
+                         "stop_at_accuracy", "muon_momentum", "ema_beta"})  # fmt: skip
 MODEL_PATHS = frozenset({"name_or_path", "tokenizer", "model"})  # str fields naming a model; local ones must exist
 FLOAT32_MAX = 3.4028234663852886e38  # every float flag ends up in float32 tensors (rewards, losses, clip bounds)
 

@@ -119,6 +119,8 @@ def ds_config(ds: DSConfig, dtype: torch.dtype, stage: int) -> dict:
         zero["offload_param"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
     if stage == 3:
         zero["stage3_gather_16bit_weights_on_model_save"] = True
+    if ds.optimizer == "muon":
+        zero["reduce_scatter"] = False  # DeepSpeed 0.19.8's ZeRO-3 refuses Muon with it; tested off at 0-3
     return {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
@@ -165,28 +167,87 @@ def fused_adam(params, lr: float, betas: tuple[float, float], weight_decay: floa
         return None
 
 
+def muon_split(model) -> tuple[list[tuple[str, torch.nn.Parameter]], list[tuple[str, torch.nn.Parameter]]]:
+    """The trainable parameters as (Muon, AdamW) lists of (name, parameter): the 2-D weight matrices inside the
+    decoder layers (`...layers.N....weight`: attention and MLP projections) go to Muon; embeddings, the LM head,
+    norms, biases and anything outside the layers (a value head) to AdamW."""
+    muon, adamw = [], []
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            (muon if p.ndim == 2 and _LAYER_PREFIX.match(name) else adamw).append((name, p))
+    return muon, adamw
+
+
+def _eager_muon_kernels() -> None:
+    """DeepSpeed 0.19.8 wraps its Muon update and Newton-Schulz functions in torch.compile, which on CPU compiles C++
+    kernels per matrix shape (30-130 s before the first step of the tiny model on 2 cores, for no gain at that size):
+    on CPU, put the plain functions back. Every caller imports them from `original_muon` when it runs, except
+    `muon_optimizer`, which holds its own reference."""
+    from deepspeed.runtime.zero.muon import muon_optimizer, original_muon
+
+    for name in ("muon_update", "zeropower_via_newtonschulz5", "zeropower_via_gram_newtonschulz"):
+        fn = getattr(original_muon, name)
+        setattr(original_muon, name, getattr(fn, "_torchdynamo_orig_callable", fn))
+    muon_optimizer.muon_update = original_muon.muon_update
+
+
+def muon_optimizer(model, ds: DSConfig, lr: float, betas: tuple[float, float], weight_decay: float):
+    """DeepSpeed's `MuonWithAuxAdam` as a client optimizer: Muon at `ds.muon_lr` on `muon_split`'s matrices (each
+    tagged `use_muon`, the flag DeepSpeed's ZeRO optimizers read to gather a partitioned matrix whole before
+    orthogonalising it), torch AdamW at `lr` on the rest. Tested with deepspeed 0.19.8 at ZeRO 0/2/3, one and two
+    ranks, fp32 and bf16, with and without optimizer offload: the same weights as ZeRO-0 within float rounding."""
+    from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
+
+    if hasattr(model, "peft_config"):
+        raise ValueError("--ds.optimizer muon with --model.lora-rank > 0: Muon orthogonalises whole weight matrices; "
+                         "LoRA's low-rank factors are not those. Use --ds.optimizer adamw with LoRA")  # fmt: skip
+    if not torch.cuda.is_available():
+        _eager_muon_kernels()
+    muon, adamw = muon_split(model)
+    for _, p in muon:
+        p.use_muon = True
+    for _, p in adamw:
+        p.use_muon = False
+    groups = [dict(params=[p for _, p in muon], use_muon=True, lr=ds.muon_lr, momentum=ds.muon_momentum,
+                   weight_decay=weight_decay),
+              dict(params=[p for _, p in adamw], use_muon=False, lr=lr, betas=betas, eps=1e-8,
+                   weight_decay=weight_decay)]  # fmt: skip
+    return MuonWithAuxAdam([g for g in groups if g["params"]], adam_optimizer=torch.optim.AdamW)
+
+
 def cpp_compiler() -> str | None:
     """The C++ compiler torch.compile would use on CPU (`$CXX`, else g++), or None when there is none."""
     return shutil.which(os.environ.get("CXX", "g++"))
 
 
 def make_engine(model, ds: DSConfig, lr: float, total_steps: int, warmup_steps: int = 0, min_lr_ratio: float = 0.1,
-                weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.95), hybrid: bool = False):  # fmt: skip
+                weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.95), hybrid: bool = False,
+                ema_beta: float = 0.0):  # fmt: skip
     """Wrap `model` in a DeepSpeed engine with AdamW over its trainable parameters (DeepSpeed's FusedAdam on CUDA,
-    torch's on CPU) and a warmup/cosine schedule. `hybrid`: the engine's states will be moved off the GPU while vLLM
-    generates (`core.placement.offload_states`). Returns the engine; `engine.module` is the model,
-    `engine.lr_scheduler` the schedule."""
+    torch's on CPU; `--ds.optimizer muon`: `muon_optimizer`) and a warmup/cosine schedule. `hybrid`: the engine's
+    states will be moved off the GPU while vLLM generates (`core.placement.offload_states`). `ema_beta` > 0: keep an
+    EMA of the weights (`ema_init`). Returns the engine; `engine.module` is the model, `engine.lr_scheduler` the
+    schedule."""
     import deepspeed
 
     stage = zero_stage(ds, hybrid)
     if hybrid and stage == 0 and torch.cuda.is_available():
         raise ValueError("--vllm.enable-sleep with --ds.zero-stage 0: DeepSpeed cannot move a stage-0 engine's states "
                          "off the GPU; use --ds.zero-stage 2 or 3 (the default picks 2)")  # fmt: skip
+    if ds.optimizer == "muon" and stage > 0 and ds.grad_clip > 0:
+        raise ValueError(f"--ds.optimizer muon at ZeRO-{stage} with --ds.grad-clip {ds.grad_clip}: DeepSpeed 0.19.8 "
+                         "orthogonalises the Muon matrices' gradients before it clips, so it would clip the updates "
+                         "(norm ~50 for the tiny model) and shrink every step; pass --ds.grad-clip 0 (Muon's update "
+                         "does not depend on the gradient's scale) or --ds.zero-stage 0")  # fmt: skip
     dtype = next(model.parameters()).dtype
     params = [p for p in model.parameters() if p.requires_grad]
     optimizer = (
-        fused_adam(params, lr, betas, weight_decay) if torch.cuda.is_available() and not ds.offload_optimizer else None
+        fused_adam(params, lr, betas, weight_decay)
+        if torch.cuda.is_available() and not ds.offload_optimizer and ds.optimizer == "adamw"
+        else None
     )
+    if ds.optimizer == "muon":
+        optimizer = muon_optimizer(model, ds, lr, betas, weight_decay)
     if optimizer is None:  # CPU: torch AdamW (no 2-4 min CPUAdam compile; the models that train on CPU are small),
         # fused: one kernel over all tensors, 0.8 ms against 5-7 ms per step for the 1 M tiny model
         optimizer = torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay, fused=True)
@@ -210,7 +271,55 @@ def make_engine(model, ds: DSConfig, lr: float, total_steps: int, warmup_steps: 
             raise ValueError("--ds.compile on CPU needs a C++ compiler (torch.compile writes C++ kernels): install "
                              "g++ or set CXX, or leave --ds.compile off")  # fmt: skip
         engine.compile()  # compiles engine.module in place (nn.Module.compile): parameter names stay as they are
+    if ema_beta > 0:
+        ema_init(engine, ema_beta)
     return engine
+
+
+# ------------------------------------------------------------------------------- EMA of the trained weights
+def _local_weights(engine) -> dict[str, torch.Tensor]:
+    """The trainable weights this rank holds, by name: under ZeRO-3 its flat partition (`ds_tensor`), else the
+    tensors themselves (the engine's module weights; a bf16 model's are bf16 copies of DeepSpeed's fp32 masters)."""
+    out = {}
+    for name, p in engine.module.named_parameters():
+        if p.requires_grad:
+            out[name] = p.ds_tensor if getattr(p, "ds_tensor", None) is not None else p.data
+    return out
+
+
+def ema_init(engine, beta: float) -> None:
+    """Start an exponential moving average of `engine`'s trainable weights at their current values: `engine.ema`
+    holds fp32 copies of what this rank holds (ZeRO-3: its partition only, never a full copy), `engine.ema_beta` β.
+    `optimizer_step` updates it, `core.checkpoint` saves and restores it, `export_hf(..., ema=True)` exports it."""
+    engine.ema_beta = beta
+    engine.ema = {k: v.detach().float().clone() for k, v in _local_weights(engine).items()}
+
+
+@torch.no_grad()
+def ema_update(engine) -> None:
+    """ema ← β·ema + (1 − β)·θ for every trainable weight θ this rank holds; no-op without an EMA."""
+    ema = getattr(engine, "ema", None)
+    if ema is None:
+        return
+    for name, w in _local_weights(engine).items():
+        ema[name].lerp_(w.float(), 1.0 - engine.ema_beta)
+
+
+@contextmanager
+def ema_weights(engine):
+    """Within the block the engine's module holds the EMA weights (each rank its own part); the trained weights are
+    put back after, bit for bit. Only reads of the module (export, eval) belong inside."""
+    local = _local_weights(engine)
+    saved = {k: v.detach().clone() for k, v in local.items()}
+    try:
+        with torch.no_grad():
+            for k, v in local.items():
+                v.copy_(engine.ema[k])
+        yield engine
+    finally:
+        with torch.no_grad():
+            for k, v in local.items():
+                v.copy_(saved[k])
 
 
 def make_frozen(model, cfg: RefConfig, device: torch.device):
@@ -337,6 +446,7 @@ def optimizer_step(engine, step: int, name: str = "model") -> float:
         raise FloatingPointError(f"non-finite gradient of the {name} at step {step} (a NaN or inf element, so the "
                                  f"gradient norm is too): stopped before the optimizer step, weights untouched")  # fmt: skip
     engine.step()
+    ema_update(engine)  # `--actor.ema-beta`: the moving average follows every optimizer step
     return float(engine.get_global_grad_norm() or 0.0)
 
 
@@ -418,12 +528,17 @@ def _no_hf_progress_bars():
             hf_logging.enable_progress_bar()
 
 
-def export_hf(engine, tokenizer, out_dir: str | Path) -> None:
+def export_hf(engine, tokenizer, out_dir: str | Path, ema: bool = False) -> None:
     """Save an HF model folder (config, safetensors, tokenizer) that `from_pretrained` and vLLM load. LoRA adapters
     are merged into the base weights. Written to a temporary folder and renamed: a kill never leaves a half export.
-    Collective: call on every rank. Refuses (FloatingPointError naming `out_dir`) weights holding a NaN or inf."""
+    Collective: call on every rank. Refuses (FloatingPointError naming `out_dir`) weights holding a NaN or inf.
+    `ema`: export the engine's EMA weights (`ema_init`) instead of the trained ones."""
     out_dir = Path(out_dir)
-    state = gathered_state_dict(engine)
+    if ema:
+        with ema_weights(engine):
+            state = gathered_state_dict(engine)
+    else:
+        state = gathered_state_dict(engine)
     bad = [k for k, v in (state or {}).items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
     if all_reduce(len(bad)) > 0:  # every rank raises, not only rank 0, which holds the gathered weights
         raise FloatingPointError(
