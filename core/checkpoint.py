@@ -150,6 +150,9 @@ def save(engines: dict, ckpt_dir: str | Path, step: int, client_state: dict, kee
         engine.save_checkpoint(str(tmp), tag=name, client_state=client_state if name == next(iter(engines)) else {},
                                save_latest=False)  # fmt: skip
     torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
+    for name, engine in engines.items():  # `--actor.ema-beta`: this rank's part of the moving average
+        if getattr(engine, "ema", None) is not None:
+            torch.save(engine.ema, tmp / f"ema_{name}_rank{rank}.pt")
     if rank == 0:  # a group's ranks save its engine under its name (they draw no random numbers: no RNG files)
         for name, group in groups.items():
             group.run(_group_save, str(tmp), name)
@@ -220,6 +223,7 @@ def load(engines: dict, path: str | Path) -> dict:
             )
         if state is None:
             raise ValueError(f"{path}/{name}: not a loadable DeepSpeed checkpoint")
+        _load_ema(engine, path, name)
         if i == 0:
             client_state = state
     rng_file = path / f"rng_rank{_rank()}.pt"
@@ -227,6 +231,19 @@ def load(engines: dict, path: str | Path) -> dict:
         raise ValueError(f"{rng_file}: missing (checkpoint written with a different world size?)")
     set_rng_state(torch.load(rng_file, weights_only=False))
     return client_state
+
+
+def _load_ema(engine, path: Path, name: str) -> None:
+    """Restore this rank's part of an engine's EMA (`core.engine.ema_init`); a checkpoint saved without one (EMA
+    turned on at resume, with --ckpt.allow-changes) starts it at the restored weights, with a warning."""
+    if getattr(engine, "ema", None) is None:
+        return
+    f = path / f"ema_{name}_rank{_rank()}.pt"
+    if f.exists():
+        engine.ema = {k: v.to(engine.ema[k].device) for k, v in torch.load(f, weights_only=True).items()}
+        return
+    _warn(f"{f}: missing (saved without --actor.ema-beta): the EMA of the {name} starts at the restored weights")
+    ds_engine.ema_init(engine, engine.ema_beta)
 
 
 def _group_check_finite(worker, step: int, name: str) -> None:

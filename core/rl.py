@@ -231,7 +231,7 @@ def make_actor(args, device: torch.device, total_updates: int):
     `total_updates` optimizer steps."""
     model = models.load_causal_lm(args.actor.model, "--actor.model.name-or-path").to(device)
     return ds_engine.make_engine(model, args.ds, args.actor.lr, total_updates, args.actor.warmup_steps,
-                                 hybrid=args.vllm.enable_sleep)  # fmt: skip
+                                 hybrid=args.vllm.enable_sleep, ema_beta=args.actor.ema_beta)  # fmt: skip
 
 
 def make_ref(args, device: torch.device, groups: dict | None = None):
@@ -693,13 +693,15 @@ def end_step(run: Run, args, step: int, stats: dict, state: dict | None = None) 
 
 
 def finish(run: Run, args, actor, tokenizer, halted_at: int | None = None) -> dict:
-    """Export the trained policy to <run>/hf, plot the learning curve, print and return the run's summary. A halted
-    run (`halted_at`: its last step) only returns where to resume from. The executor releases what it holds (an agent
-    server and its reference to the engines)."""
+    """Export the trained policy to <run>/hf (and its EMA to <run>/hf_ema with `--actor.ema-beta`), plot the
+    learning curve, print and return the run's summary. A halted run (`halted_at`: its last step) only returns where
+    to resume from. The executor releases what it holds (an agent server and its reference to the engines)."""
     run.executor.close()
     if halted_at is not None:
         return {"steps": halted_at + 1, "halted": True, "run_dir": str(run.run_dir)}
     ds_engine.export_hf(actor, tokenizer, run.run_dir / "hf")
+    if args.actor.ema_beta > 0:  # the moving average of the weights, beside the trained ones
+        ds_engine.export_hf(actor, tokenizer, run.run_dir / "hf_ema", ema=True)
     run.logger.plot(run.run_dir / "learning_curve.png", ("rollout/reward_mean", "eval/pass@1"))
     summary = {"steps": args.train.max_steps, "eval_pass@1_first": run.first_eval["eval/pass@1"],
                "eval_pass@1_last": run.logger.latest("eval/pass@1"),
