@@ -638,14 +638,20 @@ class RolloutEngines:
         under the old weights would otherwise be reused). Returns `perf/sync_s`, `sync/mb`, `sync/buckets`.
 
         direct: tensors are handed over as they are (the engine converts dtype while loading). ray: each bucket is
-        converted to the engine dtype on CPU, put in the object store once and loaded by all engines; at most two
-        buckets are in flight, so the next bucket is prepared while the engines load the current one."""
+        converted to the engine dtype on CPU, put in the object store once and loaded by all engines. broadcast: each
+        bucket is flattened and broadcast over the weight group, the engines receive and load it. For ray and
+        broadcast at most two buckets are in flight, so the next bucket is gathered (ZeRO-3: a collective of every
+        trainer rank) and prepared while the engines load the current one."""
         t0 = time.perf_counter()
         nbytes, nbuckets, pending = 0, 0, []
         for bucket in bucket_named_tensors(((k, v.detach()) for k, v in named), self.cfg.sync_bucket_mb):
             nbuckets += 1
             if self.backend == "broadcast":
-                nbytes += self._broadcast(bucket)
+                sent, calls = self._broadcast(bucket)
+                nbytes += sent
+                pending.append(calls)
+                if len(pending) == 2:
+                    self._gather(pending.pop(0))
                 continue
             if self.backend == "cuda_ipc":
                 meta, handles, flats = share_bucket_ipc(
@@ -673,7 +679,9 @@ class RolloutEngines:
         self._all("reset_prefix_cache")
         return {"perf/sync_s": time.perf_counter() - t0, "sync/mb": nbytes / 2**20, "sync/buckets": float(nbuckets)}
 
-    def _broadcast(self, bucket: Named) -> int:
+    def _broadcast(self, bucket: Named) -> tuple[int, list]:
+        """Send one bucket to every engine; returns the bytes sent and the engines' pending receive calls (they
+        load it after the send returns)."""
         assert self._group is not None, "call init_broadcast() first (create_engines does)"
         device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
         meta, flats = flatten_bucket(bucket, self.dtype, device)
@@ -687,8 +695,7 @@ class RolloutEngines:
             raise EngineError(
                 f"weight broadcast to vLLM engines {self.names} failed: {e}; {self._why(calls)}"
             ) from None
-        self._gather(calls)
-        return sum(f.numel() * f.element_size() for f in flats)
+        return sum(f.numel() * f.element_size() for f in flats), calls
 
     # -- hybrid engine ------------------------------------------------------------------------------------------
     def sleep(self) -> None:
