@@ -1,0 +1,185 @@
+"""Agent throughput: episodes through the OpenAI-compatible server, concurrent against one at a time, and the server's
+cost per call against the engine called directly, on one in-process vLLM engine, side by side in one run.
+
+    .venv/bin/python tests/benchmarks/bench_agents.py                                  # N = 1 4 16 64, 5 repeats
+    .venv/bin/python tests/benchmarks/bench_agents.py --episodes 8 --concurrency 1 4 --repeats 1   # a smoke run
+
+The model is the embedded warm start `cleanrlhf/tiny-sft` (built on first use), fp32, in an in-process engine
+(`core.rollout.create_engines`, as the tests make it); the prompts are the first `--episodes` training sums of the
+embedded task (`37+05=`), one episode each; sampling as the RL scripts roll out: temperature 1, top-p 1, at most
+`--max-new-tokens` (8) tokens per call, episode i seeded `--seed` + i. Everything runs in this process.
+
+(a) Episodes/s. The example agent `agents/examples/retry_agent.py` (one completions call; a second when the first
+answer is wrong) through `OpenAIAgentExecutor`: the real server, the real `openai` client, an httpx pool per
+episode, the trajectories built. `executor.run` over all the episodes with `--rollout.agent-concurrency` N, for each
+N of `--concurrency`; N = 1 is the sequential executor (one episode at a time, each call an engine call of one
+prompt). The speed-up at N is episodes/s at N over episodes/s at N = 1. Per-call seeds make every N generate the same
+episodes, the same calls and the same tokens (checked), so the work is equal and only the batching differs.
+
+(b) Server overhead per call. A one-call agent (one completions request for the row's prompt, nothing else) through
+the same executor at concurrency B, against the engine called directly (`engines.generate`, what the single-turn
+executor does) on the same prompt ids in consecutive calls of B prompts each, with the same seeds, max tokens and
+sampling: both sides generate exactly the same tokens (checked). For each B of `--concurrency`:
+
+    overhead(B) = t_server(B) / t_direct(B) - 1,      ms/call(B) = (t_server(B) - t_direct(B)) / episodes
+
+where t is the wall time of all `--episodes` calls (executor.run from call to return: opening the episodes, their
+clients, HTTP, tokenizing the text prompt, batching, the engine, decoding, JSON both ways, the client's parsing, the
+trajectories; direct: the engine calls alone). CPU time of this process per call is reported too (less sensitive to
+other jobs on the machine: the engine runs in this process, so both sides' CPU is all theirs); so are (a)'s
+speed-ups, as the ratio of the CPU seconds of the runs (on a busy machine the wall times move by 2-3x, the CPU
+seconds by ~30 %).
+
+Timing: one warm-up of every side, then `--repeats` rounds, each round timing every side once in turn (so load from
+other jobs spreads over all of them); each number is the median of its repeats (the best is in the JSON line). Prints
+a summary and one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+EXAMPLE = ROOT / "agents" / "examples" / "retry_agent.py"
+ONE_CALL_AGENT = '''"""One completions call per episode: the server's cost per call, nothing else."""
+
+
+async def agent(client, example):
+    out = await client.completions.create(model="policy", prompt=example["prompt"])
+    return float(bool(out.choices[0].text))
+'''
+
+
+def timed(fn) -> tuple[float, float, object]:
+    """(wall seconds, CPU seconds of this process, result) of one call."""
+    t0, c0 = time.perf_counter(), time.process_time()
+    out = fn()
+    return time.perf_counter() - t0, time.process_time() - c0, out
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--episodes", type=int, default=128, help="episodes per timed run (one per prompt)")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64], help="N (a) and B (b)")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--max-new-tokens", type=int, default=8)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (the 2-core box is shared)")
+    opts = ap.parse_args(argv)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+    import torch
+
+    from agents.openai_agent import OpenAIAgentExecutor
+    from core import embedded, models, rollout
+
+    torch.set_num_threads(opts.threads)
+    path = str(embedded.ensure_sft_warm_start())
+    tokenizer = models.load_tokenizer(path)
+    train, _ = embedded.task_rows(2)
+    rows = [{"prompt": r["prompt"], "prompt_ids": tokenizer(r["prompt"])["input_ids"], "label": r["answer"],
+             "datasource": r["datasource"]} for r in train[: opts.episodes]]  # fmt: skip
+    t0 = time.perf_counter()
+    cfg = rollout.VLLMConfig(in_process=True, dtype="float32", kv_cache_gib=0.5, timeout_s=300)
+    engines = rollout.create_engines(path, cfg, seed=0)
+    start_s = time.perf_counter() - t0
+    max_context = models.max_positions(path, "model")
+    T, E, S = opts.max_new_tokens, len(rows), opts.seed
+    one_call = Path(tempfile.mkdtemp(prefix="bench_agents_")) / "one_call_agent.py"
+    one_call.write_text(ONE_CALL_AGENT)
+    example = OpenAIAgentExecutor(engines, tokenizer, str(EXAMPLE), "cleanrlhf/tiny-sft", T, max_context)
+    single = OpenAIAgentExecutor(engines, tokenizer, str(one_call), "cleanrlhf/tiny-sft", T, max_context)
+
+    def run_agents(executor, n: int):
+        executor.concurrency = n
+        return executor.run(rows, n=1, seed=S, step=0)
+
+    def direct(b: int):
+        ids = [r["prompt_ids"] for r in rows]
+        out = []
+        for k in range(0, E, b):
+            out += engines.generate(ids[k : k + b], n=1, max_new_tokens=T, temperature=1.0, seed=S + k)
+        return out
+
+    sides = {}
+    for n in opts.concurrency:
+        sides[f"agent@{n}"] = lambda n=n: run_agents(example, n)
+    for b in opts.concurrency:
+        sides[f"server@{b}"] = lambda b=b: run_agents(single, b)
+        sides[f"direct@{b}"] = lambda b=b: direct(b)
+    times: dict[str, list[tuple[float, float]]] = {k: [] for k in sides}
+    try:
+        outputs = {k: fn() for k, fn in sides.items()}  # warm-up, and the outputs the checks below compare
+        for _ in range(opts.repeats):
+            for k, fn in sides.items():
+                wall, cpu, _ = timed(fn)
+                times[k].append((wall, cpu))
+    finally:
+        example.close()
+        single.close()
+        engines.shutdown()
+
+    # the same work on every side: the same episodes at every N, the server's tokens are the engine's
+    first = outputs[f"agent@{opts.concurrency[0]}"]
+    for n in opts.concurrency:
+        ro = outputs[f"agent@{n}"]
+        assert [e.token_ids for e in ro.episodes] == [e.token_ids for e in first.episodes], f"N={n}: other episodes"
+        assert ro.logs["rollout/agent_errors"] == 0, ro.logs
+    for b in opts.concurrency:
+        ro, groups = outputs[f"server@{b}"], outputs[f"direct@{b}"]
+        assert ro.logs["rollout/agent_errors"] == 0, ro.logs
+        assert [e.token_ids for e in ro.episodes] == [g[0].token_ids for g in groups], f"B={b}: other tokens"
+
+    med = {k: statistics.median(w for w, _ in v) for k, v in times.items()}
+    best = {k: min(w for w, _ in v) for k, v in times.items()}
+    cpu = {k: statistics.median(c for _, c in v) for k, v in times.items()}
+    calls = round(first.logs["rollout/agent_calls_mean"] * E)
+    n0 = opts.concurrency[0]
+    throughput = {
+        n: {"episodes_per_s": E / med[f"agent@{n}"], "speedup": med[f"agent@{n0}"] / med[f"agent@{n}"],
+            "speedup_best": best[f"agent@{n0}"] / best[f"agent@{n}"],
+            "speedup_cpu": cpu[f"agent@{n0}"] / cpu[f"agent@{n}"],
+            "ms_per_call": 1000 * med[f"agent@{n}"] / calls}
+        for n in opts.concurrency
+    }  # fmt: skip
+    overhead = {
+        b: {"server_ms_per_call": 1000 * med[f"server@{b}"] / E, "direct_ms_per_call": 1000 * med[f"direct@{b}"] / E,
+            "overhead": med[f"server@{b}"] / med[f"direct@{b}"] - 1,
+            "overhead_best": best[f"server@{b}"] / best[f"direct@{b}"] - 1,
+            "overhead_cpu": cpu[f"server@{b}"] / cpu[f"direct@{b}"] - 1,
+            "extra_ms_per_call": 1000 * (med[f"server@{b}"] - med[f"direct@{b}"]) / E,
+            "extra_cpu_ms_per_call": 1000 * (cpu[f"server@{b}"] - cpu[f"direct@{b}"]) / E}
+        for b in opts.concurrency
+    }  # fmt: skip
+    result = {
+        "episodes": E, "calls_example_agent": calls, "max_new_tokens": T, "repeats": opts.repeats,
+        "threads": opts.threads, "engine_start_s": round(start_s, 1), "throughput": throughput, "overhead": overhead,
+        "wall_s": {k: [round(w, 4) for w, _ in v] for k, v in times.items()},
+        "cpu_s": {k: [round(c, 4) for _, c in v] for k, v in times.items()},
+    }  # fmt: skip
+    print(f"embedded warm start, in-process vLLM engine (fp32, {opts.threads} torch thread(s), started in "
+          f"{start_s:.1f} s); {E} episodes per run, at most {T} tokens per call; medians of {opts.repeats} "
+          "repeats")  # fmt: skip
+    print(f"(a) example agent (retry_agent.py, {calls} calls = {calls / E:.2f} per episode) through the server:")
+    for n, r in throughput.items():
+        print(f"    concurrency {n:>3}: {r['episodes_per_s']:7.1f} episodes/s, {r['ms_per_call']:6.2f} ms/call, "
+              f"{r['speedup']:5.2f}x the sequential executor (best-of {r['speedup_best']:.2f}x, CPU time "
+              f"{r['speedup_cpu']:.2f}x)")  # fmt: skip
+    print("(b) one-call agent through server + openai client vs engines.generate direct, same prompts/seeds/tokens:")
+    for b, r in overhead.items():
+        print(f"    batch {b:>3}: server {r['server_ms_per_call']:6.2f} ms/call, direct {r['direct_ms_per_call']:6.2f}"
+              f" ms/call: overhead {100 * r['overhead']:+6.1f} % (best-of {100 * r['overhead_best']:+.1f} %, CPU time "
+              f"{100 * r['overhead_cpu']:+.1f} %), +{r['extra_ms_per_call']:.2f} ms wall, "
+              f"+{r['extra_cpu_ms_per_call']:.2f} ms CPU per call")  # fmt: skip
+    print(json.dumps({"bench": "agents", **result}))
+    return result
+
+
+if __name__ == "__main__":  # vLLM may spawn processes; nothing may run at import
+    main()
