@@ -1,0 +1,121 @@
+"""The calculator agent (agents/examples/calculator_agent.py): the tool and its protocol, the task and demonstrations,
+and (slow) tool use that learns: after a short SFT on demonstrations where a quarter of the first answers are calls,
+GRPO through the agent raises both the tool-call rate and the reward on 2-digit multiplication."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from agents.examples import calculator_agent as calc
+
+EXAMPLE = Path(calc.__file__)
+
+
+@pytest.mark.parametrize(
+    "expression, result",
+    [("37*05", "0185"), ("99*99", "9801"), (" 12 + 3 ", "0015"), ("7-9", "-2"), ("00*00", "0000"),
+     ("", "err"), ("37*", "err"), ("2**8", "err"), ("__import__('os')", "err"), ("12345*2", "err")],
+)  # fmt: skip
+def test_the_calculator_evaluates_only_small_integer_arithmetic(expression, result):
+    assert calc.calculate(expression) == result
+
+
+def test_a_bare_call_asks_for_the_question_and_a_named_expression_is_evaluated():
+    assert calc.follow_up("37*05=", "?") == "37*05=?>0185\n37*05="
+    assert calc.follow_up("37*05=", "?12*34") == "37*05=?12*34>0408\n37*05="
+    assert calc.follow_up("37*05=", "?junk") == "37*05=?junk>err\n37*05="
+
+
+def test_task_rows_are_every_product_split_without_overlap():
+    train, test = calc.task_rows()
+    assert len(train) + len(test) == 10_000 and len(test) == 500
+    assert not {r["prompt"] for r in train} & {r["prompt"] for r in test}
+    for r in train[:200]:
+        a, b = r["prompt"].rstrip("=").split("*")
+        assert r["answer"] == f"{int(a) * int(b):04d}" and len(a) == len(b) == 2
+
+
+def test_demonstrations_call_at_the_given_share_and_always_show_the_copy():
+    train, _ = calc.task_rows()
+    rows = calc.demonstrations(train[:2000], tool_share=0.25)
+    first = [r for r in rows if r["prompt"].endswith("=") and "\n" not in r["prompt"]]
+    copies = [r for r in rows if "\n" in r["prompt"]]
+    assert len(first) == len(copies) == 2000
+    share = sum(r["answer"] == calc.TOOL for r in first) / len(first)
+    assert 0.22 < share < 0.28
+    for r in copies[:100]:  # the result shown in the prompt is the answer to copy
+        assert r["prompt"].split(">")[1].split("\n")[0] == r["answer"]
+
+
+def _completion(text: str):
+    return SimpleNamespace(choices=[SimpleNamespace(text=text)])
+
+
+class ScriptedClient:
+    """Stands for `openai.AsyncOpenAI`: answers each completion with the next scripted text, records the prompts."""
+
+    def __init__(self, *texts: str):
+        self.texts, self.prompts = list(texts), []
+        self.completions = SimpleNamespace(create=self._create)
+
+    async def _create(self, model: str, prompt: str, **kw):
+        self.prompts.append(prompt)
+        return _completion(self.texts.pop(0))
+
+
+@pytest.mark.parametrize(
+    "texts, reward, calls",
+    [(["0185"], 1.0, 1), (["0184"], 0.0, 1), (["?", "0185"], 1.0, 2), (["?", "0186"], 0.0, 2), (["?9*9", "0185"],
+                                                                                                 1.0, 2)],
+)  # fmt: skip
+def test_the_agent_rewards_the_final_answer_with_or_without_a_call(texts, reward, calls):
+    client = ScriptedClient(*texts)
+    assert asyncio.run(calc.agent(client, {"prompt": "37*05=", "label": "0185"})) == reward
+    assert len(client.prompts) == calls and client.prompts[0] == "37*05="
+    if calls == 2:  # the second prompt continues the first call's exchange with the calculator's result
+        assert client.prompts[1] == calc.follow_up("37*05=", texts[0])
+
+
+@pytest.mark.slow
+def test_grpo_learns_to_call_the_calculator(tmp_path, one_thread):
+    """The recipe of the example at a smaller size: SFT from the warm start on the demonstrations (a quarter of the
+    first answers are calls), then GRPO through the agent. The tool-call rate (`rollout/agent_calls_mean` - 1) and
+    the reward both rise from the first step (the SFT policy's rollout) to the last three."""
+    from algos import grpo, sft
+
+    task, demos = calc.write_data(tmp_path / "data", tool_share=0.25)
+    s = sft.Args()
+    s.model.name_or_path, s.data.path = "cleanrlhf/tiny-sft", str(demos)
+    s.train.max_steps, s.train.lr, s.train.batch_size, s.train.warmup_steps = 400, 1e-3, 64, 0
+    s.eval.every, s.eval.generate, s.eval.max_samples = 400, False, 64
+    s.ckpt.every, s.logger.quiet, s.logger.tensorboard = 0, True, False
+    s.run_dir, s.export_dir = str(tmp_path / "sft-run"), str(tmp_path / "sft-model")
+    sft.main(s)
+
+    g = grpo.Args()
+    g.actor.model.name_or_path, g.data.path, g.rollout.agent_file = s.export_dir, str(task), str(EXAMPLE)
+    g.train.max_steps, g.eval.every = STEPS, 0
+    g.logger.quiet, g.logger.tensorboard = True, False
+    g.run_dir = str(tmp_path / "grpo")
+    summary = grpo.main(g)
+    rows = [json.loads(line) for line in open(Path(summary["run_dir"]) / "metrics.jsonl")]
+    steps = [r for r in rows if "rollout/reward_mean" in r]
+    assert len(steps) == STEPS and all(r["rollout/agent_errors"] == 0 for r in steps)
+
+    def mean(key: str, part: list[dict]) -> float:
+        return sum(r[key] for r in part) / len(part)
+
+    calls_first, calls_last = (mean("rollout/agent_calls_mean", part) - 1 for part in (steps[:1], steps[-3:]))
+    reward_first, reward_last = (mean("rollout/reward_mean", part) for part in (steps[:1], steps[-3:]))
+    print(f"tool-call rate {calls_first:.3f} -> {calls_last:.3f}, reward {reward_first:.3f} -> {reward_last:.3f}")
+    assert calls_last > calls_first + CALL_GAIN, (calls_first, calls_last)
+    assert reward_last > reward_first + REWARD_GAIN, (reward_first, reward_last)
+
+
+# The run recorded in docs/agents.md went 0.25 -> 0.99 (calls) and 0.24 -> 0.90 (reward) by step 7.
+STEPS, CALL_GAIN, REWARD_GAIN = 8, 0.4, 0.3
