@@ -3,6 +3,7 @@ cost per call against the engine called directly, on one in-process vLLM engine,
 
     .venv/bin/python tests/benchmarks/bench_agents.py                                  # N = 1 4 16 64, 5 repeats
     .venv/bin/python tests/benchmarks/bench_agents.py --episodes 8 --concurrency 1 4 --repeats 1   # a smoke run
+    .venv/bin/python tests/benchmarks/bench_agents.py --model M --dtype bfloat16 --max-new-tokens 32 ...   # a larger model
 
 The model is the embedded warm start `cleanrlhf/tiny-sft` (built on first use), fp32, in an in-process engine
 (`core.rollout.create_engines`, as the tests make it); the prompts are the first `--episodes` training sums of the
@@ -71,6 +72,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--max-new-tokens", type=int, default=8)
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--threads", type=int, default=1, help="torch threads (the 2-core box is shared)")
+    ap.add_argument("--model", default=None, help="an HF folder with the embedded tokenizer instead of the warm start")
+    ap.add_argument("--dtype", default="float32", help="the engine's dtype (bfloat16 for a large --model)")
     opts = ap.parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
@@ -80,13 +83,13 @@ def main(argv: list[str] | None = None) -> dict:
     from core import embedded, models, rollout
 
     torch.set_num_threads(opts.threads)
-    path = str(embedded.ensure_sft_warm_start())
+    path = opts.model or str(embedded.ensure_sft_warm_start())
     tokenizer = models.load_tokenizer(path)
     train, _ = embedded.task_rows(2)
     rows = [{"prompt": r["prompt"], "prompt_ids": tokenizer(r["prompt"])["input_ids"], "label": r["answer"],
              "datasource": r["datasource"]} for r in train[: opts.episodes]]  # fmt: skip
     t0 = time.perf_counter()
-    cfg = rollout.VLLMConfig(in_process=True, dtype="float32", kv_cache_gib=0.5, timeout_s=300)
+    cfg = rollout.VLLMConfig(in_process=True, dtype=opts.dtype, kv_cache_gib=0.5, timeout_s=300)
     engines = rollout.create_engines(path, cfg, seed=0)
     start_s = time.perf_counter() - t0
     max_context = models.max_positions(path, "model")

@@ -111,7 +111,8 @@ def grpo_command(model: Path, run_dir: Path, steps: int, halt_after: int | None)
            "--vllm.dtype", "bfloat16", "--vllm.kv-cache-gib", "1", "--ray.num-cpus", "4", "--debug",
            "--train.max-steps", str(steps), "--train.minibatches", "1", "--rollout.batch-size", "8",
            "--rollout.n-samples", "2", "--rollout.max-new-tokens", "16", "--algo.no-filter-zero-variance",
-           "--eval.every", "0", "--eval.best-metric", "None", "--ckpt.every", "1", "--logger.quiet", "--run-dir",
+           "--eval.every", "0", "--eval.max-samples", "8", "--eval.k", "1", "--eval.best-metric", "None",
+           "--ckpt.every", "1", "--logger.quiet", "--run-dir",
            str(run_dir)]  # fmt: skip
     return cmd + (["--train.halt-after", str(halt_after)] if halt_after else [])
 
