@@ -243,7 +243,7 @@ def train(args: Args, engines: rollout.RolloutEngines | None, groups: dict | Non
         args.algo.scale_by_std, args.algo.loss_agg = False, "seq-mean-token-sum-norm"
     tokenizer, train_set, eval_set, reward = rl.load_task(args, groups)
     actor = rl.make_actor(args, device, args.train.max_steps * args.train.minibatches * args.train.epochs)
-    ref = rl.make_ref(args, device, groups)  # DEVIATION(3): only with --algo.kl-coef > 0
+    ref = rl.make_ref(args, device, groups, actor)  # DEVIATION(3): only with --algo.kl-coef > 0 (LoRA: the actor)
     if engines is None:  # PLUMBING: one process: the engines are Ray actors, so that they generate while it trains
         engines = producer.start_engines(args, device, cleanup)
     run = rl.start(args, {"actor": actor}, engines, tokenizer, eval_set, reward, rank, world, device, "grpo_async")

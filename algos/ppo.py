@@ -326,7 +326,7 @@ def main(args: Args, engines: rollout.RolloutEngines | None = None, groups: dict
     updates = args.train.minibatches * args.train.epochs  # per step, of the actor and of the critic
     actor = rl.make_actor(args, device, (args.train.max_steps - args.critic.warmup_steps) * updates)
     critic = rl.build_model(groups, "critic", make_critic, args, device, args.train.max_steps * updates)  # DEVIATION(5)
-    ref = rl.make_ref(args, device, groups)  # DEVIATION(3): only with --algo.kl-coef > 0
+    ref = rl.make_ref(args, device, groups, actor)  # DEVIATION(3): only with --algo.kl-coef > 0 (LoRA: the actor)
     run = rl.start(args, {"actor": actor, "critic": critic}, engines, tokenizer, eval_set, reward, rank, world,
                    device, "ppo")  # fmt: skip
     kl_ctl = (rl_math.AdaptiveKLController(args.algo.kl_coef, args.algo.kl_target, args.algo.kl_horizon)

@@ -196,7 +196,7 @@ def main(args: Args, engines: rollout.RolloutEngines | None = None, groups: dict
     rank, world, device = rl.init_rank(args, engines)
     tokenizer, train_set, eval_set, reward = rl.load_task(args, groups)
     actor = rl.make_actor(args, device, args.train.max_steps * args.train.minibatches * args.train.epochs)
-    ref = rl.make_ref(args, device, groups)  # DEVIATION(3): only with --algo.kl-coef > 0
+    ref = rl.make_ref(args, device, groups, actor)  # DEVIATION(3): only with --algo.kl-coef > 0 (LoRA: the actor)
     run = rl.start(args, {"actor": actor}, engines, tokenizer, eval_set, reward, rank, world, device, "reinforce_pp")
     kl_ctl = (rl_math.AdaptiveKLController(args.algo.kl_coef, args.algo.kl_target, args.algo.kl_horizon)
               if args.algo.kl_target else rl_math.FixedKLController(args.algo.kl_coef))  # fmt: skip

@@ -496,15 +496,16 @@ def gather_groups(named: list[tuple[str, torch.nn.Parameter]]) -> list[list[tupl
     return groups
 
 
-def full_named_parameters(engine):
-    """Yield (name, full tensor) for every trainer parameter, for weight sync. Under ZeRO-3 a decoder layer's
-    parameters are gathered together (one coalesced all-gather per layer, `gather_groups`) and copied out before the
-    next layer is gathered, so one layer is held at a time (collective: every rank must iterate to the end);
-    otherwise the live tensors. Gathering parameter by parameter cost a collective each: ~290 for a 24-layer Qwen2,
-    about three quarters of a 0.5B-shaped model's sync on 2 CPU ranks."""
+def full_named_parameters(engine, keep=None):
+    """Yield (name, full tensor) for every trainer parameter, for weight sync; `keep(name)` False skips a parameter
+    (never gathered). Under ZeRO-3 a decoder layer's parameters are gathered together (one coalesced all-gather per
+    layer, `gather_groups`) and copied out before the next layer is gathered, so one layer is held at a time
+    (collective: every rank must iterate to the end, with the same `keep`); otherwise the live tensors. Gathering
+    parameter by parameter cost a collective each: ~290 for a 24-layer Qwen2, about three quarters of a 0.5B-shaped
+    model's sync on 2 CPU ranks."""
     import deepspeed
 
-    named = list(engine.module.named_parameters())
+    named = [(n, p) for n, p in engine.module.named_parameters() if keep is None or keep(n)]
     if engine.zero_optimization_stage() != 3:
         for name, p in named:
             yield name, p.detach()
@@ -513,6 +514,107 @@ def full_named_parameters(engine):
         with deepspeed.zero.GatheredParameters([p for _, p in group], modifier_rank=None):
             full = [(name, p.detach().clone()) for name, p in group]
         yield from full
+
+
+# ------------------------------------------------------------------------------- LoRA weights for the engines
+# PEFT (tested with peft 0.21) names a LoRA-wrapped linear `base_model.model.<hf name>.base_layer.weight` (+ `.bias`)
+# beside its factors `<...>.lora_A.<adapter>.weight` (r, in) and `<...>.lora_B.<adapter>.weight` (out, r); the
+# wrapped model's other parameters are `base_model.model.<hf name>`.
+_PEFT_PREFIX = "base_model.model."
+_LORA_PART = re.compile(r"\.(base_layer|lora_A|lora_B|lora_embedding_A|lora_embedding_B|lora_magnitude_vector)\.")
+
+
+def lora_modules(model) -> dict[str, tuple[float, bool]]:
+    """{PEFT module name: (scaling, fan_in_fan_out)} of the active adapter's LoRA linears of a PEFT model (`{}` for a
+    plain model). scaling is lora_alpha / r (alpha / sqrt(r) with rsLoRA), the factor of B·A in W + B·A·scaling."""
+    if not hasattr(model, "peft_config"):
+        return {}
+    from peft.tuners.lora import LoraLayer
+
+    adapter = model.active_adapter
+    config = model.peft_config[adapter]
+    if getattr(config, "use_dora", False) or getattr(config, "modules_to_save", None):
+        raise ValueError("LoRA weight sync: DoRA and modules_to_save are not supported (plain LoRA factors only)")
+    return {name: (float(m.scaling[adapter]), bool(getattr(m, "fan_in_fan_out", False)))
+            for name, m in model.named_modules() if isinstance(m, LoraLayer) and adapter in m.lora_A}  # fmt: skip
+
+
+def _lora_module_of(name: str) -> str:
+    """`a.b.q_proj.lora_A.default.weight` -> `a.b.q_proj`; a name of no LoRA part is returned as it is."""
+    m = _LORA_PART.search(name)
+    return name[: m.start()] if m else name
+
+
+def hf_name(peft_name: str) -> str:
+    """The HF checkpoint name (what vLLM loads) of a PEFT model's base parameter."""
+    return peft_name.removeprefix(_PEFT_PREFIX).replace(".base_layer.", ".")
+
+
+def merged_named_parameters(engine, changed_only: bool = False):
+    """Yield (HF name, tensor) of the policy a LoRA actor computes, for weight sync: every LoRA linear's weight as
+    W + B·A·scaling (its bias as it is), every other parameter as it is, under the names of the HF checkpoint. The
+    merge is computed on copies (fp32, cast back to W's dtype): the trained module is never modified. Under ZeRO-3 a
+    layer is gathered at a time (`full_named_parameters`; collective). `changed_only`: only the LoRA linears, the only
+    weights training changes (the base is frozen), for engines that already hold the rest.
+    A model without LoRA yields `full_named_parameters` (all of it, whatever `changed_only`)."""
+    import itertools
+
+    model = engine.module
+    lora = lora_modules(model)
+    if not lora:
+        yield from full_named_parameters(engine)
+        return
+    adapter = model.active_adapter
+    keep = (lambda n: _lora_module_of(n) in lora) if changed_only else None
+    stream = full_named_parameters(engine, keep)
+    for key, items in itertools.groupby(stream, key=lambda kv: _lora_module_of(kv[0])):
+        parts = dict(items)
+        if key not in lora:
+            yield from ((hf_name(n), t) for n, t in parts.items())
+            continue
+        scaling, fan_in_fan_out = lora[key]
+        w = parts.pop(f"{key}.base_layer.weight")
+        a, b = parts.pop(f"{key}.lora_A.{adapter}.weight"), parts.pop(f"{key}.lora_B.{adapter}.weight")
+        delta = (b.float() @ a.float()) * scaling  # (out, r) @ (r, in)
+        yield hf_name(f"{key}.weight"), (w.float() + (delta.T if fan_in_fan_out else delta)).to(w.dtype)
+        yield from ((hf_name(n), t) for n, t in parts.items())  # the bias
+
+
+def adapter_named_parameters(engine):
+    """Yield (name, tensor) of the active LoRA adapter's factors under the names of a saved PEFT adapter
+    (`base_model.model.<module>.lora_A.weight`), what vLLM's LoRA loader reads; the base weights are never gathered
+    (ZeRO-3: only the factors, a layer at a time; collective)."""
+    model = engine.module
+    lora = lora_modules(model)
+    assert lora, "adapter sync needs a PEFT LoRA model (--actor.model.lora-rank > 0)"
+    adapter = model.active_adapter
+    tag = f".{adapter}."
+    for name, t in full_named_parameters(engine, keep=lambda n: ".lora_A." in n or ".lora_B." in n):
+        yield name.replace(tag, "."), t
+
+
+def adapter_config(model) -> dict:
+    """The active adapter's PEFT config as the JSON of a saved adapter's `adapter_config.json`."""
+    config = model.peft_config[model.active_adapter].to_dict()
+    return {k: sorted(v) if isinstance(v, set) else v for k, v in config.items()}
+
+
+class AdaptersOff:
+    """A LoRA actor engine seen with its adapters switched off: every call runs the engine's forward inside PEFT's
+    `disable_adapter()`, so it computes the frozen base model, the reference policy of the KL term, without a second
+    copy of the weights. Other attributes are the engine's (`module`, `zero_optimization_stage`, ...), so the
+    log-prob code that takes a DeepSpeed engine takes this too. Under ZeRO-3 its forward is a collective like the
+    actor's."""
+
+    def __init__(self, engine):
+        self.engine = engine
+
+    def __call__(self, *args, **kwargs):
+        with self.engine.module.disable_adapter():
+            return self.engine(*args, **kwargs)
+
+    def __getattr__(self, name: str):
+        return getattr(self.__dict__["engine"], name)
 
 
 @contextmanager

@@ -245,23 +245,35 @@ def all_ranks(obj, world: int, reduce: bool = False):
 
 
 def sync_weights(engines, engine, rank: int) -> dict[str, float]:
-    """A DeepSpeed engine's weights -> vLLM engines. Collective: every rank walks the parameters (gathered one by one
-    under ZeRO-3), rank 0 sends them. Returns rank 0's sync stats, {} on other ranks.
+    """A DeepSpeed engine's weights -> vLLM engines. Collective: every rank walks the parameters (gathered a layer at
+    a time under ZeRO-3), rank 0 sends them. Returns rank 0's sync stats, {} on other ranks.
+
+    A LoRA actor (PEFT) sends what `--vllm.lora-sync` says: `merged`, the merged weights under HF names
+    (`core.engine.merged_named_parameters`: everything at the engines' first sync, then only the adapted linears,
+    since the base is frozen; `engine.synced_base` records it on every rank); `adapter`, only the factors
+    (`core.engine.adapter_named_parameters`, `RolloutEngines.update_adapter`).
 
     Ends with a barrier: the other ranks finish their gathers before rank 0 has sent (or even handed the engines) the
     last bucket, and without it their next request (the next rollout's generation) could reach a shared engine first
     and be sampled from the previous weights, or after a resume from the model the engine was started with."""
     import torch.distributed as dist
 
-    from core.engine import full_named_parameters
+    from core import engine as ds_engine
 
-    named = full_named_parameters(engine)
+    adapter = engines.cfg.lora_sync == "adapter" and hasattr(engine.module, "peft_config")
+    if adapter:
+        named = ds_engine.adapter_named_parameters(engine)
+    else:
+        named = ds_engine.merged_named_parameters(engine, changed_only=getattr(engine, "synced_base", False))
     stats: dict[str, float] = {}
-    if rank == 0:
+    if rank == 0 and adapter:
+        stats = engines.update_adapter(named, ds_engine.adapter_config(engine.module))
+    elif rank == 0:
         stats = engines.update_weights(named)
     else:
         for _ in named:  # follow rank 0 through every gather
             pass
+    engine.synced_base = True  # the engines hold the frozen weights from here on
     if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
     return stats

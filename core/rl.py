@@ -65,7 +65,8 @@ def launch(main, args) -> dict:
     args.vllm.in_process = False
     engines = rollout.create_engines(args.actor.model.name_or_path, args.vllm, seed=args.train.seed,
                                      actor_options=engine_options, init_broadcast=False,
-                                     tokenizer=args.actor.model.tokenizer)  # fmt: skip
+                                     tokenizer=args.actor.model.tokenizer,
+                                     max_lora_rank=engine_lora_rank(args))  # fmt: skip
     group, groups, own_pgs = None, {}, []
     try:
         for role, (ranks, colocate) in layout.items():
@@ -94,6 +95,12 @@ def launch(main, args) -> dict:
 
             ray.util.remove_placement_group(own)
         engines.shutdown()
+
+
+def engine_lora_rank(args) -> int:
+    """The LoRA rank the rollout engines must serve: the actor's with `--vllm.lora-sync adapter`, else 0 (merged
+    weights need no LoRA support in vLLM)."""
+    return args.actor.model.lora_rank if args.vllm.lora_sync == "adapter" else 0
 
 
 def needs_launch(args) -> bool:
@@ -234,11 +241,17 @@ def make_actor(args, device: torch.device, total_updates: int):
                                  hybrid=args.vllm.enable_sleep, ema_beta=args.actor.ema_beta)  # fmt: skip
 
 
-def make_ref(args, device: torch.device, groups: dict | None = None):
+def make_ref(args, device: torch.device, groups: dict | None = None, actor=None):
     """The frozen reference policy of the KL term (`--ref.*`, default the actor's starting model); None when
-    `--algo.kl-coef` is 0. With `--ref.ranks N`: built in the reference's own group (`build_model`)."""
+    `--algo.kl-coef` is 0. With `--ref.ranks N`: built in the reference's own group (`build_model`). A LoRA `actor`
+    (`--actor.model.lora-rank N`) whose reference is its own starting model is its own reference: the actor engine
+    with its adapters switched off (`core.engine.AdaptersOff`, the frozen base it adapts), no second copy of the
+    weights (`--ref.zero-stage` and `--ref.offload` then do not apply: the reference lives where the actor does)."""
     if args.algo.kl_coef <= 0:
         return None
+    own_base = args.ref.name_or_path in (None, args.actor.model.name_or_path)
+    if actor is not None and args.actor.model.lora_rank > 0 and own_base and not (groups and "ref" in groups):
+        return ds_engine.AdaptersOff(actor)
     return build_model(groups, "ref", _load_ref, args, device)
 
 
@@ -279,7 +292,8 @@ def start(args, engine_models: dict, engines, tokenizer, eval_set: list[dict], r
         if args.vllm.in_process is False or args.vllm.num_engines > 1:  # engine actors: Ray as `--ray.*` says
             placement.init_ray(args.ray)
         engines = rollout.create_engines(args.actor.model.name_or_path, args.vllm, seed=args.train.seed,
-                                         tokenizer=args.actor.model.tokenizer)  # fmt: skip
+                                         tokenizer=args.actor.model.tokenizer,
+                                         max_lora_rank=engine_lora_rank(args))  # fmt: skip
     elif rank == 0 and engines.backend == "broadcast":
         engines.init_broadcast()  # this rank sends the weights to the engine actors
     run_dir = Path(args.run_dir or Path(args.logger.run_root) / run_name(args.exp_name, args.train.seed))

