@@ -17,6 +17,8 @@ Deviations from the paper:
 3. No KL term in the loss: the penalty is in the reward (`--algo.kl-coef`, β = 0.01 here; 0 loads no reference model).
 4. Old log-probs are recomputed by the trainer, not taken from vLLM: the engine's log-probs are kept as
    `rollout_logp` for the optional importance-sampling correction (`--algo.is-correction`).
+5. A mixture-of-experts actor's router load-balancing loss is logged (`loss/router_aux`), not trained on: J above is
+   the objective (OpenRLHF's default `--aux_loss_coef 0`); add it to `loss` in `update` to keep the routing balanced.
 
 Debug (embedded tiny model and task, one CPU process, in-process vLLM):
     python algos/reinforce_pp.py --train.max-steps 5 --eval.every 5
@@ -37,7 +39,7 @@ import torch
 import tyro
 
 from core import engine as ds_engine
-from core import rl, rl_math, rollout
+from core import models, rl, rl_math, rollout
 from core.config import (
     ActorArgs,
     CkptConfig,
@@ -177,6 +179,9 @@ def update(actor, ref, seqs: dict, rewards: torch.Tensor, args: Args, run: rl.Ru
                 mb = rl.rows(seqs, r)
                 logp, ent = rl.forward_logp(actor, mb, temp, args.actor.entropy_coef > 0)
                 loss, metrics = policy_loss(logp, old_logp[r], ent, adv_tok[r], mb, args, agg)
+                aux = models.router_aux_loss(actor)  # MoE: the router's load-balancing loss of this forward
+                if aux is not None:  # DEVIATION(5): logged, not added
+                    metrics["loss/router_aux"] = aux.detach()
                 meter.add_loss("loss/policy", rl.backward(actor, loss, step, world, real, j == len(micro) - 1))
                 meter.add(metrics, mb["loss_mask"].sum().item() if real else 0.0)
             meter.add_step("train/grad_norm", ds_engine.optimizer_step(actor, step, "actor"))  # NaN/inf: raise

@@ -22,6 +22,8 @@ Deviations from the paper:
    repository's GRPO; the paper subtracts β·KL from the reward before the leave-one-out baseline.
 4. Old log-probs are recomputed by the trainer, not taken from vLLM: the engine's log-probs are kept as
    `rollout_logp` for the optional importance-sampling correction (`--algo.is-correction`).
+5. A mixture-of-experts actor's router load-balancing loss is logged (`loss/router_aux`), not trained on: J above is
+   the objective (OpenRLHF's default `--aux_loss_coef 0`); add it to `loss` in `update` to keep the routing balanced.
 
 Debug (embedded tiny model and task, one CPU process, in-process vLLM):
     python algos/rloo.py --train.max-steps 5 --eval.every 5
@@ -42,7 +44,7 @@ import torch
 import tyro
 
 from core import engine as ds_engine
-from core import rl, rl_math, rollout
+from core import models, rl, rl_math, rollout
 from core.config import (
     ActorArgs,
     CkptConfig,
@@ -178,6 +180,9 @@ def update(actor, ref, seqs: dict, adv: torch.Tensor, args: Args, run: rl.Run, s
                 old = logp.detach() if on_policy else old_logp[r]
                 ref_lp = None if ref_logp is None else ref_logp[r]
                 loss, metrics = policy_loss(logp, old, ref_lp, ent, adv_tok[r], mb, args, kl_coef, agg)
+                aux = models.router_aux_loss(actor)  # MoE: the router's load-balancing loss of this forward
+                if aux is not None:  # DEVIATION(5): logged, not added
+                    metrics["loss/router_aux"] = aux.detach()
                 meter.add_loss("loss/policy", rl.backward(actor, loss, step, world, real, j == len(micro) - 1))
                 meter.add(metrics, mb["loss_mask"].sum().item() if real else 0.0)
             meter.add_step("train/grad_norm", ds_engine.optimizer_step(actor, step, "actor"))  # NaN/inf: raise

