@@ -166,8 +166,8 @@ def main(argv: list[str] | None = None) -> dict:
         "wall_s": {k: [round(w, 4) for w, _ in v] for k, v in times.items()},
         "cpu_s": {k: [round(c, 4) for _, c in v] for k, v in times.items()},
     }  # fmt: skip
-    print(f"embedded warm start, in-process vLLM engine (fp32, {opts.threads} torch thread(s), started in "
-          f"{start_s:.1f} s); {E} episodes per run, at most {T} tokens per call; medians of {opts.repeats} "
+    print(f"{opts.model or 'embedded warm start'}, in-process vLLM engine ({opts.dtype}, {opts.threads} torch "
+          f"thread(s), started in {start_s:.1f} s); {E} episodes per run, at most {T} tokens per call; medians of {opts.repeats} "
           "repeats")  # fmt: skip
     print(f"(a) example agent (retry_agent.py, {calls} calls = {calls / E:.2f} per episode) through the server:")
     for n, r in throughput.items():
