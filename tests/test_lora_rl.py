@@ -240,15 +240,17 @@ def test_grpo_with_lora_trains_adapters_only_and_the_engine_follows(mode, tmp_pa
 
 
 @pytest.mark.slow
-def test_grpo_lora_on_two_zero3_ranks(tmp_path, one_thread):
-    """`--train.ranks 2 --ds.zero-stage 3` with LoRA and a KL term: the merged weights are gathered a layer at a time
-    on both ranks, rank 0 sends them to the engine actor, and `--debug`'s check passes after every sync."""
+@pytest.mark.parametrize("mode", ["merged", "adapter"])
+def test_grpo_lora_on_two_zero3_ranks(mode, tmp_path, one_thread):
+    """`--train.ranks 2 --ds.zero-stage 3` with LoRA and a KL term (the actor with adapters off, a collective forward):
+    the merged weights (or the factors) are gathered a layer at a time on both ranks, rank 0 sends them to the engine
+    actor, and `--debug`'s check passes after every sync."""
     import ray
 
     from algos.grpo import Args, main
 
     args = Args()
-    args.actor.model.lora_rank, args.algo.kl_coef = 8, 0.01
+    args.actor.model.lora_rank, args.algo.kl_coef, args.vllm.lora_sync = 8, 0.01, mode
     args.train.ranks, args.ds.zero_stage, args.train.max_steps, args.rollout.batch_size = 2, 3, 2, 16
     args.eval.every, args.eval.max_samples, args.actor.lr, args.debug = 0, 32, 1e-3, True
     args.ray.num_cpus = 4
