@@ -31,6 +31,14 @@ other jobs on the machine: the engine runs in this process, so both sides' CPU i
 speed-ups, as the ratio of the CPU seconds of the runs (on a busy machine the wall times move by 2-3x, the CPU
 seconds by ~30 %).
 
+(c) The client's floor. The same one-call agent code path on the agent's side (an httpx pool and an
+`openai.AsyncOpenAI` client per episode, one completions request, the answer parsed) against a stand-in server in a
+separate process that answers every request at once with a fixed completion (no engine, no tokenizer, no FastAPI),
+at concurrency B. Its time per call is what the agent side alone costs: a lower bound on the overhead of any server
+the agents reach through the official `openai` client from the trainer's process, whatever the server does:
+
+    floor(B) = t_client(B) / t_direct(B)        (overhead(B) >= floor(B) for every server)
+
 Timing: one warm-up of every side, then `--repeats` rounds, each round timing every side once in turn (so load from
 other jobs spreads over all of them); each number is the median of its repeats (the best is in the JSON line). Prints
 a summary and one JSON line.
@@ -57,6 +65,67 @@ async def agent(client, example):
 '''
 
 
+CANNED_SERVER = r'''
+import asyncio, json, sys
+
+BODY = json.dumps({"id": "cmpl-0", "object": "text_completion", "created": 0, "model": "policy",
+                   "choices": [{"index": 0, "text": "12", "finish_reason": "stop", "logprobs": None}],
+                   "usage": {"prompt_tokens": 6, "completion_tokens": 3, "total_tokens": 9}}).encode()
+HEAD = (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: " + str(len(BODY)).encode()
+        + b"\r\n\r\n")
+
+
+async def serve(reader, writer):
+    try:
+        while True:
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = 0
+            for line in head.split(b"\r\n"):
+                if line.lower().startswith(b"content-length:"):
+                    length = int(line.split(b":")[1])
+            await reader.readexactly(length)
+            writer.write(HEAD + BODY)
+            await writer.drain()
+    except (asyncio.IncompleteReadError, ConnectionError):
+        writer.close()
+
+
+async def main():
+    server = await asyncio.start_server(serve, "127.0.0.1", 0, backlog=1024)
+    print(server.sockets[0].getsockname()[1], flush=True)
+    async with server:
+        await server.serve_forever()
+
+asyncio.run(main())
+'''
+
+
+def client_floor(port: int, prompts: list[str], concurrency: int) -> list[str]:
+    """The agent side of one completions call per prompt (as OpenAIAgentExecutor runs a one-call agent: an httpx
+    pool and an AsyncOpenAI client per episode), against the canned server on `port`: the texts it got back."""
+    import asyncio
+    import ssl
+
+    import httpx
+    import openai
+
+    context = ssl.create_default_context()
+
+    async def episode(gate, prompt):
+        async with gate:
+            async with httpx.AsyncClient(timeout=60, trust_env=False, verify=context) as http:
+                client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", http_client=http,
+                                            max_retries=0)  # fmt: skip
+                out = await client.completions.create(model="policy", prompt=prompt)
+                return out.choices[0].text
+
+    async def run_all():
+        gate = asyncio.Semaphore(concurrency)
+        return await asyncio.gather(*[episode(gate, p) for p in prompts])
+
+    return asyncio.run(run_all())
+
+
 def timed(fn) -> tuple[float, float, object]:
     """(wall seconds, CPU seconds of this process, result) of one call."""
     t0, c0 = time.perf_counter(), time.process_time()
@@ -76,6 +145,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--dtype", default="float32", help="the engine's dtype (bfloat16 for a large --model)")
     opts = ap.parse_args(argv)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+    import subprocess
+    import sys
 
     import torch
 
@@ -110,12 +182,15 @@ def main(argv: list[str] | None = None) -> dict:
             out += engines.generate(ids[k : k + b], n=1, max_new_tokens=T, temperature=1.0, seed=S + k)
         return out
 
+    canned = subprocess.Popen([sys.executable, "-c", CANNED_SERVER], stdout=subprocess.PIPE, text=True)
+    port = int(canned.stdout.readline())
     sides = {}
     for n in opts.concurrency:
         sides[f"agent@{n}"] = lambda n=n: run_agents(example, n)
     for b in opts.concurrency:
         sides[f"server@{b}"] = lambda b=b: run_agents(single, b)
         sides[f"direct@{b}"] = lambda b=b: direct(b)
+        sides[f"client@{b}"] = lambda b=b: client_floor(port, [r["prompt"] for r in rows], b)
     times: dict[str, list[tuple[float, float]]] = {k: [] for k in sides}
     try:
         outputs = {k: fn() for k, fn in sides.items()}  # warm-up, and the outputs the checks below compare
@@ -127,6 +202,7 @@ def main(argv: list[str] | None = None) -> dict:
         example.close()
         single.close()
         engines.shutdown()
+        canned.kill()
 
     # the same work on every side: the same episodes at every N, the server's tokens are the engine's
     first = outputs[f"agent@{opts.concurrency[0]}"]
@@ -138,6 +214,7 @@ def main(argv: list[str] | None = None) -> dict:
         ro, groups = outputs[f"server@{b}"], outputs[f"direct@{b}"]
         assert ro.logs["rollout/agent_errors"] == 0, ro.logs
         assert [e.token_ids for e in ro.episodes] == [g[0].token_ids for g in groups], f"B={b}: other tokens"
+        assert outputs[f"client@{b}"] == ["12"] * E, f"B={b}: the canned server's answers did not come back"
 
     med = {k: statistics.median(w for w, _ in v) for k, v in times.items()}
     best = {k: min(w for w, _ in v) for k, v in times.items()}
@@ -157,7 +234,9 @@ def main(argv: list[str] | None = None) -> dict:
             "overhead_best": best[f"server@{b}"] / best[f"direct@{b}"] - 1,
             "overhead_cpu": cpu[f"server@{b}"] / cpu[f"direct@{b}"] - 1,
             "extra_ms_per_call": 1000 * (med[f"server@{b}"] - med[f"direct@{b}"]) / E,
-            "extra_cpu_ms_per_call": 1000 * (cpu[f"server@{b}"] - cpu[f"direct@{b}"]) / E}
+            "extra_cpu_ms_per_call": 1000 * (cpu[f"server@{b}"] - cpu[f"direct@{b}"]) / E,
+            "client_ms_per_call": 1000 * med[f"client@{b}"] / E, "client_cpu_ms_per_call": 1000 * cpu[f"client@{b}"] / E,
+            "floor": med[f"client@{b}"] / med[f"direct@{b}"], "floor_cpu": cpu[f"client@{b}"] / cpu[f"direct@{b}"]}
         for b in opts.concurrency
     }  # fmt: skip
     result = {
@@ -180,6 +259,11 @@ def main(argv: list[str] | None = None) -> dict:
               f" ms/call: overhead {100 * r['overhead']:+6.1f} % (best-of {100 * r['overhead_best']:+.1f} %, CPU time "
               f"{100 * r['overhead_cpu']:+.1f} %), +{r['extra_ms_per_call']:.2f} ms wall, "
               f"+{r['extra_cpu_ms_per_call']:.2f} ms CPU per call")  # fmt: skip
+    print("(c) the agent side alone (openai client per episode, one call) against a canned server in another process:")
+    for b, r in overhead.items():
+        print(f"    batch {b:>3}: {r['client_ms_per_call']:6.2f} ms/call wall, {r['client_cpu_ms_per_call']:6.2f} ms CPU "
+              f"= floor {100 * r['floor']:+6.1f} % of direct (CPU time {100 * r['floor_cpu']:+.1f} %): no server "
+              f"reached through the openai client from this process costs less")  # fmt: skip
     print(json.dumps({"bench": "agents", **result}))
     return result
 
