@@ -16,7 +16,7 @@ from pathlib import Path
 import openai
 import pytest
 import torch
-from conftest import in_process_engines
+from conftest import assert_first_step_agrees, in_process_engines, ranks_2_vs_1
 
 from agents.openai_agent import AgentError, OpenAIAgentExecutor, load_agent
 from agents.openai_server import Call, OpenAIServer, build_trajectory, render_chat
@@ -399,3 +399,20 @@ def test_grpo_trains_through_the_example_agent(tmp_path, one_thread):
     last = metrics[-1]
     assert last["rollout/agent_errors"] == 0 and 1.0 < last["rollout/agent_calls_mean"] <= 2.0
     assert math.isfinite(last["loss/policy"]) and "eval/pass@1" in last
+
+
+@pytest.mark.slow
+def test_agent_file_with_two_ray_ranks_trains_like_one_process(tmp_path):
+    """`--rollout.agent-file` with `--train.ranks 2`: each trainer rank serves its share of the episodes through a
+    server of its own over the shared vLLM engine actor (`--debug` after every sync); the first step sees the same
+    episodes and rewards as one process and gives the same losses, gradient norm and KL."""
+    from algos.grpo import Args, main
+
+    def agent(args, ranks):
+        args.rollout.agent_file = str(EXAMPLE)
+        args.algo.kl_coef, args.ref.name_or_path = 0.05, "cleanrlhf/tiny"
+        args.ref.zero_stage = 3 if ranks == 2 else 0
+
+    rows = ranks_2_vs_1(Args, main, tmp_path, agent)
+    assert_first_step_agrees(rows, extra_keys=("rollout/agent_calls_mean",))
+    assert all(r["rollout/agent_errors"] == 0 for r in rows[2] + rows[1])
