@@ -46,7 +46,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 import tyro
 
-from core import checkpoint, data, models, packing
+from core import checkpoint, data, models, packing, sequence_parallel
 from core import engine as ds_engine
 from core.config import CkptConfig, DataConfig, DSConfig, LoggerConfig, ModelConfig, check_args
 from core.logger import RunLogger, run_name, timer
@@ -143,11 +143,13 @@ def dpo_loss(policy_chosen_logps: torch.Tensor, policy_rejected_logps: torch.Ten
     return losses.mean(), chosen_rewards, rejected_rewards
 
 
-def pair_logps(model, pairs: list[dict], device, share_prompt: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def pair_logps(model, pairs: list[dict], device, share_prompt: bool = False,
+               sp: bool = False) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Summed response log-probs (P,) of the chosen and of the rejected responses of P pairs, from ONE packed
     forward in rows of twice the longest sequence (sdpa's mask costs O(row length^2), so bounded rows keep
     attention linear in the number of pairs). `share_prompt`: each pair is its common prefix once plus the two
-    remainders (DEVIATION 2); else chosen 1..P then rejected 1..P as whole sequences."""
+    remainders (DEVIATION 2); else chosen 1..P then rejected 1..P as whole sequences. `sp`: the tokens are split
+    over the model's sequence-parallel group (`--train.sp-size`; every rank of the group passes the same pairs)."""
     row_len = 2 * max(len(p[k]["input_ids"]) for p in pairs for k in ("chosen", "rejected"))
     if share_prompt:
         batch = packing.collate_prefix_shared([[p["chosen"], p["rejected"]] for p in pairs], device, row_len)
@@ -155,7 +157,7 @@ def pair_logps(model, pairs: list[dict], device, share_prompt: bool = False) -> 
         return sums[0::2], sums[1::2]
     seqs = [p["chosen"] for p in pairs] + [p["rejected"] for p in pairs]
     batch = packing.collate_packed(seqs, device, row_len=row_len)
-    logp = packing.token_logprobs(model, batch)  # (R, L)
+    logp = (sequence_parallel.token_logprobs if sp else packing.token_logprobs)(model, batch)  # (R, L)
     sums = torch.stack([s.sum() for s in packing.unpack(logp * batch["loss_mask"], batch["segments"])])  # (2P,)
     return sums[: len(pairs)], sums[len(pairs) :]
 

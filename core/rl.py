@@ -39,7 +39,7 @@ import torch
 
 from agents.executor import Episode, MultiTurnExecutor, Rollout, SingleTurnExecutor, load_env_factory
 from agents.openai_agent import OpenAIAgentExecutor
-from core import checkpoint, data, embedded, models, packing, placement, rl_math, rollout
+from core import checkpoint, data, embedded, models, packing, placement, rl_math, rollout, sequence_parallel
 from core import engine as ds_engine
 from core.config import ModelConfig
 from core.logger import RunLogger, run_name
@@ -510,7 +510,9 @@ def forward_logp(model, batch: dict, temperature: float, entropy: bool = False):
     (tokens, vocab) logits are never held."""
     inputs, index = model_inputs(model, batch)
     b, t = batch["loss_mask"].nonzero(as_tuple=True)  # the targets; t ≥ 1 (a prompt token is never one)
-    logp, ent = models.causal_logprobs(model, inputs, index[b, t - 1], batch["input_ids"][b, t], temperature, entropy)
+    # --train.sp-size N: this rank forwards 1/N of the tokens; the log-probs come back whole on every rank of its group
+    fn = models.causal_logprobs if sequence_parallel.sp_group(model) is None else sequence_parallel.causal_logprobs
+    logp, ent = fn(model, inputs, index[b, t - 1], batch["input_ids"][b, t], temperature, entropy)
     zeros = torch.zeros(batch["loss_mask"].shape, dtype=logp.dtype, device=logp.device)
     return zeros.index_put((b, t), logp), (None if ent is None else zeros.index_put((b, t), ent))
 
