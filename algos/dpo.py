@@ -86,6 +86,10 @@ class TrainArgs:
     """compute a pair's common prefix (its prompt) once, with chosen and rejected branching off it in the same
     packed row (exact: each response sees only the prompt and itself). Needs sdpa or eager attention; off packs
     chosen and rejected as two whole sequences."""
+    sp_size: int = 1
+    """sequence parallelism for long context (DeepSpeed-Ulysses, core/sequence_parallel.py): each packed row's tokens
+    are split over this many consecutive ranks, which train on the same pairs; must divide the number of ranks and of
+    attention heads, and needs --train.no-share-prompt. Reference and eval passes run unsplit."""
     ref_pairs_per_forward: int = 32
     """pairs per packed forward in the no-grad passes (reference cache, eval)."""
     seed: int = 1
@@ -253,6 +257,13 @@ def main(args: Args) -> dict:
     eval_sources = data.load_sources(args.data.eval_path or args.data.path, args.data.eval_split, args.eval.max_samples)
     eval_set = [ex for g in data.build_examples(eval_sources, make, args.data, log) for ex in g]
     model = models.load_causal_lm(args.model).to(device)
+    # PLUMBING: --train.sp-size N: groups of N ranks share each pair, its tokens split among them; the data is split
+    # over the groups (sp = N = 1: dp_rank, dp_world = rank, world)
+    sp = args.train.sp_size
+    if sp > 1 and args.train.share_prompt:
+        raise ValueError("--train.sp-size splits packed rows by position ids; prompt sharing needs a 4D mask: add "
+                         "--train.no-share-prompt")  # fmt: skip
+    dp_rank, dp_world = sequence_parallel.setup(model, sp)
     engine = ds_engine.make_engine(model, args.ds, args.train.lr, args.train.max_steps, args.train.warmup_steps,
                                    args.train.min_lr_ratio, args.train.weight_decay, args.train.adam_betas)  # fmt: skip
     ref_model = None
@@ -294,11 +305,12 @@ def main(args: Args) -> dict:
     tokens_seen, t_train, step = 0, 0.0, start_step - 1
 
     for step in range(start_step, args.train.max_steps):
-        # 3. batch: the global batch is a pure function of (seed, step); each rank takes every world-th pair
-        idx = data.batch_indices(len(train_set), args.train.batch_size, step, args.train.seed)[rank::world]
+        # 3. batch: the global batch is a pure function of (seed, step); each SP group (each rank, without sequence
+        # parallelism) takes every dp_world-th pair; sums over ranks count a pair once per rank of its group: / sp
+        idx = data.batch_indices(len(train_set), args.train.batch_size, step, args.train.seed)[dp_rank::dp_world]
         groups = micro_batches(idx, train_set, args.train.max_tokens_per_micro_batch)
         n_micro = int(ds_engine.all_reduce(len(groups), op="max"))  # ranks must run the same number of passes
-        num_chosen = ds_engine.all_reduce(sum(sum(train_set[i]["chosen"]["loss_mask"]) for i in idx))
+        num_chosen = ds_engine.all_reduce(sum(sum(train_set[i]["chosen"]["loss_mask"]) for i in idx)) / sp
 
         # 4. policy update: forward (chosen + rejected packed) / backward over micro-batches, one optimizer step
         t0 = time.perf_counter()
@@ -306,14 +318,15 @@ def main(args: Args) -> dict:
         for i in range(n_micro):
             g, weight = (groups[i], 1.0) if i < len(groups) else (groups[0], 0.0)  # weight 0: a pad pass (ZeRO-3)
             pairs = [train_set[j] for j in g]
-            pc, pr = pair_logps(engine, pairs, device, args.train.share_prompt)
+            pc, pr = pair_logps(engine, pairs, device, args.train.share_prompt, sp=sp > 1)
             if train_ref is not None:
                 ref_c, ref_r = train_ref[g, 0].to(device), train_ref[g, 1].to(device)
             else:
                 ref_c, ref_r = reference_logps(engine, ref_model, pairs, device, args.train.share_prompt)
             dpo, rc, rr = dpo_loss(pc, pr, ref_c, ref_r, args.train.beta, args.train.label_smoothing, args.train.ipo)
             nll = -pc.sum() / num_chosen  # RPO term: token mean over all chosen tokens of the global batch
-            # mean over the global batch; DeepSpeed averages gradients over ranks, so scale by world.
+            # mean over the global batch; DeepSpeed averages gradients over ranks, so scale by world (with sequence
+            # parallelism each rank's backward gives the gradient of its own tokens' share: the same scale).
             loss = (dpo * len(g) / args.train.batch_size + args.train.nll_coef * nll) * world * weight
             ds_engine.check_finite(loss, step)  # PLUMBING: a NaN/inf loss or gradient stops the run before the step
             engine.set_gradient_accumulation_boundary(i == n_micro - 1)
@@ -326,7 +339,7 @@ def main(args: Args) -> dict:
         t_train += time.perf_counter() - t0
 
         # 5. logging, eval, checkpoint
-        s = [ds_engine.all_reduce(x) for x in stats.tolist()]
+        s = [ds_engine.all_reduce(x) / sp for x in stats.tolist()]
         tokens_seen += s[7]
         b = args.train.batch_size
         metrics = {

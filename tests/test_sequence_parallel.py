@@ -1,7 +1,7 @@
 """Sequence parallelism (`--train.sp-size`, core/sequence_parallel.py): SP=2 over two gloo ranks against the plain
 forward (SP=1) in float32: Ulysses attention itself, the SFT, DPO and GRPO losses and every parameter's gradient,
-grouped-query attention, and the saved activations of one long sequence per rank. The slow test trains with
-`algos/sft.py --train.sp-size 2` on two DeepSpeed ZeRO-3 ranks and compares it with one rank."""
+grouped-query attention, and the saved activations of one long sequence per rank. The slow tests train with
+`algos/sft.py` and `algos/dpo.py --train.sp-size 2` on two DeepSpeed ZeRO-3 ranks and compare them with one rank."""
 
 import json
 import os
@@ -81,24 +81,29 @@ def test_setup_refuses_heads_that_do_not_split(two_ranks):
     assert "--train.sp-size 2: must divide the model's 1 attention heads" in two_ranks["refused"]
 
 
-def _sft(nproc: int, run_dir: Path, *extra: str) -> dict[int, float]:
+def _train(script: str, nproc: int, run_dir: Path, *extra: str) -> dict[int, tuple[float, float]]:
+    """{step: (loss, grad norm)} of a 4-step `algos/<script>.py` run on `nproc` ZeRO-3 ranks."""
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), str(ROOT / "algos" / "sft.py"), "--model.name-or-path", "cleanrlhf/tiny",
-           "--train.max-steps", "4", "--train.batch-size", "32", "--train.warmup-steps", "0", "--eval.every", "0",
-           "--logger.quiet", "--logger.no-tensorboard", "--ds.zero-stage", "3", "--run-dir", str(run_dir),
-           *extra]  # fmt: skip
+           "--master_port", str(free_port()), str(ROOT / "algos" / f"{script}.py"), "--train.max-steps", "4",
+           "--train.batch-size", "32", "--train.warmup-steps", "0", "--eval.every", "0", "--logger.quiet",
+           "--logger.no-tensorboard", "--ds.zero-stage", "3", "--run-dir", str(run_dir), *extra]  # fmt: skip
     subprocess.run(cmd, check=True, env=clean_env(), timeout=600, cwd=ROOT)
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return {m["step"]: (m["loss/sft"], m["train/grad_norm"]) for m in rows if "loss/sft" in m}
+    return {m["step"]: (m[f"loss/{script}"], m["train/grad_norm"]) for m in rows if f"loss/{script}" in m}
 
 
 @pytest.mark.slow
-def test_sft_with_sp2_on_two_ranks_trains_as_one_rank(tmp_path):
+@pytest.mark.parametrize("script, extra", [("sft", ["--model.name-or-path", "cleanrlhf/tiny"]),
+                                           ("dpo", ["--train.no-share-prompt"])])  # fmt: skip
+def test_sp2_on_two_ranks_trains_as_one_rank(tmp_path, script, extra):
+    """`--train.sp-size 2` on two ranks (one SP group) against one rank: the same samples and normalisers each step,
+    so the same loss and gradient norm; and the SFT loss falls."""
     embedded.ensure_tiny_base()
-    one = _sft(1, tmp_path / "one")
-    two = _sft(2, tmp_path / "sp2", "--train.sp-size", "2")
+    one = _train(script, 1, tmp_path / "one", *extra)
+    two = _train(script, 2, tmp_path / "sp2", *extra, "--train.sp-size", "2")
     assert sorted(one) == sorted(two) == [1, 2, 3, 4]
-    for step in one:  # the same samples and token mean each step: loss and gradient norm agree
+    for step in one:
         assert two[step][0] == pytest.approx(one[step][0], rel=1e-5, abs=1e-6), (step, one, two)
         assert two[step][1] == pytest.approx(one[step][1], rel=1e-5, abs=1e-6), (step, one, two)
-    assert two[4][0] < two[1][0] - 1.0  # and the loss falls
+    if script == "sft":
+        assert two[4][0] < two[1][0] - 1.0
