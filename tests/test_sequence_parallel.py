@@ -1,7 +1,8 @@
 """Sequence parallelism (`--train.sp-size`, core/sequence_parallel.py): SP=2 over two gloo ranks against the plain
 forward (SP=1) in float32: Ulysses attention itself, the SFT, DPO and GRPO losses and every parameter's gradient,
 grouped-query attention, and the saved activations of one long sequence per rank. The slow tests train with
-`algos/sft.py` and `algos/dpo.py --train.sp-size 2` on two DeepSpeed ZeRO-3 ranks and compare them with one rank."""
+`algos/sft.py` and `algos/dpo.py --train.sp-size 2` on two DeepSpeed ZeRO-3 ranks, and run whole GRPO and REINFORCE++
+updates, and compare them with one rank."""
 
 import json
 import os
@@ -18,6 +19,7 @@ from core.engine import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).with_name("sequence_parallel_worker.py")
+RL_WORKER = Path(__file__).with_name("sequence_parallel_rl_worker.py")
 LONG = 4096  # tokens of the long sequence whose activation memory is measured
 
 
@@ -107,3 +109,22 @@ def test_sp2_on_two_ranks_trains_as_one_rank(tmp_path, script, extra):
         assert two[step][1] == pytest.approx(one[step][1], rel=1e-5, abs=1e-6), (step, one, two)
     if script == "sft":
         assert two[4][0] < two[1][0] - 1.0
+
+
+@pytest.mark.slow
+def test_grpo_and_reinforce_pp_updates_at_sp2_equal_one_rank(tmp_path):
+    """Whole updates on ZeRO-3 actors (old log-probs, a ZeRO-3 reference's KL, 4 optimizer steps): the minibatch
+    split by SP group, the SP forward and the metrics summed over ranks give one rank's numbers."""
+    embedded.ensure_tiny_base()
+    results = {}
+    for n in (1, 2):
+        out = tmp_path / f"rl{n}.json"
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(n), "--master_addr",
+               "127.0.0.1", "--master_port", str(free_port()), str(RL_WORKER), str(out)]  # fmt: skip
+        proc = subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, timeout=600, cwd=ROOT)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        results[n] = json.loads(out.read_text())
+    for algo, reference in results[1].items():
+        assert {"loss/policy", "loss/kl", "train/grad_norm"} <= set(reference)
+        for k, v in reference.items():
+            assert results[2][algo][k] == pytest.approx(v, rel=1e-5, abs=1e-7), (algo, k, results)
