@@ -54,6 +54,8 @@ def grad_diff(ref, model, group) -> float:
     worst = 0.0
     ref_params = dict(ref.named_parameters())
     for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
         g = p.grad.clone()
         dist.all_reduce(g, group=group)
         assert ref_params[name].grad.abs().sum() > 0, f"{name}: no gradient in the reference"
@@ -192,6 +194,24 @@ def main(out: str) -> None:
         ref_g, model_g = tiny(path, seed=kv, num_key_value_heads=kv), tiny(path, seed=kv, num_key_value_heads=kv)
         sp.setup(model_g, 2)
         compare(f"sft_gqa{kv}", ref_g, model_g, sft_loss, sp.sp_group(model_g), results)
+
+    # gradient checkpointing (the all-to-alls run again in the recomputed forward) and LoRA (random B, so that
+    # every adapter factor has a gradient), SFT loss
+    ref_c, model_c = tiny(path, seed=3), tiny(path, seed=3)
+    for m in (ref_c, model_c):
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        m.train()
+    sp.setup(model_c, 2)
+    compare("sft_checkpointing", ref_c, model_c, sft_loss, sp.sp_group(model_c), results)
+    from peft import LoraConfig, get_peft_model
+
+    lora = []
+    for _ in range(2):
+        base = tiny(path, seed=4)
+        torch.manual_seed(4)
+        lora.append(get_peft_model(base, LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False)))
+    sp.setup(lora[1], 2)
+    compare("sft_lora", lora[0], lora[1], sft_loss, sp.sp_group(lora[1]), results)
 
     # memory: saved activations of one long sequence, plain forward (SP=1) vs this rank's share at SP=2
     long_len = int(sys.argv[2]) if len(sys.argv) > 2 else 4096

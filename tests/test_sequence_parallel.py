@@ -1,6 +1,6 @@
 """Sequence parallelism (`--train.sp-size`, core/sequence_parallel.py): SP=2 over two gloo ranks against the plain
 forward (SP=1) in float32: Ulysses attention itself, the SFT, DPO and GRPO losses and every parameter's gradient,
-grouped-query attention, and the saved activations of one long sequence per rank. The slow tests train with
+grouped-query attention, gradient checkpointing, LoRA, and the saved activations of one long sequence per rank. The slow tests train with
 `algos/sft.py` and `algos/dpo.py --train.sp-size 2` on two DeepSpeed ZeRO-3 ranks, and run whole GRPO and REINFORCE++
 updates, and compare them with one rank."""
 
@@ -63,7 +63,7 @@ def test_ulysses_attention_equals_attention_over_the_whole_rows(two_ranks):
     assert two_ranks["attention"]["max_diff"] <= 1e-5
 
 
-@pytest.mark.parametrize("case", ["sft", "dpo", "grpo", "sft_gqa2", "sft_gqa1"])
+@pytest.mark.parametrize("case", ["sft", "dpo", "grpo", "sft_gqa2", "sft_gqa1", "sft_checkpointing", "sft_lora"])
 def test_sp2_loss_and_gradients_equal_sp1(two_ranks, case):
     """Both ranks hold the same loss as the plain forward, and their gradients sum to the plain gradient (DeepSpeed's
     mean over ranks times the scripts' `loss * world`), for every parameter."""
