@@ -128,3 +128,22 @@ def test_grpo_and_reinforce_pp_updates_at_sp2_equal_one_rank(tmp_path):
         assert {"loss/policy", "loss/kl", "train/grad_norm"} <= set(reference)
         for k, v in reference.items():
             assert results[2][algo][k] == pytest.approx(v, rel=1e-5, abs=1e-7), (algo, k, results)
+
+
+def test_scripts_refuse_what_sequence_parallelism_does_not_support(tmp_path):
+    """Each refusal names the flag: padded batches (sft), prompt sharing (dpo), PPO's critic (the RL scripts)."""
+    from algos import dpo, ppo, sft
+    from core import rl
+
+    args = sft.Args(run_dir=str(tmp_path / "sft"))
+    args.model.name_or_path, args.train.sp_size, args.train.packing = "cleanrlhf/tiny", 2, False
+    with pytest.raises(ValueError, match="--train.sp-size needs --train.packing"):
+        sft.main(args)
+    args = dpo.Args(run_dir=str(tmp_path / "dpo"))
+    args.model.name_or_path, args.train.sp_size = "cleanrlhf/tiny", 2
+    with pytest.raises(ValueError, match="--train.sp-size .* add --train.no-share-prompt"):
+        dpo.main(args)
+    args = ppo.Args()
+    args.actor.model.name_or_path, args.train.sp_size = "cleanrlhf/tiny", 2
+    with pytest.raises(ValueError, match="--train.sp-size .* not built for a critic"):
+        rl.make_actor(args, torch.device("cpu"), 1)
