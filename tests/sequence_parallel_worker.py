@@ -33,14 +33,16 @@ def tiny(path: str, seed: int = 0, **config):
     return AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="sdpa")
 
 
-def saved_bytes(fn) -> tuple[object, int]:
-    """fn()'s result and the bytes of the distinct tensors autograd saved for backward while it ran, parameters
-    excluded: the activation memory a backward needs (each storage counted once, however many views share it)."""
+def saved_bytes(fn, model) -> tuple[object, int]:
+    """fn()'s result and the bytes of the distinct storages autograd saved for backward while it ran, the parameters
+    of `model` (and views of them, e.g. a transposed weight) excluded: the activation memory a backward needs, each
+    storage counted once however many views share it."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     storages: dict[int, int] = {}
 
     def pack(t: torch.Tensor):
-        if not isinstance(t, torch.nn.Parameter):
-            s = t.untyped_storage()
+        s = t.untyped_storage()
+        if s.data_ptr() not in params:
             storages[s.data_ptr()] = s.nbytes()
         return t
 
@@ -220,8 +222,8 @@ def main(out: str) -> None:
     sp.setup(model_l, 2)
     long_batch = packing.collate_packed(random_samples(vocab, 1, seed=4, lo=long_len, hi=long_len), "cpu")
     mask_l, n_tok = long_batch["loss_mask"], float(long_batch["loss_mask"].sum())
-    loss1, bytes1 = saved_bytes(lambda: sft.sft_loss(packing.token_logprobs(ref_l, long_batch), mask_l, n_tok))
-    loss2, bytes2 = saved_bytes(lambda: sft.sft_loss(sp.token_logprobs(model_l, long_batch), mask_l, n_tok))
+    loss1, bytes1 = saved_bytes(lambda: sft.sft_loss(packing.token_logprobs(ref_l, long_batch), mask_l, n_tok), ref_l)
+    loss2, bytes2 = saved_bytes(lambda: sft.sft_loss(sp.token_logprobs(model_l, long_batch), mask_l, n_tok), model_l)
     loss1.backward()
     loss2.backward()
     per_rank = torch.tensor([float(bytes2)])

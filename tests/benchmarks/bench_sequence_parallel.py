@@ -3,8 +3,8 @@ process, the plain forward, transformers' sdpa) and at SP=2 (two gloo ranks, Uly
 
 The model: a randomly initialised Qwen2 (hidden 256, 4 layers, 4 heads, MLP 1024, the embedded 100-token vocabulary),
 fp32, CPU. One step: the SFT loss of one packed sequence (`packing.token_logprobs` or `sequence_parallel.token_logprobs`,
-then `algos.sft.sft_loss`) and its backward. Reported per length: the bytes of the distinct tensors autograd saved for
-the backward (parameters excluded; per rank at SP=2, the larger rank), their ratio, and the step time (median of
+then `algos.sft.sft_loss`) and its backward. Reported per length: the bytes of the distinct storages autograd saved
+for the backward (parameters and views of them excluded; per rank at SP=2, the larger rank), their ratio, and the step time (median of
 --reps after a warm-up). SP=1 runs on rank 0 while rank 1 waits, one thread each: SP=2 uses both cores. Run:
 
     OMP_NUM_THREADS=1 .venv/bin/python -m torch.distributed.run --nproc_per_node 2 \\
@@ -39,7 +39,7 @@ def step(model, batch: dict, use_sp: bool) -> tuple[int, float]:
     t0 = time.perf_counter()
     logprobs = sp.token_logprobs if use_sp else packing.token_logprobs
     mask = batch["loss_mask"]
-    loss, nbytes = saved_bytes(lambda: sft.sft_loss(logprobs(model, batch), mask, float(mask.sum())))
+    loss, nbytes = saved_bytes(lambda: sft.sft_loss(logprobs(model, batch), mask, float(mask.sum())), model)
     loss.backward()
     return nbytes, time.perf_counter() - t0
 
