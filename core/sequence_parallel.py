@@ -193,7 +193,7 @@ def token_logprobs(model, batch: dict, temperature: float = 1.0) -> torch.Tensor
     model's SP group: log p(x_t | x_<t) (R, W) on every rank of the group, 0 at the first token of every sample. Each
     rank runs the LM head on its own slice only, against the next tokens taken from the whole row."""
     group = sp_group(model)
-    ids, pos = batch["input_ids"], batch["position_ids"]
+    ids, pos = batch["input_ids"], batch.get("position_ids")
     if pos is None or batch.get("attention_mask") is not None:
         raise ValueError("--train.sp-size needs packed batches (position ids), not padded ones (--train.no-packing)")
     inputs, width, lo = shard(ids, pos, group)
