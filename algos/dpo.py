@@ -46,7 +46,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 import tyro
 
-from core import checkpoint, data, models, packing
+from core import checkpoint, data, models, packing, sequence_parallel
 from core import engine as ds_engine
 from core.config import CkptConfig, DataConfig, DSConfig, LoggerConfig, ModelConfig, check_args
 from core.logger import RunLogger, run_name, timer
@@ -86,6 +86,10 @@ class TrainArgs:
     """compute a pair's common prefix (its prompt) once, with chosen and rejected branching off it in the same
     packed row (exact: each response sees only the prompt and itself). Needs sdpa or eager attention; off packs
     chosen and rejected as two whole sequences."""
+    sp_size: int = 1
+    """sequence parallelism for long context (DeepSpeed-Ulysses, core/sequence_parallel.py): each packed row's tokens
+    are split over this many consecutive ranks, which train on the same pairs; must divide the number of ranks and of
+    attention heads, and needs --train.no-share-prompt. Reference and eval passes run unsplit."""
     ref_pairs_per_forward: int = 32
     """pairs per packed forward in the no-grad passes (reference cache, eval)."""
     seed: int = 1
@@ -143,11 +147,13 @@ def dpo_loss(policy_chosen_logps: torch.Tensor, policy_rejected_logps: torch.Ten
     return losses.mean(), chosen_rewards, rejected_rewards
 
 
-def pair_logps(model, pairs: list[dict], device, share_prompt: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+def pair_logps(model, pairs: list[dict], device, share_prompt: bool = False,
+               sp: bool = False) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Summed response log-probs (P,) of the chosen and of the rejected responses of P pairs, from ONE packed
     forward in rows of twice the longest sequence (sdpa's mask costs O(row length^2), so bounded rows keep
     attention linear in the number of pairs). `share_prompt`: each pair is its common prefix once plus the two
-    remainders (DEVIATION 2); else chosen 1..P then rejected 1..P as whole sequences."""
+    remainders (DEVIATION 2); else chosen 1..P then rejected 1..P as whole sequences. `sp`: the tokens are split
+    over the model's sequence-parallel group (`--train.sp-size`; every rank of the group passes the same pairs)."""
     row_len = 2 * max(len(p[k]["input_ids"]) for p in pairs for k in ("chosen", "rejected"))
     if share_prompt:
         batch = packing.collate_prefix_shared([[p["chosen"], p["rejected"]] for p in pairs], device, row_len)
@@ -155,7 +161,7 @@ def pair_logps(model, pairs: list[dict], device, share_prompt: bool = False) -> 
         return sums[0::2], sums[1::2]
     seqs = [p["chosen"] for p in pairs] + [p["rejected"] for p in pairs]
     batch = packing.collate_packed(seqs, device, row_len=row_len)
-    logp = packing.token_logprobs(model, batch)  # (R, L)
+    logp = (sequence_parallel.token_logprobs if sp else packing.token_logprobs)(model, batch)  # (R, L)
     sums = torch.stack([s.sum() for s in packing.unpack(logp * batch["loss_mask"], batch["segments"])])  # (2P,)
     return sums[: len(pairs)], sums[len(pairs) :]
 
@@ -251,6 +257,13 @@ def main(args: Args) -> dict:
     eval_sources = data.load_sources(args.data.eval_path or args.data.path, args.data.eval_split, args.eval.max_samples)
     eval_set = [ex for g in data.build_examples(eval_sources, make, args.data, log) for ex in g]
     model = models.load_causal_lm(args.model).to(device)
+    # PLUMBING: --train.sp-size N: groups of N ranks share each pair, its tokens split among them; the data is split
+    # over the groups (sp = N = 1: dp_rank, dp_world = rank, world)
+    sp = args.train.sp_size
+    if sp > 1 and args.train.share_prompt:
+        raise ValueError("--train.sp-size splits packed rows by position ids; prompt sharing needs a 4D mask: add "
+                         "--train.no-share-prompt")  # fmt: skip
+    dp_rank, dp_world = sequence_parallel.setup(model, sp)
     engine = ds_engine.make_engine(model, args.ds, args.train.lr, args.train.max_steps, args.train.warmup_steps,
                                    args.train.min_lr_ratio, args.train.weight_decay, args.train.adam_betas)  # fmt: skip
     ref_model = None
@@ -292,11 +305,12 @@ def main(args: Args) -> dict:
     tokens_seen, t_train, step = 0, 0.0, start_step - 1
 
     for step in range(start_step, args.train.max_steps):
-        # 3. batch: the global batch is a pure function of (seed, step); each rank takes every world-th pair
-        idx = data.batch_indices(len(train_set), args.train.batch_size, step, args.train.seed)[rank::world]
+        # 3. batch: the global batch is a pure function of (seed, step); each SP group (each rank, without sequence
+        # parallelism) takes every dp_world-th pair; sums over ranks count a pair once per rank of its group: / sp
+        idx = data.batch_indices(len(train_set), args.train.batch_size, step, args.train.seed)[dp_rank::dp_world]
         groups = micro_batches(idx, train_set, args.train.max_tokens_per_micro_batch)
         n_micro = int(ds_engine.all_reduce(len(groups), op="max"))  # ranks must run the same number of passes
-        num_chosen = ds_engine.all_reduce(sum(sum(train_set[i]["chosen"]["loss_mask"]) for i in idx))
+        num_chosen = ds_engine.all_reduce(sum(sum(train_set[i]["chosen"]["loss_mask"]) for i in idx)) / sp
 
         # 4. policy update: forward (chosen + rejected packed) / backward over micro-batches, one optimizer step
         t0 = time.perf_counter()
@@ -304,14 +318,15 @@ def main(args: Args) -> dict:
         for i in range(n_micro):
             g, weight = (groups[i], 1.0) if i < len(groups) else (groups[0], 0.0)  # weight 0: a pad pass (ZeRO-3)
             pairs = [train_set[j] for j in g]
-            pc, pr = pair_logps(engine, pairs, device, args.train.share_prompt)
+            pc, pr = pair_logps(engine, pairs, device, args.train.share_prompt, sp=sp > 1)
             if train_ref is not None:
                 ref_c, ref_r = train_ref[g, 0].to(device), train_ref[g, 1].to(device)
             else:
                 ref_c, ref_r = reference_logps(engine, ref_model, pairs, device, args.train.share_prompt)
             dpo, rc, rr = dpo_loss(pc, pr, ref_c, ref_r, args.train.beta, args.train.label_smoothing, args.train.ipo)
             nll = -pc.sum() / num_chosen  # RPO term: token mean over all chosen tokens of the global batch
-            # mean over the global batch; DeepSpeed averages gradients over ranks, so scale by world.
+            # mean over the global batch; DeepSpeed averages gradients over ranks, so scale by world (with sequence
+            # parallelism each rank's backward gives the gradient of its own tokens' share: the same scale).
             loss = (dpo * len(g) / args.train.batch_size + args.train.nll_coef * nll) * world * weight
             ds_engine.check_finite(loss, step)  # PLUMBING: a NaN/inf loss or gradient stops the run before the step
             engine.set_gradient_accumulation_boundary(i == n_micro - 1)
@@ -324,7 +339,7 @@ def main(args: Args) -> dict:
         t_train += time.perf_counter() - t0
 
         # 5. logging, eval, checkpoint
-        s = [ds_engine.all_reduce(x) for x in stats.tolist()]
+        s = [ds_engine.all_reduce(x) / sp for x in stats.tolist()]
         tokens_seen += s[7]
         b = args.train.batch_size
         metrics = {

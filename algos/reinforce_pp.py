@@ -162,7 +162,8 @@ def update(actor, ref, seqs: dict, rewards: torch.Tensor, args: Args, run: rl.Ru
     mask, temp, world = seqs["loss_mask"], args.rollout.temperature, run.world
     batches = rl.minibatches(seqs, args, step, run.rank, world)
     mine = [m for _, micro in batches for m in micro]  # this rank's rows
-    old_logp = rl.forward_rows(lambda b: rl.forward_logp(actor, b, temp)[0], seqs, mine, world, True)  # on all ranks
+    old_logp = rl.forward_rows(lambda b: rl.forward_logp(actor, b, temp)[0], seqs, mine, world, True,
+                               args.train.sp_size)  # on all ranks  # fmt: skip
     ref_logp = None if ref is None else rl.on_model(ref, rl.logp_table, seqs, args, step, run=run)  # or --ref.ranks
     meter = rl.Meter()
     kl = torch.zeros_like(old_logp)  # KL_t of the sampling policy to the reference on the sampled tokens, every row

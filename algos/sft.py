@@ -44,7 +44,7 @@ import numpy as np
 import torch
 import tyro
 
-from core import checkpoint, data, models, packing
+from core import checkpoint, data, models, packing, sequence_parallel
 from core import engine as ds_engine
 from core.config import CkptConfig, DataConfig, DSConfig, LoggerConfig, ModelConfig, check_args
 from core.logger import RunLogger, run_name, timer
@@ -80,6 +80,10 @@ class TrainArgs:
     """mixture-of-experts models: weight of the router's load-balancing loss added to the loss (logged as
     `loss/router_aux`); None: the model config's `router_aux_loss_coef` (0.001 in Qwen's MoE configs), as
     transformers' own MoE loss. Dense models have no such loss."""
+    sp_size: int = 1
+    """sequence parallelism for long context (DeepSpeed-Ulysses): each packed row's tokens are split over this many
+    consecutive ranks, which all-to-all their attention heads (core/sequence_parallel.py); must divide the number of
+    ranks and of attention heads. The ranks of a group train on the same samples: data parallelism is over groups."""
     mode: Literal["single", "multiturn", "pretrain"] = "single"
     """`single`: loss on the response; `multiturn`: on every assistant turn of a chat; `pretrain`: on all tokens."""
     seed: int = 1
@@ -206,6 +210,13 @@ def main(args: Args) -> dict:
     eval_sources = data.load_sources(args.data.eval_path or args.data.path, args.data.eval_split, args.eval.max_samples)
     eval_set = [ex for g in data.build_examples(eval_sources, make, args.data, log) for ex in g]
     model = models.load_causal_lm(args.model).to(device)
+    # PLUMBING: --train.sp-size N: groups of N ranks share each sample, its tokens split among them; the data is
+    # split over the groups (sp = N = 1: dp_rank, dp_world = rank, world)
+    sp = args.train.sp_size
+    if sp > 1 and (not args.train.packing or models.is_moe(model)):
+        raise ValueError("--train.sp-size needs --train.packing and a dense model (the router's aux loss of a "
+                         "mixture-of-experts model is not split over ranks)")  # fmt: skip
+    dp_rank, dp_world = sequence_parallel.setup(model, sp)
     router_aux_coef = args.train.router_aux_coef
     if router_aux_coef is None:
         router_aux_coef = getattr(model.config, "router_aux_loss_coef", 0.0)
@@ -226,10 +237,12 @@ def main(args: Args) -> dict:
     tokens_seen, t_train, step = 0, 0.0, start_step - 1
 
     for step in range(start_step, args.train.max_steps):
-        # 2. batch: the global batch is a pure function of (seed, step); each rank takes every world-th sample
-        idx = data.batch_indices(len(train_set), args.train.batch_size, step, args.train.seed)[rank::world]
+        # 2. batch: the global batch is a pure function of (seed, step); each SP group (each rank, without sequence
+        # parallelism) takes every dp_world-th sample
+        idx = data.batch_indices(len(train_set), args.train.batch_size, step, args.train.seed)[dp_rank::dp_world]
         mbs = micro_batches([train_set[i] for i in idx], args, tokenizer.pad_token_id, device)
-        num_tokens = ds_engine.all_reduce(sum(mb["loss_mask"].sum().item() for mb in mbs))
+        # sums over ranks count each sample once per rank of its SP group: divide by sp
+        num_tokens = ds_engine.all_reduce(sum(mb["loss_mask"].sum().item() for mb in mbs)) / sp
         n_micro = int(ds_engine.all_reduce(len(mbs), op="max"))  # ranks must run the same number of passes
 
         # 3. forward / backward over micro-batches, one optimizer step
@@ -237,7 +250,7 @@ def main(args: Args) -> dict:
         total_loss = total_aux = 0.0
         for i in range(n_micro):
             mb = mbs[i] if i < len(mbs) else {**mbs[0], "loss_mask": torch.zeros_like(mbs[0]["loss_mask"])}
-            logp = packing.token_logprobs(engine, mb)
+            logp = (sequence_parallel.token_logprobs if sp > 1 else packing.token_logprobs)(engine, mb)  # (R, L)
             nll = sft_loss(logp, mb["loss_mask"], num_tokens)
             loss = nll
             aux = models.router_aux_loss(engine)  # MoE: the router's load-balancing loss of this forward, else None
@@ -245,7 +258,8 @@ def main(args: Args) -> dict:
                 share = mb["loss_mask"].sum() / num_tokens
                 loss = nll + router_aux_coef * aux * share
                 total_aux += (aux * share).item()
-            # DeepSpeed averages gradients over ranks; scale by world so the sum over ranks is the global mean.
+            # DeepSpeed averages gradients over ranks; scale by world so the sum over ranks is the global mean (with
+            # sequence parallelism each rank's backward gives the gradient of its own tokens' share: the same scale).
             ds_engine.check_finite(loss, step)  # PLUMBING: a NaN/inf loss or gradient stops the run before the step
             engine.set_gradient_accumulation_boundary(i == n_micro - 1)
             engine.backward(loss * world)
@@ -257,13 +271,13 @@ def main(args: Args) -> dict:
 
         # 4. logging, eval, checkpoint
         metrics = {
-            "loss/sft": ds_engine.all_reduce(total_loss),
+            "loss/sft": ds_engine.all_reduce(total_loss) / sp,
             **({"loss/router_aux": ds_engine.all_reduce(total_aux)} if models.is_moe(engine.module) else {}),
             "train/lr": engine.lr_scheduler.get_last_lr()[0],
             "train/grad_norm": grad_norm,
             "train/tokens": num_tokens,
             "perf/train_s": t_step,
-            "perf/tokens_per_s": ds_engine.all_reduce(tokens_seen) / max(t_train, 1e-9),
+            "perf/tokens_per_s": ds_engine.all_reduce(tokens_seen) / sp / max(t_train, 1e-9),
         }
         last = step == args.train.max_steps - 1
         if args.eval.every and ((step + 1) % args.eval.every == 0 or last):

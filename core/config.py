@@ -247,6 +247,11 @@ class TrainArgs:
     packing: bool = True
     """forward the real tokens only, packed padding-free (position ids restart per sequence, no attention mask);
     `--train.no-packing` forwards right-padded rows (the reference path; the same log-probs within float rounding)."""
+    sp_size: int = 1
+    """sequence parallelism for long context (DeepSpeed-Ulysses, core/sequence_parallel.py): the actor's packed rows
+    are split over this many consecutive trainer ranks, which train on the same sequences (data parallelism is over
+    the groups); must divide --train.ranks and the attention heads. Needs packing; not built for PPO's critic or a
+    reference on ranks of its own."""
     seed: int = 1
     """seed of the prompt order, the sampling seeds and every RNG."""
     ranks: int = 1
@@ -285,6 +290,7 @@ POSITIVE = frozenset({
     "epochs", "max_steps", "halt_after", "max_samples", "max_len", "pack_row_len", "max_turns", "max_total_tokens",
     "k", "ranks", "num_engines", "tensor_parallel_size", "max_model_len", "num_cpus", "lora_alpha",
     "dynamic_filter_max_rounds", "kl_horizon", "ref_pairs_per_forward", "ref_seqs_per_forward", "sleep_level",
+    "sp_size",
     # rates, scales and limits that have no "off" at 0
     "lr", "temperature", "top_p", "beta", "clip", "kl_target", "timeout_s", "sync_bucket_mb", "kv_cache_gib",
     "gpu_memory_utilization", "agent_concurrency", "agent_timeout_s", "muon_lr",

@@ -39,7 +39,7 @@ import torch
 
 from agents.executor import Episode, MultiTurnExecutor, Rollout, SingleTurnExecutor, load_env_factory
 from agents.openai_agent import OpenAIAgentExecutor
-from core import checkpoint, data, embedded, models, packing, placement, rl_math, rollout
+from core import checkpoint, data, embedded, models, packing, placement, rl_math, rollout, sequence_parallel
 from core import engine as ds_engine
 from core.config import ModelConfig
 from core.logger import RunLogger, run_name
@@ -237,6 +237,11 @@ def make_actor(args, device: torch.device, total_updates: int):
     """The trained policy: `--actor.model.*` as a DeepSpeed engine with AdamW and a warmup/cosine schedule over
     `total_updates` optimizer steps."""
     model = models.load_causal_lm(args.actor.model, "--actor.model.name-or-path").to(device)
+    if args.train.sp_size > 1:  # --train.sp-size: the actor's forwards split each row's tokens over an SP group
+        if not args.train.packing or hasattr(args, "critic") or getattr(args.ref, "ranks", None):
+            raise ValueError("--train.sp-size needs --train.packing and is not built for a critic (PPO) or a "
+                             "reference on ranks of its own (--ref.ranks)")  # fmt: skip
+        sequence_parallel.setup(model, args.train.sp_size)
     return ds_engine.make_engine(model, args.ds, args.actor.lr, total_updates, args.actor.warmup_steps,
                                  hybrid=args.vllm.enable_sleep, ema_beta=args.actor.ema_beta)  # fmt: skip
 
@@ -510,7 +515,9 @@ def forward_logp(model, batch: dict, temperature: float, entropy: bool = False):
     (tokens, vocab) logits are never held."""
     inputs, index = model_inputs(model, batch)
     b, t = batch["loss_mask"].nonzero(as_tuple=True)  # the targets; t ≥ 1 (a prompt token is never one)
-    logp, ent = models.causal_logprobs(model, inputs, index[b, t - 1], batch["input_ids"][b, t], temperature, entropy)
+    # --train.sp-size N: this rank forwards 1/N of the tokens; the log-probs come back whole on every rank of its group
+    fn = models.causal_logprobs if sequence_parallel.sp_group(model) is None else sequence_parallel.causal_logprobs
+    logp, ent = fn(model, inputs, index[b, t - 1], batch["input_ids"][b, t], temperature, entropy)
     zeros = torch.zeros(batch["loss_mask"].shape, dtype=logp.dtype, device=logp.device)
     return zeros.index_put((b, t), logp), (None if ent is None else zeros.index_put((b, t), ent))
 
@@ -522,6 +529,8 @@ def minibatches(seqs: dict, args, step: int, rank: int, world: int) -> list[tupl
     (`placement.shard_minibatch`); every rank gets as many micro-batches as every other (a padding one is `real`
     False and its loss counts 0)."""
     n, lengths = len(seqs["loss_mask"]), seqs["attention_mask"].sum(1).tolist()
+    sp = getattr(args.train, "sp_size", 1)  # --train.sp-size: the ranks of an SP group share their micro-batches
+    rank, world = rank // sp, world // sp
     order = list(range(n))
     random.Random(args.train.seed + step).shuffle(order)
     size = max(1, math.ceil(n / args.train.minibatches))
@@ -531,10 +540,12 @@ def minibatches(seqs: dict, args, step: int, rank: int, world: int) -> list[tupl
 
 
 @torch.no_grad()
-def forward_rows(fn, batch: dict, micro: list[tuple[list[int], bool]], world: int, gather_ranks: bool) -> torch.Tensor:
+def forward_rows(fn, batch: dict, micro: list[tuple[list[int], bool]], world: int, gather_ranks: bool,
+                 sp: int = 1) -> torch.Tensor:  # fmt: skip
     """`fn(rows(batch, r)) -> (b, L)` on this rank's micro-batches `micro`, written into a (B, L) tensor. Every pass
     runs, padding ones included (under ZeRO-3 each forward is a collective). `gather_ranks`: each row was computed by
-    exactly one rank (0 elsewhere), so a sum over ranks gives every rank every row."""
+    exactly one rank (0 elsewhere), or by every rank of one SP group of `sp` ranks (`--train.sp-size`), so a sum over
+    ranks divided by `sp` gives every rank every row."""
     out = torch.zeros(batch["loss_mask"].shape, device=batch["loss_mask"].device)
     for r, real in micro:
         value = fn(rows(batch, r))
@@ -542,6 +553,7 @@ def forward_rows(fn, batch: dict, micro: list[tuple[list[int], bool]], world: in
             out[r] = value
     if gather_ranks and world > 1:
         torch.distributed.all_reduce(out)
+        out = out / sp if sp > 1 else out
     return out
 
 
@@ -598,7 +610,8 @@ def logp_table(model, rank: int, world: int, seqs: dict, args, step: int) -> tor
     `on_model`."""
     mine = [m for _, micro in minibatches(seqs, args, step, rank, world) for m in micro]
     with ds_engine.on_device(model, seqs["loss_mask"].device):
-        return forward_rows(lambda b: forward_logp(model, b, args.rollout.temperature)[0], seqs, mine, world, True)
+        return forward_rows(lambda b: forward_logp(model, b, args.rollout.temperature)[0], seqs, mine, world, True,
+                            getattr(args.train, "sp_size", 1))  # fmt: skip
 
 
 def agg_kwargs(mask: torch.Tensor, minibatch: list[int], args) -> dict:
@@ -611,12 +624,15 @@ def agg_kwargs(mask: torch.Tensor, minibatch: list[int], args) -> dict:
 def backward(engine, loss: torch.Tensor, step: int, world: int, real: bool, last: bool, what: str = "loss") -> float:
     """One micro-batch's backward: stop before any optimizer step on a NaN/inf loss; scale by world (DeepSpeed averages
     gradients over ranks, the loss is this rank's share of the minibatch's token mean) or by 0 for a padding pass;
-    mark the last micro-batch of the minibatch as the accumulation boundary. Returns the unscaled loss (0 for padding),
-    whose sum over micro-batches and ranks is the minibatch's loss."""
+    mark the last micro-batch of the minibatch as the accumulation boundary. Returns the unscaled loss (0 for padding)
+    over the ranks of the engine's SP group (`--train.sp-size`, which all hold the same loss; 1 without), so that its
+    sum over micro-batches and ranks is the minibatch's loss. With sequence parallelism each rank's backward gives the
+    gradient of its own tokens' share of the loss: the same world scaling holds."""
     ds_engine.check_finite(loss, step, what)
     engine.set_gradient_accumulation_boundary(last)
     engine.backward(loss * (world if real else 0.0))
-    return loss.item() if real else 0.0
+    group = sequence_parallel.sp_group(engine)
+    return loss.item() / (1 if group is None else torch.distributed.get_world_size(group)) if real else 0.0
 
 
 class Meter:
