@@ -12,7 +12,7 @@ script accepts a real model or dataset name in their place unchanged:
 | `cleanrlhf/tiny-chat` | randomly initialised Qwen2 (~0.1 M parameters) + a BPE chat tokenizer         |
 | `cleanrlhf/tiny-moe`  | randomly initialised Qwen2-MoE (~0.16 M parameters) + character tokenizer     |
 | `cleanrlhf/tiny-vl`   | randomly initialised Qwen2-VL (~0.2 M parameters) + chat tokenizer + image processor |
-| `cleanrlhf/shapes`    | count the coloured squares in a 56x56 picture, `train.jsonl` / `test.jsonl`   |
+| `cleanrlhf/shapes`    | count the coloured squares (1-5) in a 56x56 picture, `train.jsonl` / `test.jsonl` |
 
 `cleanrlhf/tiny-chat` is the chat-model stand-in the tests use (it is not trained): a byte-level BPE trained here on
 text this module writes, with a Qwen2.5-style chat template (`<|im_start|>role\ncontent<|im_end|>\n`, a default
@@ -461,16 +461,17 @@ def image_to_text(image) -> str:
 
 
 def shapes_rows(n: int, seed: int) -> list[dict]:
-    """`n` rows of the counting task: 1-5 squares of random colours in random cells, the question "How many <colour>
-    squares?" about one of the three colours, the answer the count as a digit (0-5)."""
+    """`n` rows of the counting task: 1-5 squares of random colours in random cells of the 4x4 grid, the question
+    "How many squares?", the answer the count as a digit (chance: 20 %). Counting one colour only ("How many red
+    squares?", 0-5) was tried first: the random tiny-vl stayed at the majority answer (36 %) for 600 SFT steps,
+    where the colour-blind count jumps from chance to 94 % after 400-500 steps."""
     rng = random.Random(seed)
     rows = []
     for _ in range(n):
         cells = rng.sample(range(16), rng.randint(1, 5))
         colours = {i: rng.choice(list(SHAPE_COLOURS)) for i in cells}
-        asked = rng.choice(list(SHAPE_COLOURS))
-        rows.append({"prompt": f"How many {asked} squares?", "image": image_to_text(draw_shapes(colours)),
-                     "answer": str(sum(c == asked for c in colours.values())), "datasource": "shapes"})  # fmt: skip
+        rows.append({"prompt": "How many squares?", "image": image_to_text(draw_shapes(colours)),
+                     "answer": str(len(cells)), "datasource": "shapes"})  # fmt: skip
     return rows
 
 
