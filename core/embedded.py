@@ -361,7 +361,7 @@ def ensure_tiny_moe() -> Path:
 # `cleanrlhf/tiny-vl` and `cleanrlhf/shapes`: a vision-language model and a picture-counting task
 
 VL_SPECIALS = ["<|vision_start|>", "<|vision_end|>", "<|image_pad|>"]
-"""Qwen2-VL's image tokens: a picture is `<|vision_start|>` + one `<|image_pad|>` per merged patch + `<|vision_end|>`."""
+"""Qwen2-VL's image tokens: a picture is `<|vision_start|>`, one `<|image_pad|>` per merged patch, `<|vision_end|>`."""
 IMAGE_SIZE = 56
 """side of every picture the tiny-vl processor produces: 4x4 patches of 14 pixels, merged 2x2 into 4 image tokens."""
 # Qwen2-VL's template: a message's content is text, or a list of parts where an image part becomes the image tokens.

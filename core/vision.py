@@ -91,8 +91,8 @@ def with_image(make, cfg, tokenizer, processor):
     """Wrap a row -> example function (`data.sft_example`, `data.prompt_example`, ...) for rows with a picture under
     `cfg.image_key`: the placeholder goes in front of the text prompt, the built example's single `<|image_pad|>` is
     expanded to the picture's token count (in `input_ids` + `loss_mask`, or `prompt_ids`), and the example carries the
-    picture (`image`, a PIL image), its `pixel_values` (patches, C·T·P·P), its grid (`image_grid_thw`, (1, 3)) and the
-    `image_token_id`. The expanded length is checked against `--data.max-len` again."""
+    picture (`image`, a PIL image), its `pixel_values` (patches, C·T·P·P), its grid (`image_grid_thw`, (1, 3)) and
+    the `image_token_id`. The expanded length is checked against `--data.max-len` again."""
     pad_id = tokenizer.convert_tokens_to_ids(IMAGE_PAD)
     if pad_id is None or pad_id == tokenizer.unk_token_id:
         raise ValueError(f"--data.image-key: the tokenizer has no {IMAGE_PAD} token (not a Qwen2-VL-style model)")
@@ -118,6 +118,13 @@ def with_image(make, cfg, tokenizer, processor):
         return {**example, "image": image, "pixel_values": pixels, "image_grid_thw": grid, "image_token_id": pad_id}
 
     return make_with_image
+
+
+def collapse_image_tokens(ids: list[int], image_token_id: int) -> list[int]:
+    """Each run of image tokens as one: the prompt as vLLM takes it with `multi_modal_data` (its Qwen2-VL processor
+    replaces every `<|image_pad|>` it finds by the picture's tokens, so an expanded prompt would be expanded again;
+    vllm 0.32 `BaseMultiModalProcessor._apply_prompt_updates`, read, not run)."""
+    return [t for i, t in enumerate(ids) if t != image_token_id or i == 0 or ids[i - 1] != image_token_id]
 
 
 def add_pixels(batch: dict, examples: list[dict | None]) -> dict:

@@ -52,8 +52,10 @@ def test_tiny_vl_and_the_picture_task_are_built_and_load_offline(vl):
     assert 100_000 < sum(p.numel() for p in model.parameters()) < 300_000
     assert any(n.startswith("model.visual.") for n, _ in model.named_parameters())  # the vision tower
     assert model.config.image_token_id == tokenizer.convert_tokens_to_ids("<|image_pad|>")
-    text = tokenizer.apply_chat_template([{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Hi"}]}],
-                                         tokenize=False, add_generation_prompt=True)  # fmt: skip
+    parts = [{"type": "image"}, {"type": "text", "text": "Hi"}]
+    text = tokenizer.apply_chat_template(
+        [{"role": "user", "content": parts}], tokenize=False, add_generation_prompt=True
+    )
     assert "<|vision_start|><|image_pad|><|vision_end|>Hi<|im_end|>" in text
     folder = Path(data.resolve_data(SHAPES))
     train = [json.loads(line) for line in (folder / "train.jsonl").read_text().splitlines()]
@@ -173,6 +175,13 @@ def test_the_transformers_engine_samples_with_pictures_and_syncs_the_vision_towe
         torch.equal(dict(hf.named_parameters())[n], dict(changed.named_parameters())[n]) for n in visual
     )
     engines.shutdown()
+
+
+def test_vllm_gets_the_picture_tokens_collapsed_to_one():
+    """vLLM's processor expands each `<|image_pad|>` of a prompt with `multi_modal_data` itself."""
+    assert vision.collapse_image_tokens([1, 9, 9, 9, 9, 2, 3], 9) == [1, 9, 2, 3]
+    assert vision.collapse_image_tokens([9, 9, 5, 9], 9) == [9, 5, 9]
+    assert vision.collapse_image_tokens([1, 2], 9) == [1, 2]
 
 
 def test_shapes_reward_hand_cases():
