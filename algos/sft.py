@@ -27,7 +27,7 @@ The recipe of the embedded RL warm start `cleanrlhf/tiny-sft` (a preset: its fla
     python algos/sft.py --preset warm-start --export-dir my-warm-start
 Several processes (ZeRO-3 over 2 ranks; one host or many with torchrun's rendezvous flags, see slurm/):
     torchrun --nproc_per_node 2 algos/sft.py --ds.zero-stage 3
-A vision-language model on the embedded picture task (count the squares of one colour):
+A vision-language model on the embedded picture task (count the squares in a picture):
     python algos/sft.py --model.name-or-path cleanrlhf/tiny-vl --data.path cleanrlhf/shapes --data.image-key image
 A real model and dataset:
     python algos/sft.py --model.name-or-path Qwen/Qwen2.5-0.5B --data.path my.jsonl --data.input-key question \\

@@ -477,7 +477,11 @@ class VLLMEngine:
                 n=n, max_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=s,
                 logprobs=0, flat_logprobs=True, detokenize=False, ignore_eos=ignore_eos,
                 stop_token_ids=None if ignore_eos else self.stop_token_ids,
+                logit_bias=no_image_token,  # a picture's token is never sampled (see HFEngine; not run with vLLM)
             )  # fmt: skip
+
+        image_token_id = getattr(self.llm.llm_engine.model_config.hf_config, "image_token_id", None)
+        no_image_token = {image_token_id: -100.0} if images is not None and image_token_id is not None else None
 
         images = images or [None] * len(prompt_token_ids)
         prompts = [self._prompt(p, image) for p, image in zip(prompt_token_ids, images)]
@@ -583,7 +587,9 @@ class HFEngine:
     the log-probs of that processed distribution; at temperature 0 greedy with plain log-softmax log-probs. Prompt i
     is sampled under the torch seed `seed + i * n` (its n samples in one batch), so a sample does not depend on the
     other prompts of the call. Slow next to vLLM (no KV-cache paging, no continuous batching): for models vLLM cannot
-    serve here, and tests. Pictures: each prompt's `images[i]` through the model's image processor."""
+    serve here, and tests. Pictures: each prompt's `images[i]` through the model's image processor; a vision-language
+    model never samples its image token (a response holding one fails the trainer's forward: the model looks for a
+    picture's features for every image token)."""
 
     def __init__(self, model_path: str, cfg: VLLMConfig, seed: int = 0, name: str = "hf-engine-0",
                  tokenizer: str | None = None):  # fmt: skip
@@ -630,11 +636,14 @@ class HFEngine:
             sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if temperature > 0 else \
                 dict(do_sample=False)  # fmt: skip
             stops = None if ignore_eos else self.stop_token_ids
+            # a picture's token in a response would take image features the model does not have: never sampled
+            suppress = {"suppress_tokens": [self.model.config.image_token_id]} if self.processor is not None else {}
             with torch.random.fork_rng():
                 torch.manual_seed(self.seed if s is None else s)
                 out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
                                           max_new_tokens=max_new_tokens, pad_token_id=self.pad_id, eos_token_id=stops,
-                                          output_scores=True, return_dict_in_generate=True, **sampling, **extra)  # fmt: skip
+                                          output_scores=True, return_dict_in_generate=True, **sampling, **suppress,
+                                          **extra)  # fmt: skip
             new = out.sequences[:, ids.shape[1] :]
             scores = torch.stack(out.scores, dim=1).float()  # (n, T, V): the processed logits each token was drawn from
             logp = torch.log_softmax(scores, dim=-1).gather(-1, new[..., None])[..., 0]

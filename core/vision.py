@@ -168,12 +168,14 @@ def model_kwargs(batch: dict) -> dict:
 def greedy_generate(model, tokenizer, examples: list[dict], prompt_key: str, max_new_tokens: int,
                     batch_size: int = 64) -> list[list[int]]:  # fmt: skip
     """Greedy continuations (token ids, the stop token and after removed) of examples with pictures: left-padded
-    prompts `examples[i][prompt_key]` with their pictures through `model.generate`. As `models.greedy_generate`."""
+    prompts `examples[i][prompt_key]` with their pictures through `model.generate`, never an image token (it would
+    need a picture's features). As `models.greedy_generate`."""
     from core import chat
 
     model.eval()
     device = next(model.parameters()).device
     pad, stops = tokenizer.pad_token_id, chat.stop_ids(tokenizer)
+    image_ids = {ex["image_token_id"] for ex in examples if ex.get("image_token_id") is not None}
     out = []
     for i in range(0, len(examples), batch_size):
         chunk = examples[i : i + batch_size]
@@ -183,7 +185,8 @@ def greedy_generate(model, tokenizer, examples: list[dict], prompt_key: str, max
         attn = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in prompts], device=device)
         batch = add_pixels({"input_ids": ids}, chunk)
         gen = model.generate(input_ids=ids, attention_mask=attn, max_new_tokens=max_new_tokens, do_sample=False,
-                             pad_token_id=pad, eos_token_id=stops, **model_kwargs(batch))  # fmt: skip
+                             pad_token_id=pad, eos_token_id=stops, suppress_tokens=sorted(image_ids),
+                             **model_kwargs(batch))  # fmt: skip
         for row in gen[:, width:].tolist():
             out.append(row[: min((row.index(t) for t in stops if t in row), default=len(row))])
     return out
