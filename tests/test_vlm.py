@@ -267,6 +267,10 @@ def test_grpo_after_sft_raises_the_reward_on_pictures(tmp_path, one_thread):
     print(f"\nsft {summary}\ngrpo {out}\nrollout reward by step {reward}\nheld-out sampled accuracy {before:.3f} -> "
           f"{after:.3f}")  # fmt: skip
     assert after >= before + MARGIN, (before, after)
+    # greedy pass@1 may fall a little while the sampled reward rises (0.895 -> 0.835 measured), but must not collapse
+    assert out["eval_pass@1_last"] >= out["eval_pass@1_first"] - 0.1, out
 
 
-STEPS, MARGIN = 24, 0.04
+# measured 2026-11-26: SFT stopped at 0.895 after 360 steps; GRPO 24 steps, rollout reward 0.57 -> 0.65, held-out
+# sampled accuracy 0.583 -> 0.627 (the same 1,200 seeded samples for both models), in 155 s
+STEPS, MARGIN = 24, 0.03
