@@ -272,5 +272,5 @@ def test_grpo_after_sft_raises_the_reward_on_pictures(tmp_path, one_thread):
 
 
 # measured 2026-11-26: SFT stopped at 0.895 after 360 steps; GRPO 24 steps, rollout reward 0.57 -> 0.65, held-out
-# sampled accuracy 0.583 -> 0.627 (the same 1,200 seeded samples for both models), in 155 s
+# sampled accuracy 0.583 -> 0.627 (the same 1,200 seeded samples for both models), in 113-155 s
 STEPS, MARGIN = 24, 0.03
