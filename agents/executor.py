@@ -93,8 +93,10 @@ class SingleTurnExecutor:
         `RolloutEngines.generate`);
         `temperature` overrides the executor's (0: greedy, for evaluation)."""
         temperature = self.temperature if temperature is None else temperature
+        images = [e.get("image") for e in batch]  # a vision-language prompt's picture (core/vision.py), else None
+        pictures = {"images": images} if any(i is not None for i in images) else {}
         groups = self.engines.generate([e["prompt_ids"] for e in batch], n=n, max_new_tokens=self.max_new_tokens,
-                                       temperature=temperature, top_p=self.top_p, seed=seed)  # fmt: skip
+                                       temperature=temperature, top_p=self.top_p, seed=seed, **pictures)  # fmt: skip
         episodes = [Episode(e, list(e["prompt_ids"]), s.token_ids, s.logprobs, [1] * len(s.token_ids), s.truncated,
                             s.finish_reason) for e, g in zip(batch, groups) for s in g]  # fmt: skip
         texts = [self.tokenizer.decode(ep.token_ids, skip_special_tokens=True) for ep in episodes]

@@ -24,6 +24,9 @@ Deviations from the paper:
 
 Debug (embedded tiny model and task, one CPU process, in-process vLLM):
     python algos/grpo.py --train.max-steps 5 --eval.every 5
+A vision-language model on the embedded picture task, after `algos/sft.py` on it (see docs/guide.md):
+    python algos/grpo.py --actor.model.name-or-path my-vl-sft --data.path cleanrlhf/shapes --data.image-key image \
+        --reward.func rewards/shapes.py --rollout.max-new-tokens 3 --vllm.engine hf
 A real model:
     python algos/grpo.py --actor.model.name-or-path Qwen/Qwen2.5-0.5B-Instruct --data.path prompts.jsonl \\
         --data.apply-chat-template --reward.func my_reward.py --rollout.max-new-tokens 1024 --actor.lr 1e-6
@@ -239,7 +242,8 @@ def main(args: Args, engines: rollout.RolloutEngines | None = None, groups: dict
         # 5. weight sync, eval, logging, checkpoint
         with timer(perf, "perf/sync_s"):
             sample = [ro.episodes[i].prompt_ids + ro.episodes[i].token_ids for i in kept[:4]]
-            stats.update(rl.sync_weights(run, args, actor, changed=bool(kept), sample=sample))
+            examples = [ro.episodes[i].example for i in kept[:4]]  # their pictures, for a vision-language model
+            stats.update(rl.sync_weights(run, args, actor, changed=bool(kept), sample=sample, examples=examples))
         stats.update({"train/lr": actor.lr_scheduler.get_last_lr()[0], "train/kl_coef": kl_ctl.value, **perf})
         if rl.end_step(run, args, step, stats, state={"kl_ctl": kl_ctl.state_dict()}):
             return rl.finish(run, args, actor, tokenizer, halted_at=step)

@@ -316,6 +316,9 @@ def main(args: Args, engines: rollout.RolloutEngines | None = None, groups: dict
     if not 0 <= args.critic.warmup_steps < args.train.max_steps:  # ALGO LOGIC: the actor must train at least once
         raise ValueError(f"--critic.warmup-steps {args.critic.warmup_steps} must be in [0, --train.max-steps "
                          f"{args.train.max_steps}): the actor would never be trained")  # fmt: skip
+    if args.data.image_key:  # the critic's scalar-head forward (core.models.TokenValues) takes no pictures
+        raise ValueError("--data.image-key: ppo.py's critic does not see pictures; use grpo.py, rloo.py or "
+                         "reinforce_pp.py")  # fmt: skip
     # PLUMBING: `--train.ranks 1`: this process holds the DeepSpeed actor and critic and an in-process vLLM engine.
     # N > 1: the driver starts Ray, the engine actors and N ranks, each of which runs this function with the engines
     # given and holds an actor and a critic engine of the same DeepSpeed world.

@@ -240,7 +240,8 @@ def main(args: Args, engines: rollout.RolloutEngines | None = None, groups: dict
         # 5. weight sync, eval, logging, checkpoint
         with timer(perf, "perf/sync_s"):
             sample = [ro.episodes[i].prompt_ids + ro.episodes[i].token_ids for i in kept[:4]]
-            stats.update(rl.sync_weights(run, args, actor, changed=bool(kept), sample=sample))
+            examples = [ro.episodes[i].example for i in kept[:4]]  # their pictures, for a vision-language model
+            stats.update(rl.sync_weights(run, args, actor, changed=bool(kept), sample=sample, examples=examples))
         stats.update({"train/lr": actor.lr_scheduler.get_last_lr()[0], "train/kl_coef": kl_ctl.value, **perf})
         if rl.end_step(run, args, step, stats, state={"kl_ctl": kl_ctl.state_dict()}):
             return rl.finish(run, args, actor, tokenizer, halted_at=step)

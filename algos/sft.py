@@ -17,6 +17,9 @@ Deviations from the paper:
 3. Mixture-of-experts models add c · aux, the router's load-balancing loss (Fedus et al. 2021,
    `models.router_aux_loss`) weighted by each micro-batch's share of the target tokens, c =
    `--train.router-aux-coef`, as transformers' MoE loss does.
+4. Vision-language models (`--data.image-key`): the row's picture goes in front of the prompt and through the vision
+   tower; such batches are right-padded micro-batches of `--train.micro-batch-size`, not packed, because the model
+   computes its multimodal RoPE positions from a padded batch (core/vision.py).
 
 Debug (tiny model, embedded task, one CPU):
     python algos/sft.py --train.max-steps 50
@@ -24,6 +27,8 @@ The recipe of the embedded RL warm start `cleanrlhf/tiny-sft` (a preset: its fla
     python algos/sft.py --preset warm-start --export-dir my-warm-start
 Several processes (ZeRO-3 over 2 ranks; one host or many with torchrun's rendezvous flags, see slurm/):
     torchrun --nproc_per_node 2 algos/sft.py --ds.zero-stage 3
+A vision-language model on the embedded picture task (count the squares in a picture):
+    python algos/sft.py --model.name-or-path cleanrlhf/tiny-vl --data.path cleanrlhf/shapes --data.image-key image
 A real model and dataset:
     python algos/sft.py --model.name-or-path Qwen/Qwen2.5-0.5B --data.path my.jsonl --data.input-key question \\
         --data.output-key response --data.apply-chat-template --train.lr 1e-5 --eval.no-generate
@@ -44,7 +49,7 @@ import numpy as np
 import torch
 import tyro
 
-from core import checkpoint, data, models, packing, sequence_parallel
+from core import checkpoint, data, models, packing, sequence_parallel, vision
 from core import engine as ds_engine
 from core.config import CkptConfig, DataConfig, DSConfig, LoggerConfig, ModelConfig, check_args
 from core.logger import RunLogger, run_name, timer
@@ -141,14 +146,17 @@ def sft_example_with_label(row: dict, tokenizer, cfg: DataConfig, mode: str) -> 
 
 
 def micro_batches(examples: list[dict], args: Args, pad_id: int, device) -> list[dict]:
-    """Packed (default) or padded micro-batches of one rank's share of the batch."""
+    """Packed (default) or padded micro-batches of one rank's share of the batch; with pictures always padded,
+    DEVIATION(4)."""
+    step = args.train.micro_batch_size
+    if args.data.image_key:
+        return [vision.collate(examples[i : i + step], pad_id, device) for i in range(0, len(examples), step)]
     if args.train.packing:
         row_len = args.train.pack_row_len
         if row_len is None and not args.model.attn_implementation.startswith("flash"):
             row_len = 2 * max(len(ex["input_ids"]) for ex in examples)
         groups = packing.pack(examples, args.train.max_tokens_per_micro_batch)
         return [packing.collate_packed(g, device, row_len) for g in groups]
-    step = args.train.micro_batch_size
     return [packing.collate_padded(examples[i : i + step], pad_id, device) for i in range(0, len(examples), step)]
 
 
@@ -167,7 +175,9 @@ def evaluate(engine, tokenizer, examples: list[dict], args: Args, rank: int, wor
     for start in range(0, per_rank, args.eval.batch_size):
         chunk = idx[start : start + args.eval.batch_size]
         w = torch.tensor(weight[start : start + args.eval.batch_size], device=device)[:, None]
-        batch = packing.collate_padded([examples[i] for i in chunk], tokenizer.pad_token_id, device)
+        rows = [examples[i] for i in chunk]
+        batch = (vision.collate(rows, tokenizer.pad_token_id, device) if args.data.image_key
+                 else packing.collate_padded(rows, tokenizer.pad_token_id, device))  # fmt: skip
         with torch.compiler.set_stance("force_eager"):  # padded eval batches: --ds.compile pays off in training
             logp = packing.token_logprobs(model, batch)
         nll -= (logp * batch["loss_mask"] * w).sum().item()
@@ -175,8 +185,12 @@ def evaluate(engine, tokenizer, examples: list[dict], args: Args, rank: int, wor
     metrics = {"eval/loss": ds_engine.all_reduce(nll) / max(ds_engine.all_reduce(tokens), 1.0)}
     if args.eval.generate:
         prompts = [examples[i]["input_ids"][: examples[i]["loss_mask"].index(1)] for i in idx]
-        outs = models.greedy_generate(model, tokenizer, prompts, args.eval.max_new_tokens,
-                                      synced_gpus=engine.zero_optimization_stage() == 3 and world > 1)  # fmt: skip
+        if args.data.image_key:  # the prompts with their pictures
+            rows = [{**examples[i], "prompt_ids": p} for p, i in zip(prompts, idx)]
+            outs = vision.greedy_generate(model, tokenizer, rows, "prompt_ids", args.eval.max_new_tokens)
+        else:
+            outs = models.greedy_generate(model, tokenizer, prompts, args.eval.max_new_tokens,
+                                          synced_gpus=engine.zero_optimization_stage() == 3 and world > 1)  # fmt: skip
         for i, out, w in zip(idx, outs, weight):
             correct += w * float(
                 tokenizer.decode(out, skip_special_tokens=True).strip() == examples[i]["label"].strip()
@@ -204,6 +218,8 @@ def main(args: Args) -> dict:
     tokenizer = models.load_tokenizer(args.model.tokenizer or args.model.name_or_path)
     log = print if rank == 0 else (lambda *_: None)
     make = partial(sft_example_with_label, tokenizer=tokenizer, cfg=args.data, mode=args.train.mode)
+    if args.data.image_key:  # vision-language: each row's picture joins its prompt (core/vision.py)
+        make = vision.with_image(make, args.data, tokenizer, vision.load_image_processor(args.model.name_or_path))
     train_groups = data.build_examples(data.load_sources(args.data.path, args.data.split, args.data.max_samples), make,
                                        args.data, log)  # fmt: skip
     train_set = data.mix(train_groups, args.data.probs, args.train.seed)

@@ -73,6 +73,10 @@ class DataConfig:
     config; a larger value is an error. (The functions of core/data.py check no length when it is None.)"""
     on_bad_row: Literal["skip", "raise"] = "skip"
     """bad rows (missing key, empty text, too long): skip and count them in the log, or raise naming file/row/key."""
+    image_key: str | None = None
+    """field holding each row's picture (a file path or a base64 PNG/JPEG) for a vision-language model (Qwen2-VL
+    style, e.g. `cleanrlhf/tiny-vl` on `cleanrlhf/shapes`): it goes in front of the prompt (core/vision.py). Batches
+    with pictures take the padded forward (multimodal RoPE positions); None: text only."""
 
 
 @dataclass

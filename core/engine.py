@@ -639,7 +639,8 @@ def _no_hf_progress_bars():
 
 
 def export_hf(engine, tokenizer, out_dir: str | Path, ema: bool = False) -> None:
-    """Save an HF model folder (config, safetensors, tokenizer) that `from_pretrained` and vLLM load. LoRA adapters
+    """Save an HF model folder (config, safetensors, tokenizer; a vision-language model's image processor, read from
+    the folder it was loaded from) that `from_pretrained` and vLLM load. LoRA adapters
     are merged into the base weights. Written to a temporary folder and renamed: a kill never leaves a half export.
     Collective: call on every rank. Refuses (FloatingPointError naming `out_dir`) weights holding a NaN or inf.
     `ema`: export the engine's EMA weights (`ema_init`) instead of the trained ones."""
@@ -677,6 +678,10 @@ def export_hf(engine, tokenizer, out_dir: str | Path, ema: bool = False) -> None
         with _no_hf_progress_bars():  # a tqdm bar per save would cut through the run's rich progress bar
             model.save_pretrained(tmp, state_dict=state)
         tokenizer.save_pretrained(tmp)
+        if getattr(model.config, "vision_config", None) is not None:  # a vision-language model: its image processor
+            from transformers import AutoImageProcessor
+
+            AutoImageProcessor.from_pretrained(model.name_or_path).save_pretrained(tmp)
         if out_dir.exists():
             shutil.rmtree(out_dir)
         os.replace(tmp, out_dir)

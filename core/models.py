@@ -77,13 +77,17 @@ def max_positions(name_or_path: str, flag: str = "--model.name-or-path") -> int 
 def load_causal_lm(cfg: ModelConfig, flag: str = "--model.name-or-path"):
     """Load the policy as an HF causal LM in `cfg.dtype`, with gradient checkpointing and LoRA as configured.
     A missing path or hub id gives one clear ValueError naming `flag` (the flag `cfg.name_or_path` came from, e.g.
-    `--actor.model.name-or-path`) instead of a hub traceback."""
-    from transformers import AutoModelForCausalLM
+    `--actor.model.name-or-path`) instead of a hub traceback. A vision-language model (a config with a
+    `vision_config`, e.g. Qwen2-VL) loads as `AutoModelForImageTextToText`: the same causal LM head over text, with
+    its vision tower (trained too)."""
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     path = _check_model_path(cfg.name_or_path, flag)
     try:
         dtype = torch_dtype(cfg.dtype)
-        model = AutoModelForCausalLM.from_pretrained(
+        vision = getattr(AutoConfig.from_pretrained(path), "vision_config", None) is not None
+        auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
+        model = auto.from_pretrained(
             path, dtype=dtype, attn_implementation=attn_implementation(cfg.attn_implementation, dtype)
         )
     except OSError as e:

@@ -150,13 +150,17 @@ def collate_padded(examples: list[dict], pad_id: int, device="cpu") -> dict:
 
 def token_logprobs(model, batch: dict, temperature: float = 1.0) -> torch.Tensor:
     """log p(x_t | x_<t) at every position, shape like `batch["input_ids"]` (B, T) or (1, N); the first position of
-    every row and of every packed sample holds 0. Works for packed (position_ids) and padded (attention_mask) batches."""
+    every row and of every packed sample holds 0. Works for packed (position_ids) and padded (attention_mask) batches,
+    and padded batches with pictures (`core.vision.collate`)."""
+    from core import vision
+
     ids = batch["input_ids"]
     logits = model(
         input_ids=ids,
         attention_mask=batch.get("attention_mask"),
         position_ids=batch.get("position_ids"),
         use_cache=False,
+        **vision.model_kwargs(batch),
     ).logits
     logp = logprobs_from_logits(logits[:, :-1], ids[:, 1:], temperature=temperature)
     logp = torch.cat([torch.zeros_like(logp[:, :1]), logp], dim=1)

