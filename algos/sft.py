@@ -229,9 +229,10 @@ def main(args: Args) -> dict:
     # PLUMBING: --train.sp-size N: groups of N ranks share each sample, its tokens split among them; the data is
     # split over the groups (sp = N = 1: dp_rank, dp_world = rank, world)
     sp = args.train.sp_size
-    if sp > 1 and (not args.train.packing or models.is_moe(model)):
-        raise ValueError("--train.sp-size needs --train.packing and a dense model (the router's aux loss of a "
-                         "mixture-of-experts model is not split over ranks)")  # fmt: skip
+    if sp > 1 and (not args.train.packing or models.is_moe(model) or args.data.image_key):
+        raise ValueError("--train.sp-size needs --train.packing, a dense model (the router's aux loss of a "
+                         "mixture-of-experts model is not split over ranks) and no pictures (--data.image-key: "
+                         "padded batches)")  # fmt: skip
     dp_rank, dp_world = sequence_parallel.setup(model, sp)
     router_aux_coef = args.train.router_aux_coef
     if router_aux_coef is None:
