@@ -148,19 +148,31 @@ def collate_padded(examples: list[dict], pad_id: int, device="cpu") -> dict:
     }
 
 
+def picture_inputs(batch: dict) -> dict:
+    """The forward's vision inputs of a batch that has them (`core.vision.add_pixels`; the rows' pictures
+    concatenated in row order, as the model expects), {} for a text batch."""
+    if batch.get("pixel_values") is None:
+        return {}
+    pixels = [p for p in batch["pixel_values"] if p is not None]
+    if not pixels:
+        return {"mm_token_type_ids": batch["mm_token_type_ids"]}
+    device = batch["input_ids"].device
+    grids = torch.cat([g for g in batch["image_grid_thw"] if g is not None]).to(device)
+    return {"pixel_values": torch.cat(pixels).to(device), "image_grid_thw": grids,
+            "mm_token_type_ids": batch["mm_token_type_ids"]}  # fmt: skip
+
+
 def token_logprobs(model, batch: dict, temperature: float = 1.0) -> torch.Tensor:
     """log p(x_t | x_<t) at every position, shape like `batch["input_ids"]` (B, T) or (1, N); the first position of
     every row and of every packed sample holds 0. Works for packed (position_ids) and padded (attention_mask) batches,
     and padded batches with pictures (`core.vision.collate`)."""
-    from core import vision
-
     ids = batch["input_ids"]
     logits = model(
         input_ids=ids,
         attention_mask=batch.get("attention_mask"),
         position_ids=batch.get("position_ids"),
         use_cache=False,
-        **vision.model_kwargs(batch),
+        **picture_inputs(batch),
     ).logits
     logp = logprobs_from_logits(logits[:, :-1], ids[:, 1:], temperature=temperature)
     logp = torch.cat([torch.zeros_like(logp[:, :1]), logp], dim=1)

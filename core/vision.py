@@ -151,17 +151,11 @@ def collate(examples: list[dict], pad_id: int, device) -> dict:
 
 
 def model_kwargs(batch: dict) -> dict:
-    """The forward's vision inputs of a batch that has them (`add_pixels`; the rows' pictures concatenated in row
-    order, as the model expects), {} for a text batch."""
-    if batch.get("pixel_values") is None:
-        return {}
-    pixels = [p for p in batch["pixel_values"] if p is not None]
-    if not pixels:
-        return {"mm_token_type_ids": batch["mm_token_type_ids"]}
-    device = batch["input_ids"].device
-    grids = torch.cat([g for g in batch["image_grid_thw"] if g is not None]).to(device)
-    return {"pixel_values": torch.cat(pixels).to(device), "image_grid_thw": grids,
-            "mm_token_type_ids": batch["mm_token_type_ids"]}  # fmt: skip
+    """The forward's vision inputs of a batch that has them, {} for a text batch (`core.packing.picture_inputs`: it
+    lives there so that `packing.token_logprobs` needs no import of this module)."""
+    from core.packing import picture_inputs
+
+    return picture_inputs(batch)
 
 
 @torch.no_grad()
