@@ -563,7 +563,8 @@ class ModelGroup:
         self.call("connect_engines", engines)
 
     def sync_weights(self) -> dict[str, float]:
-        """Every rank gathers, rank 0 sends (`Worker.sync_weights`); rank 0's stats (`perf/sync_s`, `sync/mb`, ...)."""
+        """`Worker.sync_weights` on every rank (ZeRO-3 partitions from every rank, or gathered and sent by rank 0);
+        rank 0's stats (`perf/sync_s`, `sync/mb`, ...)."""
         return self.call("sync_weights")[0]
 
     def check_weights(self, token_ids: list[list[int]], atol: float | None = None) -> float:

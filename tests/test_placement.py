@@ -73,6 +73,8 @@ def _sleep_on(worker, rank: int, seconds: float) -> int:
 class _SlowEngines:
     """Stands in for the vLLM engines: takes a second to load what rank 0 sends, and notes when it finished."""
 
+    cfg = rollout.VLLMConfig()
+
     def update_weights(self, named) -> dict:
         n = sum(1 for _ in named)
         time.sleep(1.0)
@@ -85,7 +87,7 @@ def _sync_and_time(worker) -> tuple[int, dict, float]:
 
     module = torch.nn.Linear(3, 2)
     engine = SimpleNamespace(module=module, zero_optimization_stage=lambda: 0)
-    stats = placement.sync_weights(_SlowEngines() if worker.rank == 0 else None, engine, worker.rank)
+    stats = placement.sync_weights(_SlowEngines(), engine, worker.rank)  # every rank holds the engines, as in a run
     return worker.rank, stats, time.time()
 
 
@@ -122,6 +124,46 @@ def _train_step(worker, chunk: list[list[int]]) -> list[float]:
     worker.engine.backward(loss)
     worker.engine.step()
     return [loss.item()]
+
+
+def _sync_gathered(worker) -> dict:
+    """The gather path over whatever weight group is formed: every rank walks the gathered layers, rank 0 sends them
+    (in a group of every trainer rank: point to point to each engine worker)."""
+    from core.engine import full_named_parameters
+
+    named = full_named_parameters(worker.engine)
+    if worker.rank == 0:
+        return worker.rollout_engines.update_weights(named)
+    for _ in named:
+        pass
+    return {}
+
+
+class _StandInEngine:
+    """Receives what a vLLM engine's worker receives, with the same functions (`rollout.receive_partitions`),
+    and keeps the tensors instead of loading them: the direct comparison with the trainer."""
+
+    def __init__(self):
+        self.got, self.resets, self.group = {}, 0, None
+
+    def ready(self) -> str:
+        return "ready"
+
+    def init_weight_group(self, backend, addr, port, rank, world, timeout_s) -> None:
+        self.group = rollout.init_weight_group(backend, addr, port, rank, world, timeout_s)
+
+    def receive_partitions(self, meta, senders, tag, timeout_s) -> int:
+        named = rollout.receive_partitions(self.group, meta, senders, tag, torch.device("cpu"), timeout_s)
+        self.got.update((n, t.clone()) for n, t in named)
+        return len(named)
+
+    def reset_prefix_cache(self) -> bool:
+        self.resets += 1
+        return True
+
+    def weights(self) -> tuple[dict, int]:
+        got, self.got = self.got, {}
+        return got, self.resets
 
 
 def _zero3_reference(worker, chunk: list[list[int]], path: str) -> list:
@@ -274,11 +316,19 @@ def test_zero3_group_trains_then_syncs_weights_to_a_vllm_actor(pair, tiny_path):
         unchanged = [n for n in before if torch.equal(before[n], after[n])]
         assert not unchanged, f"parameters not updated: {unchanged}"
 
-        stats = pair.sync_weights()  # gloo broadcast from rank 0, several 1 MB buckets
+        stats = pair.sync_weights()  # each rank its own ZeRO-3 partitions, gloo send/recv, several 1 MB buckets
         assert stats["sync/buckets"] > 1 and stats["sync/mb"] > 1
         engines.wake_up(tags=["kv_cache"])
         assert not engines.asleep
         assert pair.check_weights(probe, atol=ATOL) <= ATOL
+        partitioned = engines.prompt_logprobs(probe)
+
+        # the same weights through the gather (rank 0 sends, broadcast): the engine computes bit for bit the same
+        engines.cfg.sync_partitions = False
+        pair.connect_engines(engines)  # a group of rank 0 and the engine
+        assert pair.sync_weights()["sync/buckets"] > 1
+        assert engines.prompt_logprobs(probe) == partitioned
+        engines.cfg.sync_partitions = True
 
         # the same through the object store: rank 0 puts the buckets, the engine loads them
         engines.backend = "ray"
@@ -290,6 +340,38 @@ def test_zero3_group_trains_then_syncs_weights_to_a_vllm_actor(pair, tiny_path):
         assert pair.check_weights(probe, atol=ATOL) <= ATOL
     finally:
         engines.shutdown()
+
+
+def test_zero3_partitions_reach_every_engine_as_the_gathered_weights(pair, ray_cluster, tiny_path):
+    """Two ZeRO-3 ranks, after an optimizer step, send their own partitions to two stand-in engines (the receiving
+    functions of a vLLM worker, keeping what arrives): every engine gets exactly the trainer's gathered weights, in the
+    engine dtype, and its prefix cache reset; the gather path over the same group (rank 0 sends to each) too."""
+    import ray
+
+    pair.run(_build_zero3, str(tiny_path))
+    pair.run_split(_train_step, [[1, 5, 9, 13, 17], [1, 7, 3, 8, 2, 4], [1, 40, 41], [1, 30, 31, 32]])
+    want = pair.run(_gathered)[0]
+    want.pop("lm_head.weight")  # tied to the embeddings: never sent
+    cfg = rollout.VLLMConfig(num_engines=2, in_process=False, timeout_s=60, sync_bucket_mb=0.05)
+    stand_ins = [ray.remote(_StandInEngine).options(num_cpus=0).remote() for _ in range(2)]
+    try:
+        for dtype in (torch.float32, torch.bfloat16):
+            engines = rollout.RolloutEngines(stand_ins, ["e0", "e1"], cfg, actors=True, dtype=dtype)
+            pair.connect_engines(engines)  # every rank joins: ranks 0, 1 the trainer, 2 and 3 the engines
+            for way in ("partitions", "gather"):
+                if way == "partitions":
+                    assert pair.sync_weights()["sync/buckets"] > 1
+                else:
+                    first, other = pair.run(_sync_gathered)
+                    assert first["sync/buckets"] > 1 and other == {}
+                for got, _ in ray.get([e.weights.remote() for e in stand_ins]):
+                    assert list(got) == list(want), way
+                    for name, t in got.items():
+                        assert t.dtype == dtype and torch.equal(t, want[name].to(dtype)), (way, dtype, name)
+        assert [r for _, r in ray.get([e.weights.remote() for e in stand_ins])] == [4, 4]  # one reset per sync
+    finally:
+        for e in stand_ins:
+            ray.kill(e)
 
 
 def test_zero3_reference_is_partitioned_and_gives_the_full_models_logprobs(pair, tiny_path, tiny_model):
