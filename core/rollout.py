@@ -949,7 +949,8 @@ class RolloutEngines:
     def update_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
         """Send the trainer's weights (HF names, e.g. `model.named_parameters()` or a gathered ZeRO-3 state dict) to
         every engine in buckets of `--vllm.sync-bucket-mb`, then reset every engine's prefix cache (always: KV cached
-        under the old weights would otherwise be reused). Returns `perf/sync_s`, `sync/mb`, `sync/buckets`.
+        under the old weights would otherwise be reused). Returns `perf/sync_s`, `sync/mb`, `sync/buckets`,
+        `sync/senders` (1: the trainer ranks that sent).
 
         direct: tensors are handed over as they are (the engine converts dtype while loading). ray: each bucket is
         converted to the engine dtype on CPU, put in the object store once and loaded by all engines. broadcast: each
@@ -994,14 +995,15 @@ class RolloutEngines:
         for calls in pending:
             self._gather(calls)
         self._all("reset_prefix_cache")
-        return {"perf/sync_s": time.perf_counter() - t0, "sync/mb": nbytes / 2**20, "sync/buckets": float(nbuckets)}
+        return {"perf/sync_s": time.perf_counter() - t0, "sync/mb": nbytes / 2**20, "sync/buckets": float(nbuckets),
+                "sync/senders": 1.0}  # fmt: skip
 
     def update_adapter(self, named: Iterable[tuple[str, torch.Tensor]], config: dict) -> dict[str, float]:
         """`--vllm.lora-sync adapter`: send a LoRA actor's adapter factors (`core.engine.adapter_named_parameters`)
         and its PEFT `config` to every engine, which serves them as a new vLLM LoRA adapter (`VLLMEngine.load_adapter`),
         then reset every prefix cache. The factors are small (rank r: r·(in + out) per linear), so they go in one
         piece, cast to the engine dtype on CPU: handed over in-process, through the Ray object store to engine actors
-        (once for all of them). Returns `perf/sync_s`, `sync/mb`, `sync/buckets` (1)."""
+        (once for all of them). Returns `perf/sync_s`, `sync/mb`, `sync/buckets` (1), `sync/senders` (1)."""
         t0 = time.perf_counter()
         tensors = [(k, v.detach().to("cpu", self.dtype)) for k, v in named]
         payload: Any = tensors
@@ -1012,7 +1014,8 @@ class RolloutEngines:
         self._all("load_adapter", payload, config)
         self._all("reset_prefix_cache")
         nbytes = sum(v.numel() * v.element_size() for _, v in tensors)
-        return {"perf/sync_s": time.perf_counter() - t0, "sync/mb": nbytes / 2**20, "sync/buckets": 1.0}
+        return {"perf/sync_s": time.perf_counter() - t0, "sync/mb": nbytes / 2**20, "sync/buckets": 1.0,
+                "sync/senders": 1.0}  # fmt: skip
 
     def _broadcast(self, bucket: Named, tag: int = 0) -> tuple[int, list]:
         """Send one bucket to every engine; returns the bytes sent and the engines' pending receive calls (they
@@ -1052,8 +1055,8 @@ class RolloutEngines:
         size that never split a decoder layer; each engine worker receives every rank's partitions of a bucket, puts
         the parameters together (`receive_partitions`) and loads them. No collective between the trainer ranks. Rank 0
         alone talks to the engines (the receive calls, two buckets in flight, then the prefix-cache reset); the other
-        ranks only send. Returns the stats of `update_weights` on rank 0 (`sync/mb`: the full size each engine got),
-        {} elsewhere. Transport: gloo send/recv on CPU (tested), nccl send/recv on GPU (same code, not exercised)."""
+        ranks only send. Returns the stats of `update_weights` on rank 0 (`sync/mb`: the full size each engine got;
+        `sync/senders`: the trainer ranks), {} elsewhere. Transport: gloo send/recv on CPU (tested), nccl send/recv on GPU (same code, not exercised)."""
         assert self._group is not None and self.senders > 1, "call init_broadcast(rank, world) on every rank first"
         t0, device, timeout = time.perf_counter(), self._device(), self.cfg.timeout_s
         nbytes, nbuckets, pending = 0, 0, []
@@ -1081,7 +1084,8 @@ class RolloutEngines:
         for calls in pending:
             self._gather(calls)
         self._all("reset_prefix_cache")
-        return {"perf/sync_s": time.perf_counter() - t0, "sync/mb": nbytes / 2**20, "sync/buckets": float(nbuckets)}
+        return {"perf/sync_s": time.perf_counter() - t0, "sync/mb": nbytes / 2**20, "sync/buckets": float(nbuckets),
+                "sync/senders": float(self.senders)}  # fmt: skip
 
     # -- hybrid engine ------------------------------------------------------------------------------------------
     def sleep(self) -> None:
