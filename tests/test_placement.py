@@ -140,29 +140,41 @@ def _sync_gathered(worker) -> dict:
 
 
 class _StandInEngine:
-    """Receives what a vLLM engine's worker receives, with the same functions (`rollout.receive_partitions`),
-    and keeps the tensors instead of loading them: the direct comparison with the trainer."""
+    """Receives what a vLLM engine's workers receive, with the same function (`rollout.receive_partitions`), and keeps
+    the tensors instead of loading them: the direct comparison with the trainer. `tp` workers (threads here, processes
+    in vLLM) join the weight group as ranks rank..rank+tp-1, as `WorkerExtension` does, and each receives everything."""
 
-    def __init__(self):
-        self.got, self.resets, self.group = {}, 0, None
+    def __init__(self, tp: int = 1):
+        self.tp, self.groups, self.got, self.resets = tp, [], [{} for _ in range(tp)], 0
 
     def ready(self) -> str:
         return "ready"
 
+    def _each_worker(self, fn) -> list:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(self.tp) as pool:
+            return list(pool.map(fn, range(self.tp)))
+
     def init_weight_group(self, backend, addr, port, rank, world, timeout_s) -> None:
-        self.group = rollout.init_weight_group(backend, addr, port, rank, world, timeout_s)
+        self.groups = self._each_worker(lambda j: rollout.init_weight_group(backend, addr, port, rank + j, world,
+                                                                            timeout_s))  # fmt: skip
 
     def receive_partitions(self, meta, senders, tag, timeout_s) -> int:
-        named = rollout.receive_partitions(self.group, meta, senders, tag, torch.device("cpu"), timeout_s)
-        self.got.update((n, t.clone()) for n, t in named)
-        return len(named)
+        def receive(j: int):
+            return rollout.receive_partitions(self.groups[j], meta, senders, tag, torch.device("cpu"), timeout_s)
+
+        got = self._each_worker(receive)
+        for mine, named in zip(self.got, got):
+            mine.update((n, t.clone()) for n, t in named)
+        return len(got[0])
 
     def reset_prefix_cache(self) -> bool:
         self.resets += 1
         return True
 
-    def weights(self) -> tuple[dict, int]:
-        got, self.got = self.got, {}
+    def weights(self) -> tuple[list[dict], int]:
+        got, self.got = self.got, [{} for _ in range(self.tp)]
         return got, self.resets
 
 
@@ -342,22 +354,26 @@ def test_zero3_group_trains_then_syncs_weights_to_a_vllm_actor(pair, tiny_path):
         engines.shutdown()
 
 
-def test_zero3_partitions_reach_every_engine_as_the_gathered_weights(pair, ray_cluster, tiny_path):
-    """Two ZeRO-3 ranks, after an optimizer step, send their own partitions to two stand-in engines (the receiving
-    functions of a vLLM worker, keeping what arrives): every engine gets exactly the trainer's gathered weights, in the
-    engine dtype, and its prefix cache reset; the gather path over the same group (rank 0 sends to each) too."""
+@pytest.mark.parametrize("num_engines,tp", [(2, 1), (1, 2)])
+def test_zero3_partitions_reach_every_engine_as_the_gathered_weights(pair, ray_cluster, tiny_path, num_engines, tp):
+    """Two ZeRO-3 ranks, after an optimizer step, send their own partitions to stand-in engines (the receiving
+    function of a vLLM worker, keeping what arrives): two engines, or one engine of two tensor-parallel workers. Every
+    worker gets exactly the trainer's gathered weights, in the engine dtype, and every engine's prefix cache is reset;
+    the gather path over the same group (rank 0 sends to each worker) too."""
     import ray
 
     pair.run(_build_zero3, str(tiny_path))
     pair.run_split(_train_step, [[1, 5, 9, 13, 17], [1, 7, 3, 8, 2, 4], [1, 40, 41], [1, 30, 31, 32]])
     want = pair.run(_gathered)[0]
     want.pop("lm_head.weight")  # tied to the embeddings: never sent
-    cfg = rollout.VLLMConfig(num_engines=2, in_process=False, timeout_s=60, sync_bucket_mb=0.05)
-    stand_ins = [ray.remote(_StandInEngine).options(num_cpus=0).remote() for _ in range(2)]
+    cfg = rollout.VLLMConfig(num_engines=num_engines, in_process=False, tensor_parallel_size=tp, timeout_s=60,
+                             sync_bucket_mb=0.05)  # fmt: skip
+    stand_ins = [ray.remote(_StandInEngine).options(num_cpus=0).remote(tp) for _ in range(num_engines)]
+    names = [f"e{i}" for i in range(num_engines)]
     try:
         for dtype in (torch.float32, torch.bfloat16):
-            engines = rollout.RolloutEngines(stand_ins, ["e0", "e1"], cfg, actors=True, dtype=dtype)
-            pair.connect_engines(engines)  # every rank joins: ranks 0, 1 the trainer, 2 and 3 the engines
+            engines = rollout.RolloutEngines(stand_ins, names, cfg, actors=True, dtype=dtype)
+            pair.connect_engines(engines)  # every rank joins: ranks 0, 1 the trainer, 2 and 3 the engine workers
             for way in ("partitions", "gather"):
                 if way == "partitions":
                     stats = pair.sync_weights()
@@ -365,11 +381,13 @@ def test_zero3_partitions_reach_every_engine_as_the_gathered_weights(pair, ray_c
                 else:
                     first, other = pair.run(_sync_gathered)
                     assert first["sync/buckets"] > 1 and other == {}
-                for got, _ in ray.get([e.weights.remote() for e in stand_ins]):
+                workers = [w for got, _ in ray.get([e.weights.remote() for e in stand_ins]) for w in got]
+                assert len(workers) == 2
+                for got in workers:
                     assert list(got) == list(want), way
                     for name, t in got.items():
                         assert t.dtype == dtype and torch.equal(t, want[name].to(dtype)), (way, dtype, name)
-        assert [r for _, r in ray.get([e.weights.remote() for e in stand_ins])] == [4, 4]  # one reset per sync
+        assert [r for _, r in ray.get([e.weights.remote() for e in stand_ins])] == [4] * num_engines  # 1 per sync
     finally:
         for e in stand_ins:
             ray.kill(e)
