@@ -354,6 +354,30 @@ def test_zero3_group_trains_then_syncs_weights_to_a_vllm_actor(pair, tiny_path):
         engines.shutdown()
 
 
+@pytest.mark.slow
+def test_zero3_partitions_load_into_both_workers_of_a_tensor_parallel_vllm_engine(pair, tiny_path):
+    """`--vllm.tensor-parallel-size 2`: the engine's two workers (vLLM's multiprocessing executor) are ranks 2 and 3 of
+    the weight group after the two trainer ranks; each receives both ranks' partitions and loads its shard. Trained
+    and not yet synced, the engine disagrees with the trainer; after the partition sync it agrees."""
+    path = str(tiny_path)
+    building = pair.submit("run", _build_zero3, path)
+    cfg = rollout.VLLMConfig(in_process=False, tensor_parallel_size=2, dtype="float32", kv_cache_gib=0.25,
+                             timeout_s=300, sync_bucket_mb=1)  # fmt: skip
+    engines = rollout.create_engines(path, cfg, seed=0, init_broadcast=False)
+    try:
+        building.get()
+        pair.connect_engines(engines)
+        pair.run_split(_train_step, [[1, 5, 9, 13, 17], [1, 7, 3, 8, 2, 4], [1, 40, 41], [1, 30, 31, 32]])
+        probe = [[1, 5, 9, 13, 17, 21, 25, 29, 33, 37], [1, 40, 41, 42, 43, 44]]
+        with pytest.raises(GroupError, match="disagrees"):
+            pair.check_weights(probe, atol=ATOL)
+        stats = pair.sync_weights()
+        assert stats["sync/senders"] == 2 and stats["sync/buckets"] > 1
+        assert pair.check_weights(probe, atol=ATOL) <= ATOL
+    finally:
+        engines.shutdown()
+
+
 @pytest.mark.parametrize("num_engines,tp", [(2, 1), (1, 2)])
 def test_zero3_partitions_reach_every_engine_as_the_gathered_weights(pair, ray_cluster, tiny_path, num_engines, tp):
     """Two ZeRO-3 ranks, after an optimizer step, send their own partitions to stand-in engines (the receiving
