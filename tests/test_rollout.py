@@ -55,6 +55,54 @@ def test_buckets_keep_order_limit_and_whole_layers(bucket_mb):
     assert len(buckets) == {1e-6: 5, 1000: 1}.get(bucket_mb, len(buckets))
 
 
+def _partition(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
+    """DeepSpeed 0.19.8's ZeRO-3 partition of `t` on `rank` (`_partition_param`): ceil(numel / world) elements of the
+    flattened tensor from rank·size on, zero-padded past the end."""
+    size = -(-t.numel() // world)
+    part = torch.zeros(size, dtype=t.dtype)
+    piece = t.reshape(-1)[rank * size : (rank + 1) * size]
+    part[: piece.numel()] = piece
+    return part
+
+
+class _Mailbox:
+    """Stands in for a weight group's point-to-point receive: `recv([buf], src, tag)` copies what sender `src`
+    flattened for bucket `tag`."""
+
+    def __init__(self, sent: dict):
+        self.sent = sent
+
+    def recv(self, bufs, src, tag):
+        flats = self.sent[src, tag]
+        bufs[0].copy_(flats[[f.numel() for f in flats].index(bufs[0].numel())])  # one buffer per dtype: by size
+        return type("Done", (), {"wait": lambda self, timeout=None: True})()
+
+
+@pytest.mark.parametrize("senders", [1, 2, 3])
+@pytest.mark.parametrize("bucket_mb", [1e-6, 0.004, 1000])
+def test_partitions_sent_by_every_rank_come_back_as_the_full_tensors(senders, bucket_mb):
+    """Every rank flattens its own partitions of a bucket; the receiver puts them together: bit for bit the full
+    tensors, cast to the engine dtype, in the same buckets as the full tensors (bucketing by full size)."""
+    g = torch.Generator().manual_seed(senders)
+    named = [(n, torch.randn(t.shape, generator=g).to(torch.bfloat16)) for n, t in _fake_named(width=7)]
+    named += [("model.odd.weight", torch.randn(1, generator=g)), ("model.count", torch.arange(5))]  # numel < senders
+    want = list(rollout.bucket_named_tensors(named, bucket_mb))
+    per_rank = [[(n, (_partition(t, r, senders), t.shape)) for n, t in named] for r in range(senders)]
+    sent, metas = {}, []
+    for r, items in enumerate(per_rank):
+        full_size = lambda v: v[1].numel() * v[0].element_size()  # noqa: E731  (partition, full shape) by full size
+        buckets = list(rollout.bucket_named_tensors(items, bucket_mb, nbytes=full_size))
+        assert [[n for n, _ in b] for b in buckets] == [[n for n, _ in b] for b in want]  # same layers per bucket
+        for tag, b in enumerate(buckets):
+            meta, sent[r, tag] = rollout.flatten_partitions(b, torch.float32, torch.device("cpu"))
+            metas.append(meta)
+    for tag, b in enumerate(want):
+        got = rollout.receive_partitions(_Mailbox(sent), metas[tag], senders, tag, torch.device("cpu"), 1.0)
+        assert [n for n, _ in got] == [n for n, _ in b]
+        for (_, t), (_, full) in zip(got, b):
+            assert t.shape == full.shape and torch.equal(t, full.float() if full.is_floating_point() else full)
+
+
 class _FakeEngine:
     """Records what it was asked to generate; its 'tokens' are the per-prompt seeds it received."""
 

@@ -223,7 +223,7 @@ def main(argv: list[str] | None = None) -> dict:
         "halted_run_s": round(halted_s, 1), "resumed_run_s": round(resumed_s, 1),
         "per_step_s": {k: round(v, 2) for k, v in phases.items()}, "step_s": round(step_s, 2),
         "sync_share": round(phases["transfer"] / step_s, 4),
-        "sync_mb": steps[-1].get("sync/mb"),
+        "sync_mb": steps[-1].get("sync/mb"), "sync_senders": steps[-1].get("sync/senders"),
         "transfer_ms_per_mb": round(1000 * phases["transfer"] / steps[-1]["sync/mb"], 3),
         "gloo_floor_ms_per_mb": round(floor, 3), "floor_share": round(floor * steps[-1]["sync/mb"] / 1000 / step_s, 4), "peak_rss_gib": {k: round(v, 2) for k, v in sorted(peaks.items())},
         "export_generates": tokens, "torch_threads": torch.get_num_threads(),
@@ -233,7 +233,7 @@ def main(argv: list[str] | None = None) -> dict:
     print(f"runs: halted after step {opts.steps - 1} in {halted_s:.0f} s, resumed to step {opts.steps} in "
           f"{resumed_s:.0f} s (start-up included)")  # fmt: skip
     print(f"per step {step_s:.2f} s: " + ", ".join(f"{k} {v:.2f} s" for k, v in phases.items()) +
-          f"; weight transfer {result['sync_mb']:.0f} MB, {100 * result['sync_share']:.1f} % of the step, "
+          f"; weight transfer {result['sync_mb']:.0f} MB from {result['sync_senders']:.0f} rank(s), {100 * result['sync_share']:.1f} % of the step, "
           f"{result['transfer_ms_per_mb']:.2f} ms/MB; a gloo broadcast of the same bytes: {floor:.2f} ms/MB, "
           f"{100 * result['floor_share']:.1f} % of the step")  # fmt: skip
     print("peak RSS: " + ", ".join(f"{k} {v:.2f} GiB" for k, v in result["peak_rss_gib"].items()))
