@@ -87,14 +87,14 @@ def init_distributed(backend: str = "auto", timeout_s: int = 600) -> tuple[int, 
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     global _DS_WORLD
     # The world may have been torn down by someone else in this process (an in-process vLLM engine destroys it at
-    # shutdown, and the next in-process engine makes a new one); DeepSpeed would keep handing out the dead groups it
-    # cached over the old world (tested with deepspeed 0.19.8): release them whenever the world is not the one
-    # DeepSpeed last saw.
-    if not dist.is_initialized() or dist.group.WORLD is not _DS_WORLD:
-        from deepspeed.utils import groups
+    # shutdown, and the next in-process engine makes a new one), and DeepSpeed would keep handing out the dead groups
+    # it cached over the old world (tested with deepspeed 0.19.8). Comparing worlds missed a case (an agent-file GRPO
+    # run after other in-process runs failed with "Group ... is not registered"), so a script's start always releases
+    # them: no engine of this script exists yet, and DeepSpeed rebuilds what it needs.
+    from deepspeed.utils import groups
 
-        if hasattr(groups, "_release_process_group_references"):
-            groups._release_process_group_references(None)
+    if hasattr(groups, "_release_process_group_references"):
+        groups._release_process_group_references(None)
     if not dist.is_initialized():
         if not torch.cuda.is_available():
             clear_stale_build_lock()

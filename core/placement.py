@@ -463,8 +463,38 @@ class Pending:
             except ray.exceptions.RayActorError as e:
                 raise GroupError(f"group {self.group!r} rank {r} died during {self.method}: {e}") from None
             except ray.exceptions.RayError as e:
+                dead = self._dead_peer(left, rank_of, e)
+                if dead is not None:  # the peer's death is the cause; this rank's error is its echo
+                    raise GroupError(f"group {self.group!r} rank {dead[0]} died during {self.method}: {dead[1]} (rank "
+                                     f"{r} then failed: {str(e).splitlines()[-1][:300]})") from None  # fmt: skip
                 raise GroupError(f"group {self.group!r} rank {r} failed in {self.method}: {e}") from None
         return results
+
+    # a surviving rank's collective fails as soon as a peer's connection drops, often before Ray has noticed that the
+    # peer's process (or its whole node) is gone; these say the error is such an echo
+    _PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "NCCL communicator was aborted",
+                  "remote process exited or there was a network error")  # fmt: skip
+
+    def _dead_peer(self, left: list, rank_of: dict, error: Exception, grace_s: float = 30.0):
+        """(rank, error) of a rank that died, when `error` (another rank's) is a lost-connection error and a rank of
+        `left` turns out to have died within `grace_s` (a lost node takes Ray's health checks ~15-30 s to declare);
+        else None, at once for any other error."""
+        import ray
+
+        if not any(k in str(error) for k in self._PEER_LOST):
+            return None
+        until = min(time.monotonic() + grace_s, self.deadline)
+        pending = list(left)
+        while pending and time.monotonic() < until:
+            ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, until - time.monotonic()))
+            for ref in ready:
+                try:
+                    ray.get(ref)
+                except ray.exceptions.RayActorError as e:
+                    return rank_of[ref], e
+                except ray.exceptions.RayError:
+                    pass
+        return None
 
 
 class ModelGroup:
