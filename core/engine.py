@@ -95,8 +95,10 @@ def init_distributed(backend: str = "auto", timeout_s: int = 600) -> tuple[int, 
 
     if hasattr(groups, "_release_process_group_references"):
         groups._release_process_group_references(None)
-    if not dist.is_initialized():
-        if not torch.cuda.is_available():
+    import deepspeed.comm as ds_comm
+
+    if not dist.is_initialized() or not ds_comm.is_initialized():  # a world of someone else's: DeepSpeed wraps it
+        if not dist.is_initialized() and not torch.cuda.is_available():
             clear_stale_build_lock()
         deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(seconds=timeout_s), auto_mpi_discovery=False)
     _DS_WORLD = dist.group.WORLD
