@@ -24,9 +24,6 @@ Deviations from the paper:
 
 Debug (embedded tiny model and task, one CPU process, in-process vLLM):
     python algos/grpo.py --train.max-steps 5 --eval.every 5
-A vision-language model on the embedded picture task, after `algos/sft.py` on it (see docs/guide.md):
-    python algos/grpo.py --actor.model.name-or-path my-vl-sft --data.path cleanrlhf/shapes --data.image-key image \
-        --reward.func rewards/shapes.py --rollout.max-new-tokens 3 --vllm.engine hf
 A real model:
     python algos/grpo.py --actor.model.name-or-path Qwen/Qwen2.5-0.5B-Instruct --data.path prompts.jsonl \\
         --data.apply-chat-template --reward.func my_reward.py --rollout.max-new-tokens 1024 --actor.lr 1e-6
