@@ -64,9 +64,6 @@ def clear_stale_build_lock(name: str = "deepspeed_shm_comm", max_age_s: float = 
     return lock
 
 
-_DS_WORLD = None  # the torch.distributed world DeepSpeed's cached groups belong to (see `init_distributed`)
-
-
 def init_distributed(backend: str = "auto", timeout_s: int = 600) -> tuple[int, int, torch.device]:
     """Join (or create, for a plain `python` run) the torch.distributed world; returns (rank, world_size, device).
 
@@ -85,7 +82,6 @@ def init_distributed(backend: str = "auto", timeout_s: int = 600) -> tuple[int, 
     elif world > 1 and "OMP_NUM_THREADS" not in os.environ:
         local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
-    global _DS_WORLD
     # The world may have been torn down by someone else in this process (an in-process vLLM engine destroys it at
     # shutdown, and the next in-process engine makes a new one), and DeepSpeed would keep handing out the dead groups
     # it cached over the old world (tested with deepspeed 0.19.8). Comparing worlds missed a case (an agent-file GRPO
@@ -101,7 +97,6 @@ def init_distributed(backend: str = "auto", timeout_s: int = 600) -> tuple[int, 
         if not dist.is_initialized() and not torch.cuda.is_available():
             clear_stale_build_lock()
         deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(seconds=timeout_s), auto_mpi_discovery=False)
-    _DS_WORLD = dist.group.WORLD
     device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
     return dist.get_rank(), dist.get_world_size(), device
 
