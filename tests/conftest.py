@@ -5,6 +5,7 @@ The embedded artifacts are built in the user's normal cache ($CLEANRLHF_HOME, de
 and repeated runs build them once.
 """
 
+import contextlib
 import os
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -132,3 +133,47 @@ def assert_first_step_agrees(rows: dict[int, list[dict]], extra_keys: tuple[str,
     assert first1["loss/kl"] > 0.1
     for key in ("loss/policy", "train/grad_norm", "loss/clipfrac", "loss/kl", *extra_keys):
         assert first2[key] == pytest.approx(first1[key], rel=1e-4, abs=1e-6), key
+
+
+@contextlib.contextmanager
+def ray_nodes(ips: list[str], port: int, num_cpus: int, object_store_bytes: int, extra: tuple[str, ...] = ()):
+    """A Ray cluster of one node per address in `ips` on this machine (`ray start --block`, the head on ips[0]), each
+    started by `Popen` and stopped by its PID (never `ray stop`); yields the head's address once every node has
+    joined. `Popen` execs without copying this process's mappings, where `ray.init()`'s own start forks it."""
+    import shutil
+    import signal
+    import subprocess
+    import sys
+    import tempfile
+    import time
+    from pathlib import Path
+
+    ray_cli, address = str(Path(sys.executable).with_name("ray")), f"{ips[0]}:{port}"
+    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    temp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths must stay under 107 characters
+    common = ["--num-cpus", str(num_cpus), "--num-gpus", "0", "--disable-usage-stats", "--block", "--temp-dir", temp,
+              "--object-store-memory", str(object_store_bytes), *extra]  # fmt: skip
+    procs = []
+    try:
+        deadline = time.time() + 120
+        for i, ip in enumerate(ips):
+            where = ["--head", "--port", str(port)] if i == 0 else ["--address", address]
+            procs.append(subprocess.Popen([ray_cli, "start", *where, "--node-ip-address", ip, *common], env=env,
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))  # fmt: skip
+            while True:
+                out = subprocess.run([ray_cli, "status", "--address", address], env=env, capture_output=True,
+                                     text=True)  # fmt: skip
+                if out.returncode == 0 and out.stdout.count(" node_") >= i + 1:
+                    break
+                assert time.time() < deadline and procs[-1].poll() is None, f"the Ray node on {ip} did not start"
+                time.sleep(1)
+        yield address
+    finally:
+        for proc in reversed(procs):
+            proc.send_signal(signal.SIGTERM)
+        for proc in reversed(procs):
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        shutil.rmtree(temp, ignore_errors=True)

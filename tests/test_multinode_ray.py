@@ -5,57 +5,22 @@ other node, checked by `--debug` after every sync."""
 
 import json
 import os
-import shutil
-import signal
 import subprocess
 import sys
-import tempfile
-import time
 from pathlib import Path
 
 import pytest
+from conftest import ray_nodes
 
 pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 PORT = 6395
-RAY = str(Path(sys.executable).with_name("ray"))
 
 
 @pytest.fixture
 def two_nodes():
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
-    temp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths must stay under 107 characters
-    common = ["--num-cpus", "4", "--num-gpus", "0", "--disable-usage-stats", "--block", "--temp-dir",
-              temp, "--object-store-memory", "200000000"]  # fmt: skip
-    head = subprocess.Popen([RAY, "start", "--head", "--node-ip-address", "127.0.0.2", "--port", str(PORT), *common],
-                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
-    procs = [head]
-    try:
-        deadline = time.time() + 120
-        while subprocess.run([RAY, "status", "--address", f"127.0.0.2:{PORT}"], env=env,
-                             capture_output=True).returncode != 0:  # fmt: skip
-            assert time.time() < deadline and head.poll() is None, "the Ray head did not start"
-            time.sleep(1)
-        procs.append(subprocess.Popen([RAY, "start", "--address", f"127.0.0.2:{PORT}", "--node-ip-address",
-                                       "127.0.0.3", *common], env=env, stdout=subprocess.DEVNULL,
-                                      stderr=subprocess.DEVNULL))  # fmt: skip
-        while True:
-            out = subprocess.run([RAY, "status", "--address", f"127.0.0.2:{PORT}"], env=env, capture_output=True,
-                                 text=True).stdout  # fmt: skip
-            if out.count(" node_") >= 2:
-                break
-            assert time.time() < deadline and procs[-1].poll() is None, "the Ray worker did not join"
-            time.sleep(1)
-        yield f"127.0.0.2:{PORT}"
-    finally:
-        for p in reversed(procs):
-            p.send_signal(signal.SIGTERM)
-        for p in reversed(procs):
-            try:
-                p.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                p.kill()
-        shutil.rmtree(temp, ignore_errors=True)
+    with ray_nodes(["127.0.0.2", "127.0.0.3"], PORT, 4, 200000000) as address:
+        yield address
 
 
 def test_grpo_ranks_and_engines_on_two_ray_nodes(two_nodes, tmp_path):

@@ -14,7 +14,7 @@ import time
 
 import pytest
 import torch
-from conftest import in_process_engines
+from conftest import in_process_engines, ray_nodes
 
 from core import rollout
 from core.rl_math import logprobs_from_logits
@@ -326,45 +326,20 @@ def test_many_seeded_long_prompts_in_one_call(engines):
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    """A one-node Ray cluster from `ray start --head --block` (stopped by its PID), which this process joins. Not
+    """A one-node Ray cluster started by `ray start` (`conftest.ray_nodes`), which this process joins. Not
     `ray.init()`'s own start: that forks this process, and late in the full suite the fork of the test process
-    failed with ENOMEM (a fork copies every mapping of a process that has held many models); `Popen` execs without
-    copying them."""
-    import shutil
-    import signal
-    import subprocess
-    import sys
-    import tempfile
-    from pathlib import Path
-
+    failed with ENOMEM (a fork copies every mapping of a process that has held many models)."""
     import ray
 
     from core.engine import free_port
 
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    ray_cli, port = str(Path(sys.executable).with_name("ray")), free_port()
-    temp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths must stay under 107 characters
-    head = subprocess.Popen([ray_cli, "start", "--head", "--node-ip-address", "127.0.0.1", "--port", str(port),
-                             "--num-cpus", "2", "--num-gpus", "0", "--disable-usage-stats", "--block",
-                             "--include-dashboard", "false", "--temp-dir", temp, "--object-store-memory",
-                             str(100 * 2**20)], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)  # fmt: skip
-    try:
-        deadline = time.time() + 120
-        while subprocess.run([ray_cli, "status", "--address", f"127.0.0.1:{port}"], env=env,
-                             capture_output=True).returncode != 0:  # fmt: skip
-            assert time.time() < deadline and head.poll() is None, "the Ray head did not start"
-            time.sleep(1)
-        ray.init(address=f"127.0.0.1:{port}", log_to_driver=False)
-        yield ray
-    finally:
-        ray.shutdown()
-        head.send_signal(signal.SIGTERM)
+    with ray_nodes(["127.0.0.1"], free_port(), 2, 100 * 2**20, ("--include-dashboard", "false")) as address:
+        ray.init(address=address, log_to_driver=False)
         try:
-            head.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            head.kill()
-        shutil.rmtree(temp, ignore_errors=True)
+            yield ray
+        finally:
+            ray.shutdown()
 
 
 @pytest.mark.slow
