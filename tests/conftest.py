@@ -135,6 +135,10 @@ def assert_first_step_agrees(rows: dict[int, list[dict]], extra_keys: tuple[str,
         assert first2[key] == pytest.approx(first1[key], rel=1e-4, abs=1e-6), key
 
 
+_PROCESS_LOCAL_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "RAY_ADDRESS")
+_RAY_TEMP_DIRS: dict[str, str] = {}
+
+
 @contextlib.contextmanager
 def ray_nodes(ips: list[str], port: int, num_cpus: int, object_store_bytes: int, extra: tuple[str, ...] = ()):
     """A Ray cluster of one node per address in `ips` on this machine (`ray start --block`, the head on ips[0]), each
@@ -149,8 +153,12 @@ def ray_nodes(ips: list[str], port: int, num_cpus: int, object_store_bytes: int,
     from pathlib import Path
 
     ray_cli, address = str(Path(sys.executable).with_name("ray")), f"{ips[0]}:{port}"
-    env = {**os.environ, "RAY_AUTH_MODE": "disabled"}
+    # Not what earlier tests left in this process's environment (a process group's RANK and MASTER_PORT, an in-process
+    # vLLM's settings): the nodes' workers would inherit it.
+    env = {k: v for k, v in os.environ.items() if k not in _PROCESS_LOCAL_ENV and not k.startswith("VLLM_")}
+    env["RAY_AUTH_MODE"] = "disabled"
     temp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths must stay under 107 characters
+    _RAY_TEMP_DIRS[address] = temp
     common = ["--num-cpus", str(num_cpus), "--num-gpus", "0", "--disable-usage-stats", "--block", "--temp-dir", temp,
               "--object-store-memory", str(object_store_bytes), *extra]  # fmt: skip
     procs = []
@@ -177,3 +185,18 @@ def ray_nodes(ips: list[str], port: int, num_cpus: int, object_store_bytes: int,
             except subprocess.TimeoutExpired:
                 proc.kill()
         shutil.rmtree(temp, ignore_errors=True)
+        _RAY_TEMP_DIRS.pop(address, None)
+
+
+def ray_log_tail(address: str, lines: int = 25) -> str:
+    """The last lines of the GCS, raylet and driver logs of the `ray_nodes` cluster at `address`: what a failed
+    assertion about that cluster prints."""
+    from pathlib import Path
+
+    logs = Path(_RAY_TEMP_DIRS.get(address, "/nonexistent"), "session_latest", "logs")
+    out = []
+    for pattern in ("gcs_server.out", "raylet.out", "python-core-driver-*.log"):
+        for path in sorted(logs.glob(pattern)):
+            tail = path.read_text(errors="replace").splitlines()[-lines:]
+            out.append(f"--- {path.name}\n" + "\n".join(tail))
+    return "\n".join(out) or f"no Ray logs under {logs}"

@@ -14,7 +14,7 @@ import time
 
 import pytest
 import torch
-from conftest import in_process_engines, ray_nodes
+from conftest import in_process_engines, ray_log_tail, ray_nodes
 
 from core import rollout
 from core.rl_math import logprobs_from_logits
@@ -324,6 +324,7 @@ def test_many_seeded_long_prompts_in_one_call(engines):
     again = engines.generate(prompts[:2], n=8, max_new_tokens=4, temperature=1.0, seed=[0, 1])
     assert [[s.token_ids for s in g] for g in again] == [[s.token_ids for s in g] for g in out[:2]]
 
+
 @pytest.fixture(scope="module")
 def ray_cluster():
     """A one-node Ray cluster started by `ray start` (`conftest.ray_nodes`), which this process joins. Not
@@ -336,7 +337,18 @@ def ray_cluster():
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     with ray_nodes(["127.0.0.1"], free_port(), 2, 100 * 2**20, ("--include-dashboard", "false")) as address:
         ray.init(address=address, log_to_driver=False)
+
+        class Probe:  # defined here so that Ray ships it by value
+            def pid(self) -> int:
+                return os.getpid()
+
         try:
+            probe = ray.remote(Probe).options(num_cpus=0).remote()
+            try:
+                assert ray.get(probe.pid.remote(), timeout=120) != os.getpid()
+            except Exception as e:
+                pytest.fail(f"an actor on the test cluster at {address} did not answer: {e}\n{ray_log_tail(address)}")
+            ray.kill(probe)
             yield ray
         finally:
             ray.shutdown()
