@@ -135,7 +135,7 @@ def assert_first_step_agrees(rows: dict[int, list[dict]], extra_keys: tuple[str,
         assert first2[key] == pytest.approx(first1[key], rel=1e-4, abs=1e-6), key
 
 
-_PROCESS_LOCAL_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "RAY_ADDRESS")
+_PROCESS_LOCAL_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "RAY_ADDRESS")  # fmt: skip
 _RAY_TEMP_DIRS: dict[str, str] = {}
 
 

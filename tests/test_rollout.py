@@ -66,41 +66,51 @@ def _partition(t: torch.Tensor, rank: int, world: int) -> torch.Tensor:
 
 
 class _Mailbox:
-    """Stands in for a weight group's point-to-point receive: `recv([buf], src, tag)` copies what sender `src`
-    flattened for bucket `tag`."""
+    """Stands in for a weight group's point-to-point messages: `send([t], dst, tag)` from the sender `src` it was
+    made for queues a copy, `recv([buf], src, tag)` takes the oldest message of (src, tag), as gloo and NCCL match
+    one sender's messages of one tag in order. Sizes must agree, as they must on the wire."""
 
-    def __init__(self, sent: dict):
-        self.sent = sent
+    def __init__(self, queues: dict, src: int = -1):
+        self.queues, self.src = queues, src
+
+    def send(self, tensors, dst, tag):
+        self.queues.setdefault((self.src, tag), []).append(tensors[0].clone())
+        return type("Done", (), {"wait": lambda self, timeout=None: True})()
 
     def recv(self, bufs, src, tag):
-        flats = self.sent[src, tag]
-        bufs[0].copy_(flats[[f.numel() for f in flats].index(bufs[0].numel())])  # one buffer per dtype: by size
+        msg = self.queues[src, tag].pop(0)
+        assert msg.numel() == bufs[0].numel() and msg.dtype == bufs[0].dtype
+        bufs[0].copy_(msg)
         return type("Done", (), {"wait": lambda self, timeout=None: True})()
 
 
 @pytest.mark.parametrize("senders", [1, 2, 3])
 @pytest.mark.parametrize("bucket_mb", [1e-6, 0.004, 1000])
 def test_partitions_sent_by_every_rank_come_back_as_the_full_tensors(senders, bucket_mb):
-    """Every rank flattens its own partitions of a bucket; the receiver puts them together: bit for bit the full
-    tensors, cast to the engine dtype, in the same buckets as the full tensors (bucketing by full size)."""
+    """Every rank sends its own partitions of a bucket, one message per parameter; the receiver puts them together:
+    bit for bit the full tensors, cast to the engine dtype, in the same buckets as the full tensors (bucketing by full
+    size)."""
     g = torch.Generator().manual_seed(senders)
     named = [(n, torch.randn(t.shape, generator=g).to(torch.bfloat16)) for n, t in _fake_named(width=7)]
     named += [("model.odd.weight", torch.randn(1, generator=g)), ("model.count", torch.arange(5))]  # numel < senders
     want = list(rollout.bucket_named_tensors(named, bucket_mb))
     per_rank = [[(n, (_partition(t, r, senders), t.shape)) for n, t in named] for r in range(senders)]
-    sent, metas = {}, []
+    queues, metas = {}, {}
     for r, items in enumerate(per_rank):
         full_size = lambda v: v[1].numel() * v[0].element_size()  # noqa: E731  (partition, full shape) by full size
         buckets = list(rollout.bucket_named_tensors(items, bucket_mb, nbytes=full_size))
         assert [[n for n, _ in b] for b in buckets] == [[n for n, _ in b] for b in want]  # same layers per bucket
         for tag, b in enumerate(buckets):
-            meta, sent[r, tag] = rollout.flatten_partitions(b, torch.float32, torch.device("cpu"))
-            metas.append(meta)
+            metas.setdefault(tag, rollout.partitions_meta(b, torch.float32))
+            assert rollout.partitions_meta(b, torch.float32) == metas[tag]  # full shapes: the same on every rank
+            sent = rollout.send_partitions(_Mailbox(queues, r), b, torch.float32, torch.device("cpu"), [9], tag, 1.0)
+            assert sent == sum(p.numel() * (4 if p.is_floating_point() else 8) for _, (p, _) in b)
     for tag, b in enumerate(want):
-        got = rollout.receive_partitions(_Mailbox(sent), metas[tag], senders, tag, torch.device("cpu"), 1.0)
+        got = rollout.receive_partitions(_Mailbox(queues), metas[tag], senders, tag, torch.device("cpu"), 1.0)
         assert [n for n, _ in got] == [n for n, _ in b]
         for (_, t), (_, full) in zip(got, b):
             assert t.shape == full.shape and torch.equal(t, full.float() if full.is_floating_point() else full)
+    assert not any(queues.values())  # every message received
 
 
 class _FakeEngine:
@@ -310,7 +320,6 @@ def test_sleep_wake_keep_generation_working(engines, monkeypatch):
 
 # ---------------------------------------------------------------------------------------------------------------
 # Ray actors
-
 
 
 def test_many_seeded_long_prompts_in_one_call(engines):

@@ -5,9 +5,9 @@ exactly what a vLLM worker receives, but loads nothing).
     gather: every rank walks `core.engine.full_named_parameters` (one coalesced all-gather per decoder layer), rank 0
             buckets, flattens and broadcasts (`flatten_bucket`, `send_bucket`) over a group of rank 0 and the
             receiver, which takes each bucket with `receive_bucket` (the path before `--vllm.sync-partitions`).
-    partitions: every rank buckets its own partitions (`core.engine.zero3_partitions`, buckets by full size),
-            flattens them (`flatten_partitions`) and sends them point to point (`send_to`) over a group of both ranks
-            and the receiver, which puts the parameters together (`receive_partitions`).
+    partitions: every rank buckets its own partitions (`core.engine.zero3_partitions`, buckets by full size) and
+            sends them point to point, one message per parameter (`send_partitions`), over a group of both ranks and
+            the receiver, which receives each straight into its place in the full tensor (`receive_partitions`).
 
 Buckets of 256 MB (the default `--vllm.sync-bucket-mb`), bf16 on the wire. Each walk is timed from a barrier of all
 three processes to the next (the receiver has everything); the median of `--reps` walks after a warm-up, in seconds and
@@ -73,8 +73,7 @@ def _trainer(rank: int, ports: dict, layers: int, reps: int, out) -> None:
         items = [(n, (p, shape)) for n, p, shape in parts]
         size = lambda v: v[1].numel() * v[0].element_size()  # noqa: E731
         for tag, bucket in enumerate(rollout.bucket_named_tensors(items, BUCKET_MB, nbytes=size)):
-            _, flats = rollout.flatten_partitions(bucket, dtype, cpu)
-            rollout.send_to(many, flats, [2], tag, TIMEOUT_S)
+            rollout.send_partitions(many, bucket, dtype, cpu, [2], tag, TIMEOUT_S)
 
     ways = {"gather": gather, "partitions": partitions}
     times: dict[str, list[float]] = {k: [] for k in ways}
