@@ -57,7 +57,7 @@ import torch
 import tyro
 
 from core import engine as ds_engine
-from core import models, rl, rl_math, rollout
+from core import models, rl, rl_math, rollout, sequence_parallel
 from core.config import (
     ActorArgs,
     CkptConfig,
@@ -217,21 +217,25 @@ def make_critic(args: Args, device: torch.device, total_updates: int):
         torch.manual_seed(args.train.seed)
         body = models.load_scalar_model(args.critic.name_or_path or args.actor.model.name_or_path,
                                         args.actor.model.dtype, args.actor.model.attn_implementation, flag)  # fmt: skip
-    return ds_engine.make_engine(models.TokenValues(body).to(device), args.ds, args.critic.lr, total_updates,
-                                 args.critic.lr_warmup_steps, hybrid=args.vllm.enable_sleep)  # fmt: skip
+    critic = models.TokenValues(body).to(device)
+    sequence_parallel.setup(critic, args.train.sp_size)  # --train.sp-size N: its forwards split the rows as the actor's
+    return ds_engine.make_engine(critic, args.ds, args.critic.lr, total_updates, args.critic.lr_warmup_steps,
+                                 hybrid=args.vllm.enable_sleep)  # fmt: skip
 
 
 def forward_values(critic, batch: dict) -> torch.Tensor:
     """Values (B, L) aligned with forward_logp: position t holds V(x_<t), the critic's value of the state before
     token t is generated (the scalar head on hidden state t − 1); 0 at position 0 and at padding."""
     inputs, index = rl.model_inputs(critic, batch)  # packed padding-free, as the actor's passes
-    return rl.previous_token(critic(**inputs), index)  # models.TokenValues: (R, W) -> (B, L)
+    if sequence_parallel.sp_group(critic) is None:
+        return rl.previous_token(critic(**inputs), index)  # models.TokenValues: (R, W) -> (B, L)
+    return rl.previous_token(sequence_parallel.token_values(critic, inputs), index)  # each rank 1/N of the tokens
 
 
 def values_table(critic, rank: int, world: int, seqs: dict, args: Args, step: int) -> torch.Tensor:
     """V_old (B, L) of every row of the rollout: each rank its micro-batches, summed over the world (`rl.on_model`)."""
     mine = [m for _, micro in rl.minibatches(seqs, args, step, rank, world) for m in micro]
-    return rl.forward_rows(partial(forward_values, critic), seqs, mine, world, True)
+    return rl.forward_rows(partial(forward_values, critic), seqs, mine, world, True, args.train.sp_size)
 
 
 # ALGO LOGIC: the critic's update, ½ max((V − R)², (V_clip − R)²), one optimizer step per minibatch
@@ -281,7 +285,8 @@ def update(actor, critic, ref, seqs: dict, rewards: torch.Tensor, args: Args, ru
     mask, temp, world = seqs["loss_mask"], args.rollout.temperature, run.world
     batches = rl.minibatches(seqs, args, step, run.rank, world)
     mine = [m for _, micro in batches for m in micro]  # this rank's rows
-    old_logp = rl.forward_rows(lambda b: rl.forward_logp(actor, b, temp)[0], seqs, mine, world, True)
+    old_logp = rl.forward_rows(lambda b: rl.forward_logp(actor, b, temp)[0], seqs, mine, world, True,
+                               args.train.sp_size)  # every row on every rank  # fmt: skip
     old_values = rl.on_model(critic, values_table, seqs, args, step, run=run)  # trainer ranks or --critic.ranks
     ref_logp = None if ref is None else rl.on_model(ref, rl.logp_table, seqs, args, step, run=run)  # or --ref.ranks
     out, kl = {"critic/warmup": float(step < args.critic.warmup_steps)}, torch.zeros_like(old_logp)

@@ -222,14 +222,15 @@ def causal_logprobs(model, inputs: dict, at: torch.Tensor, labels: torch.Tensor,
     return out[:, 0], (out[:, 1] if entropy else None)
 
 
-def token_values(model, input_ids: torch.Tensor, attention_mask=None, position_ids=None) -> torch.Tensor:
+def token_values(model, input_ids: torch.Tensor, attention_mask=None, position_ids=None, **kwargs) -> torch.Tensor:
     """Per-token scalar outputs (B, T) of a sequence-classification model: the head applied to every hidden state
-    (a critic's values; a reward model reads the last valid position)."""
+    (a critic's values; a reward model reads the last valid position). `kwargs` reach the attention function (the
+    SP forward's group and mask, `core.sequence_parallel.token_values`)."""
     body = getattr(model, model.base_model_prefix)
     # use_cache=False: with a KV cache transformers does not turn restarting position ids into a block-diagonal
     # mask, and packed samples would attend to each other.
-    hidden = body(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                  use_cache=False).last_hidden_state  # fmt: skip
+    hidden = body(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False,
+                  **kwargs).last_hidden_state  # fmt: skip
     return model.score(hidden).squeeze(-1).float()
 
 
@@ -243,8 +244,8 @@ class TokenValues(torch.nn.Module):
         super().__init__()
         self.model = model
 
-    def forward(self, input_ids: torch.Tensor, attention_mask=None, position_ids=None) -> torch.Tensor:
-        return token_values(self.model, input_ids, attention_mask=attention_mask, position_ids=position_ids)
+    def forward(self, input_ids: torch.Tensor, attention_mask=None, position_ids=None, **kwargs) -> torch.Tensor:
+        return token_values(self.model, input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
 
 
 def sequence_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

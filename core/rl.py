@@ -240,10 +240,10 @@ def make_actor(args, device: torch.device, total_updates: int):
     `total_updates` optimizer steps."""
     model = models.load_causal_lm(args.actor.model, "--actor.model.name-or-path").to(device)
     if args.train.sp_size > 1:  # --train.sp-size: the actor's forwards split each row's tokens over an SP group
-        if not args.train.packing or hasattr(args, "critic") or getattr(args.ref, "ranks", None) or args.data.image_key:
-            raise ValueError("--train.sp-size needs --train.packing and is not built for a critic (PPO), a "
-                             "reference on ranks of its own (--ref.ranks) or pictures (--data.image-key: padded "
-                             "forwards)")  # fmt: skip
+        critic_ranks = getattr(getattr(args, "critic", None), "ranks", None)
+        if not args.train.packing or critic_ranks or getattr(args.ref, "ranks", None) or args.data.image_key:
+            raise ValueError("--train.sp-size needs --train.packing and is not built for models on ranks of their own "
+                             "(--critic.ranks, --ref.ranks) or pictures (--data.image-key: padded forwards)")  # fmt: skip
         sequence_parallel.setup(model, args.train.sp_size)
     return ds_engine.make_engine(model, args.ds, args.actor.lr, total_updates, args.actor.warmup_steps,
                                  hybrid=args.vllm.enable_sleep, ema_beta=args.actor.ema_beta)  # fmt: skip

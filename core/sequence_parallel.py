@@ -74,8 +74,10 @@ def sp_group(model):
 
 
 def _hf(model):
+    """The HF model inside a DeepSpeed engine, a PEFT model or a scalar-head wrapper (`core.models.TokenValues`)."""
     hf = getattr(model, "module", model)
-    return hf.get_base_model() if hasattr(hf, "get_base_model") else hf
+    hf = hf.get_base_model() if hasattr(hf, "get_base_model") else hf
+    return hf if hasattr(hf, "config") or not isinstance(getattr(hf, "model", None), torch.nn.Module) else hf.model
 
 
 # ------------------------------------------------------------------------------------------ collectives with autograd
@@ -204,6 +206,20 @@ def token_logprobs(model, batch: dict, temperature: float = 1.0) -> torch.Tensor
     predicted = replicate_sum(F.pad(mine, (lo, width - lo - w)), group)  # (R, W'): every rank's slice, on every rank
     logp = torch.cat([torch.zeros_like(predicted[:, :1]), predicted[:, : W - 1]], dim=1)
     return torch.where(pos == 0, 0.0, logp)  # a packed sample's first token was "predicted" from its neighbour
+
+
+def token_values(model, inputs: dict) -> torch.Tensor:
+    """A scalar-head model's per-token outputs (R, W) (`core.models.TokenValues`: a critic's values) of the packed
+    forward `inputs` (input_ids, position_ids (R, W)) with the tokens split over the model's SP group: each rank runs
+    its own slice, and the whole table is assembled on every rank of the group (`replicate_sum`: the backward gives
+    each rank the gradient of its own tokens)."""
+    group = sp_group(model)
+    if inputs.get("position_ids") is None or inputs.get("attention_mask") is not None:
+        raise ValueError("--train.sp-size needs packed batches (position ids), not padded ones (--train.no-packing)")
+    W = inputs["input_ids"].shape[1]
+    local, width, lo = shard(inputs["input_ids"], inputs["position_ids"], group)
+    mine = model(**local)  # (R, W'/N)
+    return replicate_sum(F.pad(mine, (lo, width - lo - mine.shape[1])), group)[:, :W]
 
 
 def causal_logprobs(model, inputs: dict, at: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0,

@@ -1,5 +1,5 @@
-"""One GRPO update (2 minibatches x 2 epochs, KL to a ZeRO-3 reference, entropy bonus) and one REINFORCE++ update on
-a fixed rollout, under `torchrun --nproc_per_node N`: N = 1 plain, N = 2 with `--train.sp-size 2` (one SP group: both
+"""One GRPO update (2 minibatches x 2 epochs, KL to a ZeRO-3 reference, entropy bonus), one REINFORCE++ update and
+one PPO update (a ZeRO-3 critic's values, GAE, the critic's and the actor's steps) on a fixed rollout, under `torchrun --nproc_per_node N`: N = 1 plain, N = 2 with `--train.sp-size 2` (one SP group: both
 ranks train on every sequence, each forwarding half of every packed row). The actor is a DeepSpeed ZeRO-3 engine
 (fp32, gloo) built from the same seed in both. Rank 0 writes the update metrics (losses, KL, entropy, gradient
 norms of all four optimizer steps) as JSON to argv[1]; tests/test_sequence_parallel.py compares N = 2 with N = 1."""
@@ -12,7 +12,7 @@ from types import SimpleNamespace
 import torch
 
 from agents.executor import Episode
-from algos import grpo, reinforce_pp
+from algos import grpo, ppo, reinforce_pp
 from core import embedded, models, rl
 from core import engine as ds_engine
 from core.config import DSConfig, ModelConfig, RefConfig
@@ -35,7 +35,7 @@ def main(out: str) -> None:
     episodes = rollout(len(tokenizer))
     run = SimpleNamespace(rank=rank, world=world, device=device)
     results = {}
-    for name, module in (("grpo", grpo), ("reinforce_pp", reinforce_pp)):
+    for name, module in (("grpo", grpo), ("reinforce_pp", reinforce_pp), ("ppo", ppo)):
         args = module.Args()
         args.train.minibatches, args.train.epochs, args.train.micro_batch_size, args.train.sp_size = 2, 2, 3, world
         args.actor.entropy_coef, args.algo.kl_coef = 0.01, 0.1
@@ -48,6 +48,11 @@ def main(out: str) -> None:
         seqs = rl.sequences(episodes, tokenizer.pad_token_id, device)
         if module is grpo:
             metrics = grpo.update(actor, ref, seqs, torch.linspace(-1.0, 1.0, len(episodes)), args, run, 0, 0.1)
+        elif module is ppo:
+            args.critic.warmup_steps = 0  # the actor trains at step 0 too
+            critic = ppo.make_critic(args, device, total_updates=10)  # its SP setup happens here
+            rewards = torch.linspace(0.0, 1.0, len(episodes))
+            metrics = ppo.update(actor, critic, ref, seqs, rewards, args, run, 0, 0.1)
         else:
             metrics = reinforce_pp.update(actor, ref, seqs, torch.linspace(0.0, 1.0, len(episodes)), args, run, 0, 0.1)
         results[name] = metrics

@@ -113,9 +113,10 @@ def test_sp2_on_two_ranks_trains_as_one_rank(tmp_path, script, extra):
 
 
 @pytest.mark.slow
-def test_grpo_and_reinforce_pp_updates_at_sp2_equal_one_rank(tmp_path):
-    """Whole updates on ZeRO-3 actors (old log-probs, a ZeRO-3 reference's KL, 4 optimizer steps): the minibatch
-    split by SP group, the SP forward and the metrics summed over ranks give one rank's numbers."""
+def test_grpo_reinforce_pp_and_ppo_updates_at_sp2_equal_one_rank(tmp_path):
+    """Whole updates on ZeRO-3 actors (old log-probs, a ZeRO-3 reference's KL, 4 optimizer steps), and PPO's ZeRO-3
+    critic (its values table, GAE's targets, its own 4 steps): the minibatch split by SP group, the SP forwards and
+    the metrics summed over ranks give one rank's numbers."""
     embedded.ensure_tiny_base()
     results = {}
     for n in (1, 2):
@@ -125,6 +126,8 @@ def test_grpo_and_reinforce_pp_updates_at_sp2_equal_one_rank(tmp_path):
         proc = subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, timeout=600, cwd=ROOT)
         assert proc.returncode == 0, proc.stderr[-3000:]
         results[n] = json.loads(out.read_text())
+    critic_keys = {"loss/value", "critic/grad_norm", "critic/values_mean", "critic/explained_variance"}
+    assert critic_keys <= set(results[1]["ppo"])
     for algo, reference in results[1].items():
         assert {"loss/policy", "loss/kl", "train/grad_norm"} <= set(reference)
         for k, v in reference.items():
@@ -132,7 +135,8 @@ def test_grpo_and_reinforce_pp_updates_at_sp2_equal_one_rank(tmp_path):
 
 
 def test_scripts_refuse_what_sequence_parallelism_does_not_support(tmp_path):
-    """Each refusal names the flag: padded batches (sft), prompt sharing (dpo), PPO's critic (the RL scripts)."""
+    """Each refusal names the flag: padded batches (sft), prompt sharing (dpo), a critic on ranks of its own (the RL
+    scripts)."""
     from algos import dpo, ppo, sft
     from core import rl
 
@@ -145,6 +149,24 @@ def test_scripts_refuse_what_sequence_parallelism_does_not_support(tmp_path):
     with pytest.raises(ValueError, match="--train.sp-size .* add --train.no-share-prompt"):
         dpo.main(args)
     args = ppo.Args()
-    args.actor.model.name_or_path, args.train.sp_size = "cleanrlhf/tiny", 2
-    with pytest.raises(ValueError, match="--train.sp-size .* not built for a critic"):
+    args.actor.model.name_or_path, args.train.sp_size, args.critic.ranks = "cleanrlhf/tiny", 2, 1
+    with pytest.raises(ValueError, match="--train.sp-size .* not built for models on ranks of their own"):
         rl.make_actor(args, torch.device("cpu"), 1)
+
+
+@pytest.mark.slow
+def test_ppo_at_sp2_on_two_ray_ranks_trains_like_one_process(tmp_path):
+    """`algos/ppo.py --train.ranks 2 --train.sp-size 2` end to end: Ray placement, the vLLM engine as a Ray actor,
+    both ranks' ZeRO-3 partitions sent to it after every update (`--debug` checks engine == trainer log-probs), the
+    actor and the critic each forwarding half of every packed row. One SP group is one data-parallel rank, so the
+    first step's losses, gradient norms, KL and the critic's numbers equal one process's."""
+    from conftest import assert_first_step_agrees, ranks_2_vs_1, zero3_other_reference
+
+    from algos.ppo import Args, main
+
+    def configure(args, ranks: int) -> None:
+        zero3_other_reference(args, ranks)
+        args.train.sp_size = ranks
+
+    rows = ranks_2_vs_1(Args, main, tmp_path, configure)
+    assert_first_step_agrees(rows, ("loss/value", "critic/grad_norm", "critic/values_mean", "critic/returns_mean"))
