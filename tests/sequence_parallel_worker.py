@@ -1,10 +1,12 @@
-"""Sequence parallelism checked against the plain forward, under `torchrun --nproc_per_node 2` (gloo, fp32).
+"""Sequence parallelism checked against the plain forward, under `torchrun --nproc_per_node N` (gloo, fp32): one SP
+group of all N ranks (N = 2, or 4: each rank then holds one of the tiny model's 4 heads).
 
 Every rank builds the same models from the same seed. The reference (SP=1) is the plain model on the whole batch,
-computed by each rank alone; the SP=2 model splits each row's tokens over the two ranks. Each rank's backward gives
+computed by each rank alone; the SP=N model splits each row's tokens over the N ranks. Each rank's backward gives
 the gradient of its own tokens' computation; their sum over the group (what DeepSpeed's mean over ranks times the
 scripts' `loss * world` scaling makes) must equal the reference gradient. Rank 0 writes {case: numbers} as JSON to
-argv[1]: loss difference, max parameter-gradient difference, and saved-activation bytes per rank."""
+argv[1]: loss difference, max parameter-gradient difference, and saved-activation bytes per rank (argv[2]: the long
+sequence's tokens; 0 skips the memory case)."""
 
 import json
 import random
@@ -124,6 +126,30 @@ def attention_case(group, results: dict) -> None:
     results["attention"] = {"max_diff": worst}
 
 
+def memory_case(path: str, vocab: int, long_len: int, n: int) -> dict:
+    """Saved activations of one `long_len`-token sequence: the plain forward (SP=1) against the larger rank's share
+    at SP=n, with the loss and gradient differences."""
+    ref_l = tiny(path, seed=5, max_position_embeddings=long_len, num_hidden_layers=2)
+    model_l = tiny(path, seed=5, max_position_embeddings=long_len, num_hidden_layers=2)
+    sp.setup(model_l, n)
+    long_batch = packing.collate_packed(random_samples(vocab, 1, seed=4, lo=long_len, hi=long_len), "cpu")
+    mask_l, n_tok = long_batch["loss_mask"], float(long_batch["loss_mask"].sum())
+    loss1, bytes1 = saved_bytes(lambda: sft.sft_loss(packing.token_logprobs(ref_l, long_batch), mask_l, n_tok), ref_l)
+    loss2, bytes2 = saved_bytes(lambda: sft.sft_loss(sp.token_logprobs(model_l, long_batch), mask_l, n_tok), model_l)
+    loss1.backward()
+    loss2.backward()
+    per_rank = torch.tensor([float(bytes2)])
+    dist.all_reduce(per_rank, op=dist.ReduceOp.MAX)  # the largest share
+    return {
+        "tokens": long_len,
+        "sp1_bytes": bytes1,
+        "sp2_bytes_per_rank": int(per_rank.item()),
+        "ratio": per_rank.item() / bytes1,
+        "grad_diff": grad_diff(ref_l, model_l, sp.sp_group(model_l)),
+        "loss_diff": abs(loss1.item() - loss2.item()),
+    }
+
+
 def main(out: str) -> None:
     dist.init_process_group("gloo")
     torch.set_num_threads(1)
@@ -132,12 +158,13 @@ def main(out: str) -> None:
     results: dict = {}
 
     # the SP model: the same weights as the reference, tokens split over both ranks
+    n = dist.get_world_size()
     ref, model = tiny(path), tiny(path)
-    dp_rank, dp_world = sp.setup(model, 2)
+    dp_rank, dp_world = sp.setup(model, n)
     group = sp.sp_group(model)
-    assert (dp_rank, dp_world) == (0, 1) and dist.get_world_size(group) == 2
+    assert (dp_rank, dp_world) == (0, 1) and dist.get_world_size(group) == n
     try:  # heads / sp-size must be whole (checked before any process group is created)
-        sp.setup(tiny(path, num_attention_heads=1, num_key_value_heads=1), 2)
+        sp.setup(tiny(path, num_attention_heads=1, num_key_value_heads=1), n)
     except ValueError as e:
         results["refused"] = str(e)
     attention_case(group, results)
@@ -194,7 +221,7 @@ def main(out: str) -> None:
     # GQA (4 query heads, 2 and 1 key/value heads) through the whole model, SFT loss
     for kv in (2, 1):
         ref_g, model_g = tiny(path, seed=kv, num_key_value_heads=kv), tiny(path, seed=kv, num_key_value_heads=kv)
-        sp.setup(model_g, 2)
+        sp.setup(model_g, n)
         compare(f"sft_gqa{kv}", ref_g, model_g, sft_loss, sp.sp_group(model_g), results)
 
     # gradient checkpointing (the all-to-alls run again in the recomputed forward) and LoRA (random B, so that
@@ -203,7 +230,7 @@ def main(out: str) -> None:
     for m in (ref_c, model_c):
         m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         m.train()
-    sp.setup(model_c, 2)
+    sp.setup(model_c, n)
     compare("sft_checkpointing", ref_c, model_c, sft_loss, sp.sp_group(model_c), results)
     from peft import LoraConfig, get_peft_model
 
@@ -212,30 +239,13 @@ def main(out: str) -> None:
         base = tiny(path, seed=4)
         torch.manual_seed(4)
         lora.append(get_peft_model(base, LoraConfig(r=4, target_modules="all-linear", init_lora_weights=False)))
-    sp.setup(lora[1], 2)
+    sp.setup(lora[1], n)
     compare("sft_lora", lora[0], lora[1], sft_loss, sp.sp_group(lora[1]), results)
 
-    # memory: saved activations of one long sequence, plain forward (SP=1) vs this rank's share at SP=2
+    # memory: saved activations of one long sequence, plain forward (SP=1) vs this rank's share at SP=N
     long_len = int(sys.argv[2]) if len(sys.argv) > 2 else 4096
-    ref_l = tiny(path, seed=5, max_position_embeddings=long_len, num_hidden_layers=2)
-    model_l = tiny(path, seed=5, max_position_embeddings=long_len, num_hidden_layers=2)
-    sp.setup(model_l, 2)
-    long_batch = packing.collate_packed(random_samples(vocab, 1, seed=4, lo=long_len, hi=long_len), "cpu")
-    mask_l, n_tok = long_batch["loss_mask"], float(long_batch["loss_mask"].sum())
-    loss1, bytes1 = saved_bytes(lambda: sft.sft_loss(packing.token_logprobs(ref_l, long_batch), mask_l, n_tok), ref_l)
-    loss2, bytes2 = saved_bytes(lambda: sft.sft_loss(sp.token_logprobs(model_l, long_batch), mask_l, n_tok), model_l)
-    loss1.backward()
-    loss2.backward()
-    per_rank = torch.tensor([float(bytes2)])
-    dist.all_reduce(per_rank, op=dist.ReduceOp.MAX)  # the larger of the two ranks
-    results["memory"] = {
-        "tokens": long_len,
-        "sp1_bytes": bytes1,
-        "sp2_bytes_per_rank": int(per_rank.item()),
-        "ratio": per_rank.item() / bytes1,
-        "grad_diff": grad_diff(ref_l, model_l, sp.sp_group(model_l)),
-        "loss_diff": abs(loss1.item() - loss2.item()),
-    }
+    if long_len:
+        results["memory"] = memory_case(path, vocab, long_len, n)
     if dist.get_rank() == 0:
         with open(out, "w") as f:
             json.dump(results, f, indent=1)

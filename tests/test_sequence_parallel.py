@@ -29,15 +29,19 @@ def clean_env() -> dict:
     return {k: v for k, v in os.environ.items() if k not in dist_vars} | {"OMP_NUM_THREADS": "1"}
 
 
-@pytest.fixture(scope="module")
-def two_ranks(tmp_path_factory) -> dict:
+def run_worker(out: Path, nproc: int, long_len: int) -> dict:
+    """tests/sequence_parallel_worker.py on `nproc` gloo ranks (one SP group of all of them): its results."""
     embedded.ensure_tiny_base()
-    out = tmp_path_factory.mktemp("sp") / "results.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
-           "--master_port", str(free_port()), str(WORKER), str(out), str(LONG)]  # fmt: skip
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr",
+           "127.0.0.1", "--master_port", str(free_port()), str(WORKER), str(out), str(long_len)]  # fmt: skip
     proc = subprocess.run(cmd, env=clean_env(), capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(out.read_text())
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory) -> dict:
+    return run_worker(tmp_path_factory.mktemp("sp") / "results.json", 2, LONG)
 
 
 def test_block_causal_mask_of_packed_rows():
@@ -70,6 +74,22 @@ def test_sp2_loss_and_gradients_equal_sp1(two_ranks, case):
     r = two_ranks[case]
     assert r["loss_diff"] <= 1e-5 * max(1.0, abs(r["loss"])) and r["loss_spread"] == 0.0, r
     assert r["grad_diff"] <= 1e-5, r
+
+
+@pytest.mark.slow
+def test_sp4_attention_losses_and_gradients_equal_sp1(tmp_path):
+    """One SP group of 4 ranks (each holds one of the tiny model's 4 heads; 2 or 1 key/value heads are repeated):
+    attention, and the SFT, DPO and GRPO losses and gradients, as at SP=2, and 1,024 tokens' saved activations cut to
+    about a quarter."""
+    four = run_worker(tmp_path / "results.json", 4, 1024)
+    assert four["attention"]["max_diff"] <= 1e-5
+    assert "--train.sp-size 4: must divide the model's 1 attention heads" in four["refused"]
+    for case in ("sft", "dpo", "grpo", "sft_gqa2", "sft_gqa1", "sft_checkpointing", "sft_lora"):
+        r = four[case]
+        assert r["loss_diff"] <= 1e-5 * max(1.0, abs(r["loss"])) and r["loss_spread"] == 0.0, (case, r)
+        assert r["grad_diff"] <= 1e-5, (case, r)
+    m = four["memory"]
+    assert m["loss_diff"] <= 1e-5 and m["grad_diff"] <= 1e-5 and m["ratio"] <= 0.3, m
 
 
 def test_sp2_halves_the_saved_activations_of_a_long_sequence(two_ranks):
