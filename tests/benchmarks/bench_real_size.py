@@ -7,7 +7,8 @@ embeddings, the embedded tokenizer's 100-token vocabulary (358 M parameters; the
 measured by bench_head_memory.py). It learns nothing (its reward is 0; `--algo.no-filter-zero-variance` keeps every
 sample in the update so the training passes run at full size). Reported: wall time per phase (the scripts' perf/gen_s,
 perf/train_s, perf/sync_s per step), the weight sync's share of the step against the floor of moving its bytes (a
-gloo broadcast of as many MB between two processes), and the peak resident memory of each
+gloo broadcast of as many MB between two processes) and the engine's own cost of loading the same weights from memory
+(vLLM's reload, and the repacking for its CPU GEMM kernels inside it), and the peak resident memory of each
 process (sampled every 0.2 s over the whole run, every process started after the driver; Ray's own daemons left
 out). Run:
 
@@ -151,6 +152,58 @@ def load_export_in_vllm(path: Path) -> list[int]:
     return json.loads(lines[-1].split(" ", 1)[1])
 
 
+def _engine_load(path: str) -> None:
+    """(In a fresh process, `--engine-load PATH`.) Build a bf16 vLLM engine on `path` as the scripts do and time
+    loading the checkpoint's own tensors into it from memory (`WorkerExtension.cleanrlhf_load_weights`: vLLM's
+    `reload_weights`, what every sync ends with), best of 3, and the part of it that vLLM's CPU backend spends
+    repacking each linear layer's weight for its GEMM kernel (`dispatch_cpu_unquantized_gemm` on the same shapes):
+    work a CPU engine does whatever brings it the weights. Prints one JSON line."""
+    import torch
+    from safetensors.torch import load_file
+
+    from core import rollout
+
+    cfg = rollout.VLLMConfig(in_process=True, dtype="bfloat16", kv_cache_gib=0.25, max_model_len=256)
+    engines = rollout.create_engines(path, cfg)
+    named = list(load_file(str(Path(path) / "model.safetensors")).items())
+    mb = sum(t.numel() * t.element_size() for _, t in named) / 2**20
+
+    def load(worker) -> float:
+        t0 = time.perf_counter()
+        worker.cleanrlhf_load_weights(named)
+        return time.perf_counter() - t0
+
+    def repack(worker) -> float:
+        from vllm.model_executor.layers.utils import dispatch_cpu_unquantized_gemm
+
+        seconds = 0.0
+        for module in worker.get_model().modules():
+            n, k = getattr(module, "output_size_per_partition", None), getattr(module, "input_size_per_partition", None)
+            if n is None or k is None or not hasattr(module, "cpu_linear"):
+                continue
+            stand_in = torch.nn.Module()
+            stand_in.weight = torch.nn.Parameter(torch.randn(n, k).to(torch.bfloat16), requires_grad=False)
+            t0 = time.perf_counter()
+            dispatch_cpu_unquantized_gemm(stand_in, remove_weight=True)
+            seconds += time.perf_counter() - t0
+        return seconds
+
+    llm = engines.engines[0].llm
+    load_s = min(llm.collective_rpc(load)[0] for _ in range(3))
+    repack_s = min(llm.collective_rpc(repack)[0] for _ in range(3))
+    print("ENGINE_LOAD " + json.dumps({"mb": mb, "load_s": load_s, "repack_s": repack_s}))
+    engines.shutdown()
+
+
+def engine_load(path: Path) -> dict:
+    proc = subprocess.run([sys.executable, __file__, "--engine-load", str(path)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=900)  # fmt: skip
+    lines = [line for line in proc.stdout.splitlines() if line.startswith("ENGINE_LOAD ")]
+    if proc.returncode != 0 or not lines:
+        raise SystemExit(f"the engine-load measurement failed:\n{proc.stderr[-3000:]}")
+    return json.loads(lines[-1].split(" ", 1)[1])
+
+
 def _floor_rank(rank: int, port: int, mb: float, bucket_mb: float, out) -> None:
     import torch
     import torch.distributed as dist
@@ -197,7 +250,11 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--out", default=None, help="work folder (default: a new temporary one)")
+    ap.add_argument("--engine-load", default=None, help=argparse.SUPPRESS)  # internal: `_engine_load` in a child
     opts = ap.parse_args(argv)
+    if opts.engine_load:
+        _engine_load(opts.engine_load)
+        return {}
     out = Path(opts.out or tempfile.mkdtemp(prefix="real_size_"))
     out.mkdir(parents=True, exist_ok=True)
     model = build_model(out / f"qwen2-0.5b-shaped-{opts.layers}l", opts.layers)
@@ -216,6 +273,7 @@ def main(argv: list[str] | None = None) -> dict:
     from core.config import ModelConfig
 
     floor = gloo_floor(steps[-1]["sync/mb"])
+    load = engine_load(model)
     n_params = sum(p.numel() for p in models.load_causal_lm(ModelConfig(name_or_path=str(model))).parameters())
     peaks = {k: max(peaks1.get(k, 0.0), peaks2.get(k, 0.0)) for k in {*peaks1, *peaks2}}
     result = {
@@ -225,7 +283,10 @@ def main(argv: list[str] | None = None) -> dict:
         "sync_share": round(phases["transfer"] / step_s, 4),
         "sync_mb": steps[-1].get("sync/mb"), "sync_senders": steps[-1].get("sync/senders"),
         "transfer_ms_per_mb": round(1000 * phases["transfer"] / steps[-1]["sync/mb"], 3),
-        "gloo_floor_ms_per_mb": round(floor, 3), "floor_share": round(floor * steps[-1]["sync/mb"] / 1000 / step_s, 4), "peak_rss_gib": {k: round(v, 2) for k, v in sorted(peaks.items())},
+        "gloo_floor_ms_per_mb": round(floor, 3), "floor_share": round(floor * steps[-1]["sync/mb"] / 1000 / step_s, 4),
+        "engine_load_s": round(load["load_s"], 3), "engine_repack_s": round(load["repack_s"], 3),
+        "bound_share": round((floor * steps[-1]["sync/mb"] / 1000 + load["repack_s"]) / step_s, 4),
+        "peak_rss_gib": {k: round(v, 2) for k, v in sorted(peaks.items())},
         "export_generates": tokens, "torch_threads": torch.get_num_threads(),
     }  # fmt: skip
     print(f"Qwen2-0.5B-shaped, {opts.layers} layers, {result['params_m']} M parameters, bf16; 2 ZeRO-3 ranks + 1 "
@@ -236,6 +297,9 @@ def main(argv: list[str] | None = None) -> dict:
           f"; weight transfer {result['sync_mb']:.0f} MB from {result['sync_senders']:.0f} rank(s), {100 * result['sync_share']:.1f} % of the step, "
           f"{result['transfer_ms_per_mb']:.2f} ms/MB; a gloo broadcast of the same bytes: {floor:.2f} ms/MB, "
           f"{100 * result['floor_share']:.1f} % of the step")  # fmt: skip
+    print(f"the engine alone loading the same weights from memory: {load['load_s']:.2f} s, of which {load['repack_s']:.2f} "
+          f"s repacking them for vLLM's CPU GEMM kernels; bytes + repacking: {100 * result['bound_share']:.1f} % of "
+          "the step")  # fmt: skip
     print("peak RSS: " + ", ".join(f"{k} {v:.2f} GiB" for k, v in result["peak_rss_gib"].items()))
     print(f"export loaded in vLLM, greedy tokens {tokens}")
     print(json.dumps({"bench": "real_size", **result}))
