@@ -5,9 +5,12 @@ exactly what a vLLM worker receives, but loads nothing).
     gather: every rank walks `core.engine.full_named_parameters` (one coalesced all-gather per decoder layer), rank 0
             buckets, flattens and broadcasts (`flatten_bucket`, `send_bucket`) over a group of rank 0 and the
             receiver, which takes each bucket with `receive_bucket` (the path before `--vllm.sync-partitions`).
-    partitions: every rank buckets its own partitions (`core.engine.zero3_partitions`, buckets by full size) and
-            sends them point to point, one message per parameter (`send_partitions`), over a group of both ranks and
-            the receiver, which receives each straight into its place in the full tensor (`receive_partitions`).
+    flat: every rank buckets its own partitions (`core.engine.zero3_partitions`, buckets by full size), flattens them
+            into one buffer and sends it point to point over a group of both ranks and the receiver, which receives one
+            buffer per rank and concatenates each parameter's pieces (the transport before 2026-11-26's bee3248,
+            rebuilt here as `_send_flat` / `_receive_flat`).
+    partitions: the same buckets, one message per parameter and rank (`send_partitions`), each received straight into
+            its place in the full tensor (`receive_partitions`): no flat buffer, no concatenation.
 
 Buckets of 256 MB (the default `--vllm.sync-bucket-mb`), bf16 on the wire. Each walk is timed from a barrier of all
 three processes to the next (the receiver has everything); the median of `--reps` walks after a warm-up, in seconds and
@@ -31,6 +34,28 @@ sys.path.insert(0, str(ROOT))
 
 BUCKET_MB = 256.0
 TIMEOUT_S = 600.0
+
+
+def _send_flat(group, bucket, dtype, tag: int) -> None:
+    """The previous transport's sending side: this rank's partitions of a bucket (one dtype here) in one buffer."""
+    import torch
+
+    flat = torch.cat([p.detach().to(dtype) for _, (p, _) in bucket])
+    group.send([flat], 2, tag).wait()
+
+
+def _receive_flat(group, meta, senders: int, tag: int):
+    """The previous transport's receiving side: one buffer per sender, then each parameter's pieces concatenated."""
+    import torch
+
+    numels = [int(torch.Size(shape).numel()) for _, _, shape in meta]
+    per_rank = [-(-n // senders) for n in numels]
+    bufs = [torch.empty(sum(per_rank), dtype=getattr(torch, meta[0][1])) for _ in range(senders)]
+    for work in [group.recv([buf], r, tag) for r, buf in enumerate(bufs)]:
+        work.wait()
+    pieces = [buf.split(per_rank) for buf in bufs]
+    return [(name, torch.cat([p[i] for p in pieces])[: numels[i]].view(shape))
+            for i, (name, _, shape) in enumerate(meta)]  # fmt: skip
 
 
 def _config(layers: int):
@@ -67,15 +92,22 @@ def _trainer(rank: int, ports: dict, layers: int, reps: int, out) -> None:
                 _, flats = rollout.flatten_bucket(bucket, dtype, cpu)
                 rollout.send_bucket(one, flats, TIMEOUT_S)
 
-    def partitions() -> None:
+    def buckets():
         parts, why = ds_engine.zero3_partitions(engine)
         assert parts is not None, why
         items = [(n, (p, shape)) for n, p, shape in parts]
         size = lambda v: v[1].numel() * v[0].element_size()  # noqa: E731
-        for tag, bucket in enumerate(rollout.bucket_named_tensors(items, BUCKET_MB, nbytes=size)):
+        return enumerate(rollout.bucket_named_tensors(items, BUCKET_MB, nbytes=size))
+
+    def flat() -> None:
+        for tag, bucket in buckets():
+            _send_flat(many, bucket, dtype, tag)
+
+    def partitions() -> None:
+        for tag, bucket in buckets():
             rollout.send_partitions(many, bucket, dtype, cpu, [2], tag, TIMEOUT_S)
 
-    ways = {"gather": gather, "partitions": partitions}
+    ways = {"gather": gather, "flat": flat, "partitions": partitions}
     times: dict[str, list[float]] = {k: [] for k in ways}
     for rep in range(reps + 1):
         for name, walk in ways.items():
@@ -109,19 +141,22 @@ def _receiver(ports: dict, layers: int, reps: int, out) -> None:
     cpu = torch.device("cpu")
     first: dict[str, list] = {}
     for rep in range(reps + 1):
-        for way in ("gather", "partitions"):
+        for way in ("gather", "flat", "partitions"):
             many.barrier().wait()
             got = []
             for tag, meta in enumerate(metas):
                 if way == "gather":
                     got += rollout.receive_bucket(one, meta, cpu, TIMEOUT_S)
+                elif way == "flat":
+                    got += _receive_flat(many, meta, 2, tag)
                 else:
                     got += rollout.receive_partitions(many, meta, 2, tag, cpu, TIMEOUT_S)
             many.barrier().wait()
             if not rep:
                 first[way] = got
-    a, b = first["gather"], first["partitions"]
-    same = [n for n, _ in a] == [n for n, _ in b] and all(torch.equal(x, y) for (_, x), (_, y) in zip(a, b))
+    a = first["gather"]
+    same = all([n for n, _ in a] == [n for n, _ in first[w]] and all(torch.equal(x, y) for (_, x), (_, y) in
+                                                                       zip(a, first[w])) for w in ("flat", "partitions"))  # fmt: skip
     out.put({"identical": same, "mb": sum(t.numel() * t.element_size() for _, t in a) / 2**20,
              "tensors": len(a), "buckets": len(metas)})  # fmt: skip
 
