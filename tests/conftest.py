@@ -142,8 +142,9 @@ _RAY_TEMP_DIRS: dict[str, str] = {}
 @contextlib.contextmanager
 def ray_nodes(ips: list[str], port: int, num_cpus: int, object_store_bytes: int, extra: tuple[str, ...] = ()):
     """A Ray cluster of one node per address in `ips` on this machine (`ray start --block`, the head on ips[0]), each
-    started by `Popen` and stopped by its PID (never `ray stop`); yields the head's address once every node has
-    joined. `Popen` execs without copying this process's mappings, where `ray.init()`'s own start forks it."""
+    started by `Popen` and stopped by its PID (never `ray stop`), in this process's Ray auth mode (set to disabled
+    when unset); yields the head's address once every node has joined. `Popen` execs without copying this process's
+    mappings, where `ray.init()`'s own start forks it."""
     import shutil
     import signal
     import subprocess
@@ -156,7 +157,11 @@ def ray_nodes(ips: list[str], port: int, num_cpus: int, object_store_bytes: int,
     # Not what earlier tests left in this process's environment (a process group's RANK and MASTER_PORT, an in-process
     # vLLM's settings): the nodes' workers would inherit it.
     env = {k: v for k, v in os.environ.items() if k not in _PROCESS_LOCAL_ENV and not k.startswith("VLLM_")}
-    env["RAY_AUTH_MODE"] = "disabled"
+    # The nodes authenticate as this process does (a driver here or a child it starts inherits the mode). Ray 2.60
+    # switches a process to token auth for good ("RAY_AUTH_MODE=token" and its cached config) at its first local
+    # `ray.init()` when the variable is unset; a cluster started with auth disabled then rejects this driver's
+    # replies ("Missing authorization header") and cancels every actor it creates before it runs.
+    env["RAY_AUTH_MODE"] = os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     temp = tempfile.mkdtemp(prefix="ray", dir="/tmp")  # short: Ray's socket paths must stay under 107 characters
     _RAY_TEMP_DIRS[address] = temp
     common = ["--num-cpus", str(num_cpus), "--num-gpus", "0", "--disable-usage-stats", "--block", "--temp-dir", temp,

@@ -343,7 +343,6 @@ def ray_cluster():
 
     from core.engine import free_port
 
-    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
     with ray_nodes(["127.0.0.1"], free_port(), 2, 100 * 2**20, ("--include-dashboard", "false")) as address:
         ray.init(address=address, log_to_driver=False)
 
