@@ -137,6 +137,20 @@ def test_picture_batches_take_the_padded_forward_because_packed_positions_differ
         assert torch.allclose(logp[j, n - 2 : n], padded[i, n - 2 : n], atol=1e-5)
 
 
+def change_then_sync(engines, changed, prefix: str, seqs, sample_examples) -> dict:
+    """Move every weight of `changed` whose name starts with `prefix` (all: ""): the debug check must fail on the
+    engine, then pass within 1e-4 after a sync. Returns the sync's stats."""
+    with torch.no_grad():
+        for n, p in changed.named_parameters():
+            if n.startswith(prefix):
+                p.add_(0.05 * torch.randn_like(p))
+    with pytest.raises(rollout.EngineError, match="disagrees"):
+        rollout.check_weights(engines, changed, seqs, examples=sample_examples)
+    stats = engines.update_weights(changed.named_parameters())
+    assert rollout.check_weights(engines, changed, seqs, examples=sample_examples) < 1e-4
+    return stats
+
+
 def test_the_transformers_engine_samples_with_pictures_and_syncs_the_vision_tower(vl):
     model, tokenizer, processor = vl
     path = embedded.resolve_model(VL)
@@ -172,14 +186,8 @@ def test_the_transformers_engine_samples_with_pictures_and_syncs_the_vision_towe
     assert len(sampled) == 3 * 64 * 8 and model.config.image_token_id not in sampled
     # change every weight (vision tower included), sync, and the check passes again; an unsynced engine fails it
     changed = models.load_causal_lm(ModelConfig(name_or_path=path, dtype="fp32")).eval()
-    with torch.no_grad():
-        for p in changed.parameters():
-            p.add_(0.05 * torch.randn_like(p))
-    with pytest.raises(rollout.EngineError, match="disagrees"):
-        rollout.check_weights(engines, changed, seqs, examples=sample_examples)
-    stats = engines.update_weights(changed.named_parameters())
+    stats = change_then_sync(engines, changed, "", seqs, sample_examples)
     assert stats["sync/mb"] > 0
-    assert rollout.check_weights(engines, changed, seqs, examples=sample_examples) < 1e-4
     visual = [n for n, _ in changed.named_parameters() if n.startswith("model.visual.")]
     hf = engines.engines[0].model
     assert visual and all(
@@ -211,21 +219,8 @@ def test_vllm_serves_pictures_and_syncs_the_vision_tower(vl):
         sampled = [t for g in hot for s in g for t in s.token_ids]
         assert len(sampled) == 3 * 64 * 8 and model.config.image_token_id not in sampled
         changed = models.load_causal_lm(ModelConfig(name_or_path=path, dtype="fp32")).eval()
-        with torch.no_grad():
-            for p in changed.parameters():
-                p.add_(0.05 * torch.randn_like(p))
-        with pytest.raises(rollout.EngineError, match="disagrees"):
-            rollout.check_weights(engines, changed, seqs, examples=sample_examples)
-        engines.update_weights(changed.named_parameters())  # the cached picture encodings are dropped with the KV
-        assert rollout.check_weights(engines, changed, seqs, examples=sample_examples) < 1e-4
-        with torch.no_grad():  # the vision tower alone changes: the check sees it, a sync fixes it
-            for n, p in changed.named_parameters():
-                if n.startswith("model.visual."):
-                    p.add_(0.05 * torch.randn_like(p))
-        with pytest.raises(rollout.EngineError, match="disagrees"):
-            rollout.check_weights(engines, changed, seqs, examples=sample_examples)
-        engines.update_weights(changed.named_parameters())
-        assert rollout.check_weights(engines, changed, seqs, examples=sample_examples) < 1e-4
+        change_then_sync(engines, changed, "", seqs, sample_examples)  # the cached picture encodings go with the KV
+        change_then_sync(engines, changed, "model.visual.", seqs, sample_examples)  # the vision tower alone
     finally:
         engines.shutdown()
 
