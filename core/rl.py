@@ -189,6 +189,8 @@ def _resolve_model_names(cfg) -> None:
 def init_rank(args, engines) -> tuple[int, int, torch.device]:
     """Join the trainer world and seed every RNG from `--train.seed` (data order and sampling seeds are derived from
     (seed, step), so they do not depend on these). Returns (rank, world, device)."""
+    if engines is None:  # an earlier run's in-process engine, dropped unclosed, would destroy this run's world later
+        rollout.release_dropped_engines()
     rank, world, device = ds_engine.init_distributed(args.ds.backend, args.ds.timeout_s)
     if world > 1 and engines is None:
         raise ValueError("several trainer ranks: use --train.ranks N (Ray placement, shared vLLM engine actors), "
@@ -290,12 +292,14 @@ class Run:
     first_eval: dict
     best: float = -math.inf
     name: str = "rl"
+    own_engines: bool = False  # created by this run (single process): `finish` shuts them down
 
 
 def start(args, engine_models: dict, engines, tokenizer, eval_set: list[dict], reward: tuple | None, rank: int,
           world: int, device: torch.device, name: str) -> Run:  # fmt: skip
     """Create the rollout engines (or connect to the launcher's), resume from the newest intact checkpoint (flags
     checked against the run's config.json), build the agent executor and run (or restore) the first eval."""
+    own_engines = engines is None
     if engines is None:
         if args.vllm.in_process is False or args.vllm.num_engines > 1:  # engine actors: Ray as `--ray.*` says
             placement.init_ray(args.ray)
@@ -331,7 +335,7 @@ def start(args, engine_models: dict, engines, tokenizer, eval_set: list[dict], r
         for m in engine_models.values():
             placement.offload_states(m)
     run = Run(rank, world, device, engine_models, engines, executor, eval_set, run_dir, ckpt_dir, logger, start_step,
-              client, first_eval={}, best=client.get("best", -math.inf), name=name)  # fmt: skip
+              client, first_eval={}, best=client.get("best", -math.inf), name=name, own_engines=own_engines)  # fmt: skip
     run.first_eval = client.get("first_eval") or all_ranks(evaluate(run, args) if rank == 0 else None, world)
     if start_step == 0:  # a resumed run logged it when it started
         logger.log(run.first_eval, 0, shown=("eval/pass@1",))
@@ -734,8 +738,17 @@ def end_step(run: Run, args, step: int, stats: dict, state: dict | None = None) 
 def finish(run: Run, args, actor, tokenizer, halted_at: int | None = None) -> dict:
     """Export the trained policy to <run>/hf (and its EMA to <run>/hf_ema with `--actor.ema-beta`), plot the
     learning curve, print and return the run's summary. A halted run (`halted_at`: its last step) only returns where
-    to resume from. The executor releases what it holds (an agent server and its reference to the engines)."""
+    to resume from. The executor releases what it holds (an agent server and its reference to the engines), and the
+    engines this run created are shut down at the end (not whenever the garbage collector reaches them)."""
     run.executor.close()
+    try:
+        return _finish(run, args, actor, tokenizer, halted_at)
+    finally:
+        if run.own_engines:
+            run.engines.shutdown()
+
+
+def _finish(run: Run, args, actor, tokenizer, halted_at: int | None) -> dict:
     if halted_at is not None:
         return {"steps": halted_at + 1, "halted": True, "run_dir": str(run.run_dir)}
     ds_engine.export_hf(actor, tokenizer, run.run_dir / "hf")

@@ -465,6 +465,39 @@ def vllm_lora_rank(rank: int) -> int:
                      f"{VLLM_LORA_RANKS[-1]}; use --vllm.lora-sync merged")  # fmt: skip
 
 
+_DROPPED_CORES: list = []  # engine cores of in-process engines dropped without `shutdown`, shut down at a safe point
+
+
+def _defer_shutdown_when_dropped(llm) -> None:
+    """vLLM shuts an in-process engine's core down when its client is garbage-collected, and that shutdown destroys
+    torch.distributed's default world, whoever made it (vllm 0.32: `EngineCore.shutdown` -> `cleanup_dist_env_and_
+    memory`). An engine dropped without `shutdown` (a run that raised, a test) was then collected at a random
+    allocation of a later run in the same process and took that run's world with it mid-setup ("DeepSpeed backend not
+    set" inside `deepspeed.initialize`). Its core is parked here instead, and `release_dropped_engines` shuts it down
+    when a script starts, before its world exists. An explicit `shutdown` works as before."""
+    client = llm.llm_engine.engine_core
+    finalizer = getattr(client, "_finalizer", None)
+    if isinstance(finalizer, weakref.finalize) and hasattr(client, "engine_core"):  # vllm's InprocClient
+        finalizer.detach()
+        client._finalizer = weakref.finalize(client, _DROPPED_CORES.append, client.engine_core)
+
+
+def release_dropped_engines() -> int:
+    """Shut down the in-process engines dropped without `shutdown` (after collecting any that only a reference cycle
+    still held). Call it where no torch.distributed world is in use yet (`core.rl.init_rank` does, before joining
+    the trainer's): vLLM's shutdown destroys the default world. Returns how many it shut down."""
+    import gc
+
+    gc.collect()
+    cores, _DROPPED_CORES[:] = list(_DROPPED_CORES), []
+    for core in cores:
+        try:
+            core.shutdown()
+        except Exception as e:  # a half-built or already torn-down core: its memory goes with the reference anyway
+            logging.getLogger(__name__).warning("shutting down a dropped vLLM engine failed: %r", e)
+    return len(cores)
+
+
 class VLLMEngine:
     """A vLLM engine in the process that constructs it: the trainer's (single-process mode) or a Ray actor's.
     `max_lora_rank` > 0: the engine serves LoRA adapters of up to that rank (`load_adapter`).
@@ -522,6 +555,7 @@ class VLLMEngine:
                 enable_chunked_prefill=False if not cuda else None,
                 **(lora if max_lora_rank > 0 else {}),
             )
+        _defer_shutdown_when_dropped(self.llm)
         self.eos_token_id = self.llm.llm_engine.model_config.hf_text_config.eos_token_id  # a VLM's is its decoder's
         # vLLM stops at the tokenizer's eos and the generation config's; a chat template's end-of-turn token may be
         # neither (a base model's tokenizer with a chat template: eos <|endoftext|>, turns end with <|im_end|>), and a

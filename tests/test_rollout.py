@@ -180,6 +180,38 @@ def _strip_eos(ids: list[int], eos: int) -> list[int]:
     return ids[: ids.index(eos)] if eos in ids else ids
 
 
+def test_an_engine_dropped_unclosed_leaves_the_world_alone_until_the_next_script_starts(base_dir):
+    """vLLM shuts an in-process engine down when the garbage collector reaches it, destroying torch.distributed's
+    world whoever made it: an agent-file run's engine, held by a reference cycle, was collected inside the next run's
+    `deepspeed.initialize` ("DeepSpeed backend not set"). A dropped engine is now shut down only by
+    `release_dropped_engines` (called when a script starts). Before the module's shared engine exists."""
+    import gc
+    import weakref
+
+    import torch.distributed as dist
+
+    from core import engine as ds_engine
+
+    rollout.release_dropped_engines()
+    cfg = rollout.VLLMConfig(in_process=True, dtype="float32", kv_cache_gib=0.25, timeout_s=120)
+    # the first engine of a process stays referenced from outside Python's view (vLLM's one-time setup keeps its
+    # creating frames); an explicit shutdown of it must still work, and leaves nothing to release
+    rollout.create_engines(base_dir, cfg, seed=0).shutdown()
+    assert rollout.release_dropped_engines() == 0
+    ds_engine.init_distributed("gloo")  # a run's world, which the engine joins
+    engines = rollout.create_engines(base_dir, cfg, seed=0)
+    client = weakref.ref(engines.engines[0].llm.llm_engine.engine_core)
+    cycle: dict = {"engines": engines}
+    cycle["self"] = cycle
+    del engines, cycle  # the run raised, or forgot to shut it down
+    gc.collect()  # at any allocation of what runs next
+    assert client() is None, "the dropped engine was not collected: the test shows nothing"
+    assert dist.is_initialized(), "collecting the dropped engine destroyed the running world"
+    assert rollout.release_dropped_engines() == 1
+    assert not dist.is_initialized()  # vLLM's shutdown, now where nothing runs: the next script makes a new world
+    assert rollout.release_dropped_engines() == 0
+
+
 def test_generate_token_in_token_out(engines, base_dir, tokenizer):
     hf, eos, T = _hf(base_dir), tokenizer.eos_token_id, 48
     prompts = _prompts(8, 6)
