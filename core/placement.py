@@ -438,9 +438,13 @@ def _rank() -> int:
 class Pending:
     """Calls in flight on every rank of a group; `get()` waits for all of them within one deadline."""
 
-    def __init__(self, group: str, method: str, refs: list, timeout_s: float):
+    def __init__(self, group: str, method: str, refs: list, timeout_s: float, nodes: list[str] | None = None):
         self.group, self.method, self.refs, self.timeout_s = group, method, refs, timeout_s
+        self.nodes = nodes  # the node (IP) of each ref's rank, named when a rank dies: on a cluster, the lost machine
         self.deadline = time.monotonic() + timeout_s
+
+    def _on(self, r: int) -> str:
+        return f" on node {self.nodes[r]}" if self.nodes and r < len(self.nodes) else ""
 
     def get(self) -> list:
         """The results in rank order. The first rank to die or raise is reported at once (not after the ranks that
@@ -461,11 +465,12 @@ class Pending:
             try:
                 results[r] = ray.get(ready[0])
             except ray.exceptions.RayActorError as e:
-                raise GroupError(f"group {self.group!r} rank {r} died during {self.method}: {e}") from None
+                raise GroupError(f"group {self.group!r} rank {r} died during {self.method}{self._on(r)}: {e}") from None
             except ray.exceptions.RayError as e:
                 dead = self._dead_peer(left, rank_of, e)
                 if dead is not None:  # the peer's death is the cause; this rank's error is its echo
-                    raise GroupError(f"group {self.group!r} rank {dead[0]} died during {self.method}: {dead[1]} (rank "
+                    raise GroupError(f"group {self.group!r} rank {dead[0]} died during {self.method}{self._on(dead[0])}: "
+                                     f"{dead[1]} (rank "
                                      f"{r} then failed: {str(e).splitlines()[-1][:300]})") from None  # fmt: skip
                 raise GroupError(f"group {self.group!r} rank {r} failed in {self.method}: {e}") from None
         return results
@@ -475,14 +480,15 @@ class Pending:
     _PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "NCCL communicator was aborted",
                   "remote process exited or there was a network error")  # fmt: skip
 
-    def _dead_peer(self, left: list, rank_of: dict, error: Exception, grace_s: float = 30.0):
-        """(rank, error) of a rank that died, when `error` (another rank's) is a lost-connection error and a rank of
-        `left` turns out to have died within `grace_s` (a lost node takes Ray's health checks ~15-30 s to declare);
-        else None, at once for any other error."""
+    def _dead_peer(self, left: list, rank_of: dict, error: Exception, grace_s: float = 30.0,
+                   other_grace_s: float = 3.0):  # fmt: skip
+        """(rank, error) of a rank of `left` that turns out to have died within `grace_s` when `error` (another rank's)
+        is a lost-connection error (a lost node takes Ray's health checks ~15-30 s to declare), or within
+        `other_grace_s` for any other error (a rank whose engine call failed because the engine's node was lost: the
+        rank on that node is the cause); else None."""
         import ray
 
-        if not any(k in str(error) for k in self._PEER_LOST):
-            return None
+        grace_s = grace_s if any(k in str(error) for k in self._PEER_LOST) else other_grace_s
         until = min(time.monotonic() + grace_s, self.deadline)
         pending = list(left)
         while pending and time.monotonic() < until:
@@ -519,6 +525,7 @@ class ModelGroup:
         if num_gpus_per_rank is None:
             num_gpus_per_rank = 1 if ray.cluster_resources().get("GPU", 0) > 0 else 0
         self.name, self.timeout_s = name, timeout_s
+        self.nodes: list[str] | None = None  # each rank's node IP, once the ranks have started
         env_vars = {"OMP_NUM_THREADS": str(max(1, int(num_cpus_per_rank)))} | (env or {})
         cls = ray.remote(worker_cls)
         self.actors = []
@@ -529,7 +536,7 @@ class ModelGroup:
             options["runtime_env"] = {"env_vars": env_vars}
             self.actors.append(cls.options(**options).remote(*worker_args))
         try:
-            ips = self.call("node_ip")
+            ips = self.nodes = self.call("node_ip")
             port = self.call_rank0("free_port")
             calls = []
             for r, ip in enumerate(ips):
@@ -537,7 +544,7 @@ class ModelGroup:
                 local_rank = 0 if num_gpus_per_rank else ips[:r].count(ip)
                 args = (r, num_ranks, local_rank, ips.count(ip), ips[0], port, backend, timeout_s)
                 calls.append(self.actors[r].setup_distributed.remote(*args))
-            Pending(name, "setup_distributed", calls, timeout_s).get()
+            Pending(name, "setup_distributed", calls, timeout_s, ips).get()
         except Exception:  # no half-started group left holding resources
             self.shutdown()
             raise
@@ -548,7 +555,7 @@ class ModelGroup:
     def submit(self, method: str, *args, **kwargs) -> Pending:
         """Start `method(*args, **kwargs)` on every rank without waiting (e.g. to run two groups at once)."""
         return Pending(self.name, method, [getattr(a, method).remote(*args, **kwargs) for a in self.actors],
-                       self.timeout_s)  # fmt: skip
+                       self.timeout_s, self.nodes)  # fmt: skip
 
     def call(self, method: str, *args, **kwargs) -> list:
         """`method(*args, **kwargs)` on every rank; the results in rank order."""
@@ -560,12 +567,12 @@ class ModelGroup:
         (fewer items than ranks) and is still called: under ZeRO-3 every rank must join every forward."""
         chunks = split_contiguous(list(items), len(self.actors))
         refs = [getattr(a, method).remote(c, *args, **kwargs) for a, c in zip(self.actors, chunks)]
-        return self._concat(Pending(self.name, method, refs, self.timeout_s).get(), method)
+        return self._concat(Pending(self.name, method, refs, self.timeout_s, self.nodes).get(), method)
 
     def call_rank0(self, method: str, *args, **kwargs):
         """`method` on rank 0 only; its result. Not for collectives (the other ranks would not join)."""
         return Pending(self.name, method, [getattr(self.actors[0], method).remote(*args, **kwargs)],
-                       self.timeout_s).get()[0]  # fmt: skip
+                       self.timeout_s, self.nodes).get()[0]  # fmt: skip
 
     def run(self, fn, *args, **kwargs) -> list:
         """`fn(worker, *args, **kwargs)` on every rank (see `Worker.run`); the results in rank order."""
@@ -576,7 +583,8 @@ class ModelGroup:
         the concatenation in rank order is returned."""
         chunks = split_contiguous(list(items), len(self.actors))
         refs = [a.run.remote(fn, c, *args, **kwargs) for a, c in zip(self.actors, chunks)]
-        return self._concat(Pending(self.name, f"run({getattr(fn, '__name__', fn)})", refs, self.timeout_s).get(),
+        return self._concat(Pending(self.name, f"run({getattr(fn, '__name__', fn)})", refs, self.timeout_s,
+                                    self.nodes).get(),
                             "run")  # fmt: skip
 
     def _concat(self, results: list, method: str) -> list:

@@ -147,7 +147,9 @@ def test_a_node_lost_mid_run_ends_the_job_with_a_clear_message(slurm, tmp_path):
         log = out.read_text()
         assert "the run stopped during step" in log, log[-3000:]
         assert time.time() - lost < 60, f"the run took {time.time() - lost:.0f} s to end"
-        assert re.search(r"group 'actor' rank 1 died|engine .* died|RayActorError|ActorDiedError", log), log[-3000:]
+        # the rank on the lost node (127.0.0.3) is named; which rank that is depends on where Ray put the bundles
+        errors = "\n".join(line for line in log.splitlines() if "Error" in line or "stopped" in line)[-3000:]
+        assert re.search(r"group 'actor' rank \d died during \S+ on node 127\.0\.0\.3|engine .* died", log), errors
         assert re.search(r"--run-dir \S+ resumes from step_\d+", log), log[-3000:]
         state = slurm.wait(job, timeout_s=120, until=("FAILED", "NODE_FAIL", "COMPLETING", "COMPLETED"))
         assert state != "COMPLETED", log[-3000:]
