@@ -552,10 +552,12 @@ class ModelGroup:
     def __len__(self) -> int:
         return len(self.actors)
 
+    def _pending(self, method: str, refs: list) -> Pending:
+        return Pending(self.name, method, refs, self.timeout_s, self.nodes)
+
     def submit(self, method: str, *args, **kwargs) -> Pending:
         """Start `method(*args, **kwargs)` on every rank without waiting (e.g. to run two groups at once)."""
-        return Pending(self.name, method, [getattr(a, method).remote(*args, **kwargs) for a in self.actors],
-                       self.timeout_s, self.nodes)  # fmt: skip
+        return self._pending(method, [getattr(a, method).remote(*args, **kwargs) for a in self.actors])
 
     def call(self, method: str, *args, **kwargs) -> list:
         """`method(*args, **kwargs)` on every rank; the results in rank order."""
@@ -567,12 +569,11 @@ class ModelGroup:
         (fewer items than ranks) and is still called: under ZeRO-3 every rank must join every forward."""
         chunks = split_contiguous(list(items), len(self.actors))
         refs = [getattr(a, method).remote(c, *args, **kwargs) for a, c in zip(self.actors, chunks)]
-        return self._concat(Pending(self.name, method, refs, self.timeout_s, self.nodes).get(), method)
+        return self._concat(self._pending(method, refs).get(), method)
 
     def call_rank0(self, method: str, *args, **kwargs):
         """`method` on rank 0 only; its result. Not for collectives (the other ranks would not join)."""
-        return Pending(self.name, method, [getattr(self.actors[0], method).remote(*args, **kwargs)],
-                       self.timeout_s, self.nodes).get()[0]  # fmt: skip
+        return self._pending(method, [getattr(self.actors[0], method).remote(*args, **kwargs)]).get()[0]
 
     def run(self, fn, *args, **kwargs) -> list:
         """`fn(worker, *args, **kwargs)` on every rank (see `Worker.run`); the results in rank order."""
@@ -583,9 +584,7 @@ class ModelGroup:
         the concatenation in rank order is returned."""
         chunks = split_contiguous(list(items), len(self.actors))
         refs = [a.run.remote(fn, c, *args, **kwargs) for a, c in zip(self.actors, chunks)]
-        return self._concat(Pending(self.name, f"run({getattr(fn, '__name__', fn)})", refs, self.timeout_s,
-                                    self.nodes).get(),
-                            "run")  # fmt: skip
+        return self._concat(self._pending(f"run({getattr(fn, '__name__', fn)})", refs).get(), "run")
 
     def _concat(self, results: list, method: str) -> list:
         out = []

@@ -742,21 +742,17 @@ def finish(run: Run, args, actor, tokenizer, halted_at: int | None = None) -> di
     engines this run created are shut down at the end (not whenever the garbage collector reaches them)."""
     run.executor.close()
     try:
-        return _finish(run, args, actor, tokenizer, halted_at)
+        if halted_at is not None:
+            return {"steps": halted_at + 1, "halted": True, "run_dir": str(run.run_dir)}
+        ds_engine.export_hf(actor, tokenizer, run.run_dir / "hf")
+        if args.actor.ema_beta > 0:  # the moving average of the weights, beside the trained ones
+            ds_engine.export_hf(actor, tokenizer, run.run_dir / "hf_ema", ema=True)
+        run.logger.plot(run.run_dir / "learning_curve.png", ("rollout/reward_mean", "eval/pass@1"))
+        summary = {"steps": args.train.max_steps, "eval_pass@1_first": run.first_eval["eval/pass@1"],
+                   "eval_pass@1_last": run.logger.latest("eval/pass@1"),
+                   "reward_mean_last": run.logger.latest("rollout/reward_mean"), "run_dir": str(run.run_dir)}  # fmt: skip
+        run.logger.close(summary)
+        return summary
     finally:
         if run.own_engines:
             run.engines.shutdown()
-
-
-def _finish(run: Run, args, actor, tokenizer, halted_at: int | None) -> dict:
-    if halted_at is not None:
-        return {"steps": halted_at + 1, "halted": True, "run_dir": str(run.run_dir)}
-    ds_engine.export_hf(actor, tokenizer, run.run_dir / "hf")
-    if args.actor.ema_beta > 0:  # the moving average of the weights, beside the trained ones
-        ds_engine.export_hf(actor, tokenizer, run.run_dir / "hf_ema", ema=True)
-    run.logger.plot(run.run_dir / "learning_curve.png", ("rollout/reward_mean", "eval/pass@1"))
-    summary = {"steps": args.train.max_steps, "eval_pass@1_first": run.first_eval["eval/pass@1"],
-               "eval_pass@1_last": run.logger.latest("eval/pass@1"),
-               "reward_mean_last": run.logger.latest("rollout/reward_mean"), "run_dir": str(run.run_dir)}  # fmt: skip
-    run.logger.close(summary)
-    return summary
