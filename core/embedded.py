@@ -523,6 +523,17 @@ def _die_with_parent() -> None:
         pass
 
 
+LAUNCHER_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "GROUP_RANK", "GROUP_WORLD_SIZE", "ROLE_RANK",
+                 "ROLE_WORLD_SIZE", "ROLE_NAME", "MASTER_ADDR", "MASTER_PORT")  # fmt: skip
+
+
+def standalone_env() -> dict[str, str]:
+    """This process's environment without what a launcher (torchrun) set for its ranks: a child started from a rank
+    then makes a world of its own. Its `TORCHELASTIC_*` variables matter too: with TORCHELASTIC_USE_AGENT_STORE the
+    child's rendezvous waited forever for torchrun's store (a DPO rank that built the warm start hung)."""
+    return {k: v for k, v in os.environ.items() if k not in LAUNCHER_VARS and not k.startswith("TORCHELASTIC_")}
+
+
 def ensure_sft_warm_start() -> Path:
     """Build (once) the RL warm start by running `algos/sft.py --preset warm-start` (the recipe is sft.py's
     `warm_start`); returns its HF directory."""
@@ -533,7 +544,7 @@ def ensure_sft_warm_start() -> Path:
 
     def build(tmp: Path) -> None:
         print(f"[cleanrlhf] building the SFT warm start {PREFIX}tiny-sft with {script} (one time, ~1 min)")
-        env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_PORT")}
+        env = standalone_env()
         # One thread, whatever the caller's setting: the reduction order of a matmul depends on the thread count, and
         # on a Xeon with AMX (2026-11-25) a 2-thread build stopped at 540 steps with 0.618 where 1 thread stopped at
         # 440 steps with 0.522 (an AVX2-only machine had built the same weights with 1 and 2 threads). ~60 s, once.

@@ -126,3 +126,17 @@ def test_reward_query_that_does_not_start_with_prompt_is_all_response():
 def test_reward_length_mismatch():
     with pytest.raises(ValueError, match="2 queries, 1 prompts, 2 labels"):
         reward_func(["1+1=2", "1+2=3"], ["1+1="], ["2", "3"])
+
+
+def test_a_build_started_from_a_torchrun_rank_gets_a_world_of_its_own(monkeypatch):
+    """The warm-start build runs `algos/sft.py` as a child: started from a torchrun rank it must not see the rank's
+    launcher variables, or its rendezvous waits for torchrun's agent store forever (TORCHELASTIC_USE_AGENT_STORE)."""
+    launcher = {"RANK": "1", "WORLD_SIZE": "2", "LOCAL_RANK": "1", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                "MASTER_PORT": "29500", "GROUP_RANK": "0", "TORCHELASTIC_USE_AGENT_STORE": "True",
+                "TORCHELASTIC_RUN_ID": "none"}  # fmt: skip
+    for k, v in launcher.items():
+        monkeypatch.setenv(k, v)
+    monkeypatch.setenv("CLEANRLHF_UNRELATED", "kept")
+    env = embedded.standalone_env()
+    assert not set(launcher) & set(env), set(launcher) & set(env)
+    assert env["CLEANRLHF_UNRELATED"] == "kept"

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from agents.executor import Episode
+from conftest import f32_rtol
 from algos import grpo
 from core import models, packing, rl
 from core.config import ModelConfig
@@ -168,4 +169,5 @@ def test_grpo_and_ppo_updates_agree_packed_padded_and_by_token_budget_on_one_and
     for world, layouts in results.items():
         for layout, metrics in layouts.items():
             for k in keys:
-                assert metrics[k] == pytest.approx(reference[k], rel=1e-5, abs=1e-6), (world, layout, k)
+                # 12 rows of at most 9 + 60 tokens; the metrics average 4 optimizer steps (2 minibatches x 2 epochs)
+                assert metrics[k] == pytest.approx(reference[k], rel=f32_rtol(12 * 69, updates=3), abs=1e-6), (world, layout, k)
