@@ -67,7 +67,7 @@ from core.config import (
     RolloutArgs,
     check_args,
 )
-from core.logger import timer
+from core.logger import Meter, timer
 from core.placement import RayConfig
 from core.rollout import VLLMConfig
 from rewards.loader import RewardConfig
@@ -167,25 +167,34 @@ def groups_inside(scores: torch.Tensor, group_size: int, low: float, high: float
     return (mean > low) & (mean < high)
 
 
-# ALGO LOGIC: the loss, per micro-batch of (b, T) tensors; `agg` holds the whole minibatch's normalisers.
-def policy_loss(logp, old_logp, ref_logp, ent, adv, mb: dict, args: Args, kl_coef: float, agg: dict):
-    """J = clipped surrogate (× IS weight) − β·KL_k3(π_θ‖π_ref) + entropy bonus, aggregated by `--algo.loss-agg`;
-    returns (loss to minimise, per-token metrics of this micro-batch)."""
-    mask = mb["loss_mask"]
-    ratio = rl_math.importance_ratio(logp, old_logp, mask, args.actor.level)  # ρ = π_θ / π_old
-    pg, clipped, _ = rl_math.clipped_surrogate(ratio, adv, args.actor.clip_low, args.actor.clip_high,
-                                               args.actor.dual_clip)  # −min(ρA, clip(ρ)A)  # fmt: skip
-    metrics = {"loss/clipfrac": rl_math.masked_mean(clipped.float(), mask)}
-    if args.algo.is_correction:  # DEVIATION(4): the samples are L updates old: w = clamp(π_old / μ), μ the engine's
-        w = rl_math.is_weight(old_logp, mb["rollout_logp"], mask, args.algo.is_correction, args.algo.is_threshold)
+# ALGO LOGIC: the loss of one micro-batch of (b, T) tensors, normalised by its whole minibatch's counts.
+def policy_loss(logp, old_logp, adv, mask, *, clip_low=0.2, clip_high=0.2, dual_clip=None, level="token",
+                rollout_logp=None, is_correction=None, is_threshold=(0.5, 5.0), ent=None, entropy_coef=0.0,
+                ref_logp=None, kl_coef=0.0, kl_estimator="k3",
+                agg="token-mean", num_tokens=None, num_seqs=None, max_len=None):  # fmt: skip
+    """J = clipped surrogate (× IS weight) − β·KL(π_θ‖π_ref) + entropy bonus.
+
+    Aggregated by `agg` with the whole minibatch's `num_tokens` / `num_seqs` / `max_len` (rl_math.aggregate_loss).
+    logp (with gradient) and every other tensor: (b, T). Returns (loss to minimise, this micro-batch's metrics)."""
+    adv = torch.where(mask.bool(), adv, 0.0)  # what lies off the mask reaches no gradient (a GSPO ratio spans it)
+    ratio = rl_math.importance_ratio(logp, old_logp, mask, level)  # ρ = π_θ / π_old (per sequence: GSPO)
+    surr, surr_clipped = ratio * adv, ratio.clamp(1 - clip_low, 1 + clip_high) * adv
+    pg = -torch.min(surr, surr_clipped)  # −min(ρA, clip(ρ, 1 − ε_low, 1 + ε_high)·A)
+    metrics = {"loss/clipfrac": rl_math.masked_mean((surr_clipped < surr).float(), mask)}
+    if dual_clip is not None:  # dual clip (Ye et al. 2020): where A < 0 the loss is at most −c·A
+        metrics["loss/dual_clipfrac"] = rl_math.masked_mean(((adv < 0) & (pg > -dual_clip * adv)).float(), mask)
+        pg = torch.where(adv < 0, torch.min(pg, -dual_clip * adv), pg)
+    if is_correction:  # DEVIATION(4): the samples are L updates old: w = clamp(π_old / μ), μ the engine's
+        w = rl_math.is_weight(old_logp, rollout_logp, mask, is_correction, is_threshold)
         pg, metrics["loss/is_weight"] = pg * w, rl_math.masked_mean(w, mask)
-    loss = rl_math.aggregate_loss(pg, mask, args.algo.loss_agg, **agg)  # DEVIATION(1): token-mean
+    norm = {"num_tokens": num_tokens, "num_seqs": num_seqs, "max_len": max_len}
+    loss = rl_math.aggregate_loss(pg, mask, agg, **norm)  # DEVIATION(1): token-mean
     if ref_logp is not None:
-        kl = rl_math.approx_kl(logp, ref_logp, args.algo.kl_estimator, mask=mask)
-        loss = loss + kl_coef * rl_math.aggregate_loss(kl, mask, args.algo.loss_agg, **agg)
+        kl = rl_math.approx_kl(logp, ref_logp, kl_estimator, mask=mask)
+        loss = loss + kl_coef * rl_math.aggregate_loss(kl, mask, agg, **norm)
         metrics["loss/kl"] = rl_math.masked_mean(kl, mask)
     if ent is not None:
-        loss = loss - args.actor.entropy_coef * rl_math.aggregate_loss(ent, mask, args.algo.loss_agg, **agg)
+        loss = loss - entropy_coef * rl_math.aggregate_loss(ent, mask, agg, **norm)
         metrics["loss/entropy"] = rl_math.masked_mean(ent, mask)
     return loss, metrics
 
@@ -193,7 +202,7 @@ def policy_loss(logp, old_logp, ref_logp, ent, adv, mb: dict, args: Args, kl_coe
 def update(actor, ref, seqs: dict, adv: torch.Tensor, args: Args, run: rl.Run, step: int, kl_coef: float) -> dict:
     """Minibatches of the loss over one rollout: old and reference log-probs first (by the trainer), then
     `--train.epochs` passes of `--train.minibatches` optimizer steps. seqs: (B, L) batch; adv: (B,) -> metrics."""
-    mask, temp, world = seqs["loss_mask"], args.rollout.temperature, run.world
+    mask, temp, world, a = seqs["loss_mask"], args.rollout.temperature, run.world, args.actor
     adv_tok = adv[:, None].expand_as(mask).float()
     batches = rl.minibatches(seqs, args, step, run.rank, world)
     mine = [m for _, micro in batches for m in micro]  # this rank's rows
@@ -202,17 +211,23 @@ def update(actor, ref, seqs: dict, adv: torch.Tensor, args: Args, run: rl.Run, s
     on_policy = args.train.minibatches == 1 and args.train.epochs == 1
     old_logp = None if on_policy else rl.forward_rows(lambda b: rl.forward_logp(actor, b, temp)[0], seqs, mine, world, False)
     ref_logp = None if ref is None else rl.on_model(ref, rl.logp_table, seqs, args, step, run=run)  # or --ref.ranks
-    meter = rl.Meter()
+    meter = Meter()
+    # Dr.GRPO's constant normaliser is the generation budget, not the padded width of the batch
+    max_len = args.rollout.max_new_tokens if args.algo.loss_agg == "seq-mean-token-sum-norm" else mask.shape[1]
+    loss_fn = partial(policy_loss, clip_low=a.clip_low, clip_high=a.clip_high, dual_clip=a.dual_clip, level=a.level,
+                      is_correction=args.algo.is_correction, is_threshold=args.algo.is_threshold,
+                      entropy_coef=a.entropy_coef, agg=args.algo.loss_agg, max_len=max_len,
+                      kl_coef=kl_coef, kl_estimator=args.algo.kl_estimator)  # fmt: skip
     for _ in range(args.train.epochs):
-        for minibatch, micro in batches:
-            agg = rl.agg_kwargs(mask, minibatch, args)
-            for j, (r, real) in enumerate(micro):
-                mb = rl.rows(seqs, r)
-                logp, ent = rl.forward_logp(actor, mb, temp, args.actor.entropy_coef > 0)
+        for minibatch, micro in batches:  # the normalisers count the whole minibatch, over every rank
+            norm = {"num_tokens": mask[minibatch].sum().item(), "num_seqs": len(minibatch)}
+            for r, mb, real, last in rl.micro_batches(seqs, micro):
+                logp, ent = rl.forward_logp(actor, mb, temp, a.entropy_coef > 0)
                 old = logp.detach() if on_policy else old_logp[r]
-                ref_lp = None if ref_logp is None else ref_logp[r]
-                loss, metrics = policy_loss(logp, old, ref_lp, ent, adv_tok[r], mb, args, kl_coef, agg)
-                meter.add_loss("loss/policy", rl.backward(actor, loss, step, world, real, j == len(micro) - 1))
+                loss, metrics = loss_fn(logp, old, adv_tok[r], mb["loss_mask"], rollout_logp=mb["rollout_logp"], ent=ent,
+                                        ref_logp=None if ref is None else ref_logp[r], **norm)  # fmt: skip
+                metrics |= rl.router_aux(actor)  # DEVIATION(5): a MoE router's balancing loss, logged, not added
+                meter.add_loss("loss/policy", rl.backward(actor, loss, step, world, real, last))
                 meter.add(metrics, mb["loss_mask"].sum().item() if real else 0.0)
             meter.add_step("train/grad_norm", ds_engine.optimizer_step(actor, step, "actor"))  # NaN/inf: raise
     return {**meter.result(world), "train/tokens": float(mask.sum())}
@@ -230,23 +245,24 @@ def main(args: Args, engines: rollout.RolloutEngines | None = None, groups: dict
     # PLUMBING: `--train.ranks 1`: this process holds the DeepSpeed actor, the vLLM engines are Ray actors (their own
     # processes, so that they generate while this one trains). N > 1: the driver starts Ray, the engine actors and N
     # ranks, each of which runs this function with the engines given.
-    if engines is None and rl.needs_launch(args):
-        return rl.launch(main, args)
+    uses_ref = args.algo.kl_coef > 0  # ALGO LOGIC: the KL term needs the reference policy (DEVIATION(3))
+    if engines is None and rl.needs_launch(args, uses_ref):
+        return rl.launch(main, args, uses_ref)
     with contextlib.ExitStack() as cleanup:  # PLUMBING: the producer thread (and engines started here) stop at the end
-        return train(args, engines, groups, cleanup)
+        return train(args, engines, groups, cleanup, uses_ref)
 
 
-def train(args: Args, engines: rollout.RolloutEngines | None, groups: dict | None,
-          cleanup: contextlib.ExitStack) -> dict:  # fmt: skip
+def train(args: Args, engines: rollout.RolloutEngines | None, groups: dict | None, cleanup: contextlib.ExitStack,
+          uses_ref: bool) -> dict:  # fmt: skip
     rank, world, device = rl.init_rank(args, engines)
     if args.algo.dr_grpo:
         args.algo.scale_by_std, args.algo.loss_agg = False, "seq-mean-token-sum-norm"
     tokenizer, train_set, eval_set, reward = rl.load_task(args, groups)
     actor = rl.make_actor(args, device, args.train.max_steps * args.train.minibatches * args.train.epochs)
-    ref = rl.make_ref(args, device, groups, actor)  # DEVIATION(3): only with --algo.kl-coef > 0 (LoRA: the actor)
+    ref = rl.make_ref(args, device, groups, actor) if uses_ref else None  # LoRA: the actor with its adapters off
     if engines is None:  # PLUMBING: one process: the engines are Ray actors, so that they generate while it trains
         engines = producer.start_engines(args, device, cleanup)
-    run = rl.start(args, {"actor": actor}, engines, tokenizer, eval_set, reward, rank, world, device, "grpo_async")
+    run = rl.start(args, {"actor": actor}, engines, tokenizer, eval_set, reward, rank, world, device, args.exp_name)
     kl_ctl = (rl_math.AdaptiveKLController(args.algo.kl_coef, args.algo.kl_target, args.algo.kl_horizon)
               if args.algo.kl_target else rl_math.FixedKLController(args.algo.kl_coef))  # fmt: skip
     kl_ctl.load_state_dict(run.client.get("kl_ctl", kl_ctl.state_dict()))
@@ -255,7 +271,7 @@ def train(args: Args, engines: rollout.RolloutEngines | None, groups: dict | Non
     if args.algo.dynamic_filter_range is not None:
         keep_groups = partial(groups_inside, group_size=G, low=args.algo.dynamic_filter_range[0],
                               high=args.algo.dynamic_filter_range[1])  # fmt: skip
-    pipeline = producer.start(run, args, train_set, keep_groups, cleanup)  # PLUMBING: rank 0's producer thread
+    pipeline = producer.start(run, args, train_set, keep_groups, cleanup, args.algo.dynamic_filter_max_rounds)
 
     for step in range(run.start_step, args.train.max_steps):
         perf: dict = {}
@@ -265,22 +281,23 @@ def train(args: Args, engines: rollout.RolloutEngines | None, groups: dict | Non
         perf["perf/tokens_per_s"] = sum(len(e.token_ids) for e in ro.episodes) / max(ro.logs["perf/gen_s"], 1e-9)
 
         # 3. rewards and advantages
-        rewards, truncated = rl.shape_rewards(ro, args)
+        rw = args.reward  # shaping: a truncated response's reward, DAPO's overlong penalty, clipping
+        rewards, truncated = rl.shape_rewards(ro, rw.stop_properly_penalty, rw.overlong_buffer, rw.overlong_penalty_factor,
+                                              args.rollout.max_new_tokens, rw.clip)  # fmt: skip
         # ALGO LOGIC: group-relative advantage, one scalar per response, broadcast to its tokens
         adv = group_advantages(rewards, G, scale_by_std=args.algo.scale_by_std)
         keep = torch.ones(len(ro.episodes), dtype=torch.bool)
-        if args.algo.filter_zero_variance:  # DEVIATION(2): uninformative groups dropped
-            keep = ~rl.zero_variance_groups(rewards, G)
+        if args.algo.filter_zero_variance:  # DEVIATION(2): groups whose rewards all agree (A = 0) are dropped
+            keep = (rewards.view(-1, G).std(dim=1) > 0).repeat_interleave(G)
         kept = keep.nonzero().flatten().tolist()
         stats = rl.rollout_stats(ro, rewards, truncated, keep)
 
-        # 4. policy update on the kept samples: minibatches of the PPO-clipped loss
+        # 4. policy update on the kept samples (none kept: nothing trains, rl.end_step warns)
         with timer(perf, "perf/train_s"):
-            if kept:
-                seqs = rl.sequences([ro.episodes[i] for i in kept], tokenizer.pad_token_id, device, args.train.packing)
-                stats.update(update(actor, ref, seqs, adv[kept], args, run, step, kl_ctl.value))
-                if "loss/kl" in stats:
-                    kl_ctl.update(stats["loss/kl"], len(kept))
+            seqs = rl.sequences([ro.episodes[i] for i in kept], tokenizer.pad_token_id, device, args.train.packing)
+            stats.update(update(actor, ref, seqs, adv[kept], args, run, step, kl_ctl.value) if kept else {})
+        if "loss/kl" in stats:  # β for the next rollout
+            kl_ctl.update(stats["loss/kl"], len(kept))
 
         # 5. weight sync (once the engines have drawn what the old weights must draw), eval, logging, checkpoint
         with timer(perf, "perf/wait_s"):  # steps t+1 .. t+L (t+L paused inside with --train.partial-rollout): kept

@@ -29,6 +29,8 @@ Deviations from the papers:
    `rollout_logp` for the optional importance-sampling correction (`--algo.is-correction`).
 5. The critic is warm-started from the policy (the SFT model) with a fresh scalar head by default, as OpenRLHF allows;
    InstructGPT initialises it from the reward model (`--critic.name-or-path <rm folder>`).
+6. A mixture-of-experts actor's router load-balancing loss is logged (`loss/router_aux`), not trained on: J above is
+   the objective (OpenRLHF's default `--aux_loss_coef 0`); add it to `loss` in `update` to keep the routing balanced.
 
 Multi-turn episodes (`--rollout.env-file`): the environment's feedback tokens are masked out of both losses, and GAE
 skips them (V and A carried through unchanged), so the feedback is part of the transition between two model turns.
@@ -70,7 +72,7 @@ from core.config import (
     TrainArgs,  # fmt: skip
     check_args,
 )
-from core.logger import timer
+from core.logger import Meter, timer
 from core.placement import RayConfig
 from core.rollout import VLLMConfig
 from rewards.loader import RewardConfig
@@ -128,7 +130,7 @@ class AlgoArgs:
     kl_estimator: Literal["k1", "k2", "k3"] = "k1"
     """KL estimator for the reward penalty (k1 = log π_old/π_ref, InstructGPT's)."""
     is_correction: Literal["tis", "icepop", "seq-mask-tis"] | None = None
-    """importance-sampling correction for the rollout engine's log-probs (see core/rl_math.policy_loss)."""
+    """importance-sampling correction for the rollout engine's log-probs (core/rl_math.is_weight)."""
     is_threshold: tuple[float, float] = (0.5, 5.0)
     """[lo, hi] bounds of the IS weight."""
 
@@ -243,36 +245,44 @@ def critic_update(critic, rank: int, world: int, seqs: dict, old_values, returns
     """`--train.epochs` passes of the clipped value loss over the step's minibatches (this rank's micro-batches of
     each). It needs nothing from the actor's update (the targets are fixed), so it runs before it, in the trainer
     ranks or in the critic's own group (`rl.on_model`). seqs, old_values, returns: (B, L) -> critic metrics."""
-    mask, meter = seqs["loss_mask"], rl.Meter()
+    mask, meter = seqs["loss_mask"], Meter()
+    max_len = args.rollout.max_new_tokens if args.algo.loss_agg == "seq-mean-token-sum-norm" else mask.shape[1]
     for _ in range(args.train.epochs):
         for minibatch, micro in rl.minibatches(seqs, args, step, rank, world):
-            agg = rl.agg_kwargs(mask, minibatch, args)
-            for j, (r, real) in enumerate(micro):
-                mb = rl.rows(seqs, r)
+            norm = {"num_tokens": mask[minibatch].sum().item(), "num_seqs": len(minibatch), "max_len": max_len}
+            for r, mb, real, last in rl.micro_batches(seqs, micro):
                 values = forward_values(critic, mb)
                 vloss, vstats = rl_math.value_loss(values, old_values[r], returns[r], mb["loss_mask"],
-                                                   args.critic.value_clip, args.algo.loss_agg, **agg)  # fmt: skip
-                meter.add_loss("loss/value", rl.backward(critic, vloss, step, world, real, j == len(micro) - 1,
-                                                         "critic value loss"))  # fmt: skip
+                                                   args.critic.value_clip, args.algo.loss_agg, **norm)  # fmt: skip
+                meter.add_loss("loss/value", rl.backward(critic, vloss, step, world, real, last, "critic value loss"))
                 meter.add({"critic/clipfrac": vstats["clipfrac"]}, mb["loss_mask"].sum().item() if real else 0.0)
             meter.add_step("critic/grad_norm", ds_engine.optimizer_step(critic, step, "critic"))  # NaN/inf: raise
     return {**meter.result(world), "critic/lr": critic.lr_scheduler.get_last_lr()[0]}
 
 
-# ALGO LOGIC: the loss, per micro-batch of (b, T) tensors; `agg` holds the whole minibatch's normalisers.
-def policy_loss(logp, old_logp, ent, adv, mb: dict, args: Args, agg: dict):
-    """J = clipped surrogate (× IS weight) + entropy bonus, aggregated by `--algo.loss-agg`, with no KL term
-    (DEVIATION(3): the penalty is in the reward); returns (loss to minimise, per-token metrics of this micro-batch)."""
-    mask = mb["loss_mask"]
-    ratio = rl_math.importance_ratio(logp, old_logp, mask, args.actor.level)  # ρ = π_θ / π_old
-    pg, clipped, _ = rl_math.clipped_surrogate(ratio, adv, args.actor.clip_low, args.actor.clip_high,
-                                               args.actor.dual_clip)  # −min(ρA, clip(ρ)A)  # fmt: skip
-    if args.algo.is_correction:  # DEVIATION(4): correct for the engine's own log-probs (π_old / π_vllm)
-        pg = pg * rl_math.is_weight(old_logp, mb["rollout_logp"], mask, args.algo.is_correction, args.algo.is_threshold)
-    loss = rl_math.aggregate_loss(pg, mask, args.algo.loss_agg, **agg)  # DEVIATION(1): token-mean
-    metrics = {"loss/clipfrac": rl_math.masked_mean(clipped.float(), mask)}
+# ALGO LOGIC: the loss of one micro-batch of (b, T) tensors, normalised by its whole minibatch's counts.
+def policy_loss(logp, old_logp, adv, mask, *, clip_low=0.2, clip_high=0.2, dual_clip=None, level="token",
+                rollout_logp=None, is_correction=None, is_threshold=(0.5, 5.0), ent=None, entropy_coef=0.0,
+                agg="token-mean", num_tokens=None, num_seqs=None, max_len=None):  # fmt: skip
+    """J = clipped surrogate (× IS weight) + entropy bonus; no KL term (DEVIATION(3): the KL penalty is in the reward).
+
+    Aggregated by `agg` with the whole minibatch's `num_tokens` / `num_seqs` / `max_len` (rl_math.aggregate_loss).
+    logp (with gradient) and every other tensor: (b, T). Returns (loss to minimise, this micro-batch's metrics)."""
+    adv = torch.where(mask.bool(), adv, 0.0)  # what lies off the mask reaches no gradient (a GSPO ratio spans it)
+    ratio = rl_math.importance_ratio(logp, old_logp, mask, level)  # ρ = π_θ / π_old (per sequence: GSPO)
+    surr, surr_clipped = ratio * adv, ratio.clamp(1 - clip_low, 1 + clip_high) * adv
+    pg = -torch.min(surr, surr_clipped)  # −min(ρA, clip(ρ, 1 − ε_low, 1 + ε_high)·A)
+    metrics = {"loss/clipfrac": rl_math.masked_mean((surr_clipped < surr).float(), mask)}
+    if dual_clip is not None:  # dual clip (Ye et al. 2020): where A < 0 the loss is at most −c·A
+        metrics["loss/dual_clipfrac"] = rl_math.masked_mean(((adv < 0) & (pg > -dual_clip * adv)).float(), mask)
+        pg = torch.where(adv < 0, torch.min(pg, -dual_clip * adv), pg)
+    if is_correction:  # DEVIATION(4): correct for the engine's own log-probs, w = π_old / π_vllm (detached)
+        w = rl_math.is_weight(old_logp, rollout_logp, mask, is_correction, is_threshold)
+        pg, metrics["loss/is_weight"] = pg * w, rl_math.masked_mean(w, mask)
+    norm = {"num_tokens": num_tokens, "num_seqs": num_seqs, "max_len": max_len}
+    loss = rl_math.aggregate_loss(pg, mask, agg, **norm)  # DEVIATION(1): token-mean
     if ent is not None:
-        loss = loss - args.actor.entropy_coef * rl_math.aggregate_loss(ent, mask, args.algo.loss_agg, **agg)
+        loss = loss - entropy_coef * rl_math.aggregate_loss(ent, mask, agg, **norm)
         metrics["loss/entropy"] = rl_math.masked_mean(ent, mask)
     return loss, metrics
 
@@ -282,7 +292,7 @@ def update(actor, critic, ref, seqs: dict, rewards: torch.Tensor, args: Args, ru
     whitening are global, so every rank gets every row), the advantages and the critic's targets, then the critic's
     `--train.epochs` passes of `--train.minibatches` steps and, after the critic warm-up (step ≥
     --critic.warmup-steps), the actor's. seqs: (B, L) batch; rewards: (B,) -> metrics."""
-    mask, temp, world = seqs["loss_mask"], args.rollout.temperature, run.world
+    mask, temp, world, a = seqs["loss_mask"], args.rollout.temperature, run.world, args.actor
     batches = rl.minibatches(seqs, args, step, run.rank, world)
     mine = [m for _, micro in batches for m in micro]  # this rank's rows
     old_logp = rl.forward_rows(lambda b: rl.forward_logp(actor, b, temp)[0], seqs, mine, world, True,
@@ -300,16 +310,21 @@ def update(actor, critic, ref, seqs: dict, rewards: torch.Tensor, args: Args, ru
                 "critic/returns_mean": rl_math.masked_mean(returns, mask).item(),
                 "critic/explained_variance": explained_variance(old_values, returns, mask).item()})  # fmt: skip
     out.update(rl.on_model(critic, critic_update, seqs, old_values, returns, args, step, run=run))
-    meter = rl.Meter()
+    meter = Meter()
+    # Dr.GRPO's constant normaliser is the generation budget, not the padded width of the batch
+    max_len = args.rollout.max_new_tokens if args.algo.loss_agg == "seq-mean-token-sum-norm" else mask.shape[1]
+    loss_fn = partial(policy_loss, clip_low=a.clip_low, clip_high=a.clip_high, dual_clip=a.dual_clip, level=a.level,
+                      is_correction=args.algo.is_correction, is_threshold=args.algo.is_threshold,
+                      entropy_coef=a.entropy_coef, agg=args.algo.loss_agg, max_len=max_len)  # fmt: skip
     for _ in range(args.train.epochs if step >= args.critic.warmup_steps else 0):  # warm-up: the actor waits
-        for minibatch, micro in batches:
-            agg = rl.agg_kwargs(mask, minibatch, args)
-            for j, (r, real) in enumerate(micro):
-                mb = rl.rows(seqs, r)
-                logp, ent = rl.forward_logp(actor, mb, temp, args.actor.entropy_coef > 0)
-                loss, metrics = policy_loss(logp, old_logp[r], ent, adv[r], mb, args, agg)
-                meter.add_loss("loss/policy", rl.backward(actor, loss, step, world, real, j == len(micro) - 1,
-                                                          "actor loss"))  # fmt: skip
+        for minibatch, micro in batches:  # the normalisers count the whole minibatch, over every rank
+            norm = {"num_tokens": mask[minibatch].sum().item(), "num_seqs": len(minibatch)}
+            for r, mb, real, last in rl.micro_batches(seqs, micro):
+                logp, ent = rl.forward_logp(actor, mb, temp, a.entropy_coef > 0)
+                loss, metrics = loss_fn(logp, old_logp[r], adv[r], mb["loss_mask"], rollout_logp=mb["rollout_logp"],
+                                        ent=ent, **norm)  # fmt: skip
+                metrics |= rl.router_aux(actor)  # DEVIATION(6): a MoE router's balancing loss, logged, not added
+                meter.add_loss("loss/policy", rl.backward(actor, loss, step, world, real, last, "actor loss"))
                 meter.add(metrics, mb["loss_mask"].sum().item() if real else 0.0)
             meter.add_step("train/grad_norm", ds_engine.optimizer_step(actor, step, "actor"))  # NaN/inf: raise
     return {**out, **meter.result(world), "train/tokens": float(mask.sum())}
@@ -327,16 +342,17 @@ def main(args: Args, engines: rollout.RolloutEngines | None = None, groups: dict
     # PLUMBING: `--train.ranks 1`: this process holds the DeepSpeed actor and critic and an in-process vLLM engine.
     # N > 1: the driver starts Ray, the engine actors and N ranks, each of which runs this function with the engines
     # given and holds an actor and a critic engine of the same DeepSpeed world.
-    if engines is None and rl.needs_launch(args):
-        return rl.launch(main, args)
+    uses_ref = args.algo.kl_coef > 0  # ALGO LOGIC: the KL term needs the reference policy (DEVIATION(3))
+    if engines is None and rl.needs_launch(args, uses_ref):
+        return rl.launch(main, args, uses_ref)
     rank, world, device = rl.init_rank(args, engines)
     tokenizer, train_set, eval_set, reward = rl.load_task(args, groups)
     updates = args.train.minibatches * args.train.epochs  # per step, of the actor and of the critic
     actor = rl.make_actor(args, device, (args.train.max_steps - args.critic.warmup_steps) * updates)
     critic = rl.build_model(groups, "critic", make_critic, args, device, args.train.max_steps * updates)  # DEVIATION(5)
-    ref = rl.make_ref(args, device, groups, actor)  # DEVIATION(3): only with --algo.kl-coef > 0 (LoRA: the actor)
+    ref = rl.make_ref(args, device, groups, actor) if uses_ref else None  # LoRA: the actor with its adapters off
     run = rl.start(args, {"actor": actor, "critic": critic}, engines, tokenizer, eval_set, reward, rank, world,
-                   device, "ppo")  # fmt: skip
+                   device, args.exp_name)  # fmt: skip
     kl_ctl = (rl_math.AdaptiveKLController(args.algo.kl_coef, args.algo.kl_target, args.algo.kl_horizon)
               if args.algo.kl_target else rl_math.FixedKLController(args.algo.kl_coef))  # fmt: skip
     kl_ctl.load_state_dict(run.client.get("kl_ctl", kl_ctl.state_dict()))
@@ -350,11 +366,13 @@ def main(args: Args, engines: rollout.RolloutEngines | None = None, groups: dict
         perf: dict = {}
         # 2. rollout: G episodes per prompt through the agent executor, token ids in, token ids + log-probs out
         with timer(perf, "perf/gen_s"):
-            ro = rl.collect_rollout(run, args, train_set, step, keep=keep_groups)
+            ro = rl.collect_rollout(run, args, train_set, step, keep_groups, args.algo.dynamic_filter_max_rounds)
         perf["perf/tokens_per_s"] = sum(len(e.token_ids) for e in ro.episodes) / max(perf["perf/gen_s"], 1e-9)
 
         # 3. rewards (the advantages need the critic's values: GAE runs in `update`)
-        rewards, truncated = rl.shape_rewards(ro, args)
+        rw = args.reward  # shaping: a truncated response's reward, DAPO's overlong penalty, clipping
+        rewards, truncated = rl.shape_rewards(ro, rw.stop_properly_penalty, rw.overlong_buffer, rw.overlong_penalty_factor,
+                                              args.rollout.max_new_tokens, rw.clip)  # fmt: skip
         keep = torch.ones(len(ro.episodes), dtype=torch.bool)  # no filter: PPO trains on every sample
         stats = rl.rollout_stats(ro, rewards, truncated, keep)
 
@@ -363,8 +381,8 @@ def main(args: Args, engines: rollout.RolloutEngines | None = None, groups: dict
         with timer(perf, "perf/train_s"):
             seqs = rl.sequences(ro.episodes, tokenizer.pad_token_id, device, args.train.packing)
             stats.update(update(actor, critic, ref, seqs, rewards, args, run, step, kl_ctl.value))
-            if "loss/kl" in stats:  # β for the next rollout
-                kl_ctl.update(stats["loss/kl"], len(ro.episodes))
+        if "loss/kl" in stats:  # β for the next rollout
+            kl_ctl.update(stats["loss/kl"], len(ro.episodes))
 
         # 5. weight sync, eval, logging, checkpoint
         with timer(perf, "perf/sync_s"):

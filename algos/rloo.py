@@ -44,7 +44,7 @@ import torch
 import tyro
 
 from core import engine as ds_engine
-from core import models, rl, rl_math, rollout
+from core import rl, rl_math, rollout
 from core.config import (
     ActorArgs,
     CkptConfig,
@@ -57,7 +57,7 @@ from core.config import (
     TrainArgs,  # fmt: skip
     check_args,
 )
-from core.logger import timer
+from core.logger import Meter, timer
 from core.placement import RayConfig
 from core.rollout import VLLMConfig
 from rewards.loader import RewardConfig
@@ -84,7 +84,7 @@ class AlgoArgs:
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     """KL estimator for the penalty."""
     is_correction: Literal["tis", "icepop", "seq-mask-tis"] | None = None
-    """importance-sampling correction for the rollout engine's log-probs (see core/rl_math.policy_loss)."""
+    """importance-sampling correction for the rollout engine's log-probs (core/rl_math.is_weight)."""
     is_threshold: tuple[float, float] = (0.5, 5.0)
     """[lo, hi] bounds of the IS weight."""
 
@@ -136,24 +136,34 @@ def groups_inside(scores: torch.Tensor, group_size: int, low: float, high: float
     return (mean > low) & (mean < high)
 
 
-# ALGO LOGIC: the loss, per micro-batch of (b, T) tensors; `agg` holds the whole minibatch's normalisers.
-def policy_loss(logp, old_logp, ref_logp, ent, adv, mb: dict, args: Args, kl_coef: float, agg: dict):
-    """J = clipped surrogate (× IS weight) − β·KL_k3(π_θ‖π_ref) + entropy bonus, aggregated by `--algo.loss-agg`;
-    returns (loss to minimise, per-token metrics of this micro-batch)."""
-    mask = mb["loss_mask"]
-    ratio = rl_math.importance_ratio(logp, old_logp, mask, args.actor.level)  # ρ = π_θ / π_old
-    pg, clipped, _ = rl_math.clipped_surrogate(ratio, adv, args.actor.clip_low, args.actor.clip_high,
-                                               args.actor.dual_clip)  # −min(ρA, clip(ρ)A)  # fmt: skip
-    if args.algo.is_correction:  # DEVIATION(4): correct for the engine's own log-probs (π_old / π_vllm)
-        pg = pg * rl_math.is_weight(old_logp, mb["rollout_logp"], mask, args.algo.is_correction, args.algo.is_threshold)
-    loss = rl_math.aggregate_loss(pg, mask, args.algo.loss_agg, **agg)  # DEVIATION(1): token-mean
-    metrics = {"loss/clipfrac": rl_math.masked_mean(clipped.float(), mask)}
+# ALGO LOGIC: the loss of one micro-batch of (b, T) tensors, normalised by its whole minibatch's counts.
+def policy_loss(logp, old_logp, adv, mask, *, clip_low=0.2, clip_high=0.2, dual_clip=None, level="token",
+                rollout_logp=None, is_correction=None, is_threshold=(0.5, 5.0), ent=None, entropy_coef=0.0,
+                ref_logp=None, kl_coef=0.0, kl_estimator="k3",
+                agg="token-mean", num_tokens=None, num_seqs=None, max_len=None):  # fmt: skip
+    """J = clipped surrogate (× IS weight) − β·KL(π_θ‖π_ref) + entropy bonus.
+
+    Aggregated by `agg` with the whole minibatch's `num_tokens` / `num_seqs` / `max_len` (rl_math.aggregate_loss).
+    logp (with gradient) and every other tensor: (b, T). Returns (loss to minimise, this micro-batch's metrics)."""
+    adv = torch.where(mask.bool(), adv, 0.0)  # what lies off the mask reaches no gradient (a GSPO ratio spans it)
+    ratio = rl_math.importance_ratio(logp, old_logp, mask, level)  # ρ = π_θ / π_old (per sequence: GSPO)
+    surr, surr_clipped = ratio * adv, ratio.clamp(1 - clip_low, 1 + clip_high) * adv
+    pg = -torch.min(surr, surr_clipped)  # −min(ρA, clip(ρ, 1 − ε_low, 1 + ε_high)·A)
+    metrics = {"loss/clipfrac": rl_math.masked_mean((surr_clipped < surr).float(), mask)}
+    if dual_clip is not None:  # dual clip (Ye et al. 2020): where A < 0 the loss is at most −c·A
+        metrics["loss/dual_clipfrac"] = rl_math.masked_mean(((adv < 0) & (pg > -dual_clip * adv)).float(), mask)
+        pg = torch.where(adv < 0, torch.min(pg, -dual_clip * adv), pg)
+    if is_correction:  # DEVIATION(4): correct for the engine's own log-probs, w = π_old / π_vllm (detached)
+        w = rl_math.is_weight(old_logp, rollout_logp, mask, is_correction, is_threshold)
+        pg, metrics["loss/is_weight"] = pg * w, rl_math.masked_mean(w, mask)
+    norm = {"num_tokens": num_tokens, "num_seqs": num_seqs, "max_len": max_len}
+    loss = rl_math.aggregate_loss(pg, mask, agg, **norm)  # DEVIATION(1): token-mean
     if ref_logp is not None:
-        kl = rl_math.approx_kl(logp, ref_logp, args.algo.kl_estimator, mask=mask)
-        loss = loss + kl_coef * rl_math.aggregate_loss(kl, mask, args.algo.loss_agg, **agg)
+        kl = rl_math.approx_kl(logp, ref_logp, kl_estimator, mask=mask)
+        loss = loss + kl_coef * rl_math.aggregate_loss(kl, mask, agg, **norm)
         metrics["loss/kl"] = rl_math.masked_mean(kl, mask)
     if ent is not None:
-        loss = loss - args.actor.entropy_coef * rl_math.aggregate_loss(ent, mask, args.algo.loss_agg, **agg)
+        loss = loss - entropy_coef * rl_math.aggregate_loss(ent, mask, agg, **norm)
         metrics["loss/entropy"] = rl_math.masked_mean(ent, mask)
     return loss, metrics
 
@@ -161,7 +171,7 @@ def policy_loss(logp, old_logp, ref_logp, ent, adv, mb: dict, args: Args, kl_coe
 def update(actor, ref, seqs: dict, adv: torch.Tensor, args: Args, run: rl.Run, step: int, kl_coef: float) -> dict:
     """Minibatches of the loss over one rollout: old and reference log-probs first (by the trainer), then
     `--train.epochs` passes of `--train.minibatches` optimizer steps. seqs: (B, L) batch; adv: (B,) -> metrics."""
-    mask, temp, world = seqs["loss_mask"], args.rollout.temperature, run.world
+    mask, temp, world, a = seqs["loss_mask"], args.rollout.temperature, run.world, args.actor
     adv_tok = adv[:, None].expand_as(mask).float()
     batches = rl.minibatches(seqs, args, step, run.rank, world)
     mine = [m for _, micro in batches for m in micro]  # this rank's rows
@@ -170,20 +180,23 @@ def update(actor, ref, seqs: dict, adv: torch.Tensor, args: Args, run: rl.Run, s
     on_policy = args.train.minibatches == 1 and args.train.epochs == 1
     old_logp = None if on_policy else rl.forward_rows(lambda b: rl.forward_logp(actor, b, temp)[0], seqs, mine, world, False)
     ref_logp = None if ref is None else rl.on_model(ref, rl.logp_table, seqs, args, step, run=run)  # or --ref.ranks
-    meter = rl.Meter()
+    meter = Meter()
+    # Dr.GRPO's constant normaliser is the generation budget, not the padded width of the batch
+    max_len = args.rollout.max_new_tokens if args.algo.loss_agg == "seq-mean-token-sum-norm" else mask.shape[1]
+    loss_fn = partial(policy_loss, clip_low=a.clip_low, clip_high=a.clip_high, dual_clip=a.dual_clip, level=a.level,
+                      is_correction=args.algo.is_correction, is_threshold=args.algo.is_threshold,
+                      entropy_coef=a.entropy_coef, agg=args.algo.loss_agg, max_len=max_len,
+                      kl_coef=kl_coef, kl_estimator=args.algo.kl_estimator)  # fmt: skip
     for _ in range(args.train.epochs):
-        for minibatch, micro in batches:
-            agg = rl.agg_kwargs(mask, minibatch, args)
-            for j, (r, real) in enumerate(micro):
-                mb = rl.rows(seqs, r)
-                logp, ent = rl.forward_logp(actor, mb, temp, args.actor.entropy_coef > 0)
+        for minibatch, micro in batches:  # the normalisers count the whole minibatch, over every rank
+            norm = {"num_tokens": mask[minibatch].sum().item(), "num_seqs": len(minibatch)}
+            for r, mb, real, last in rl.micro_batches(seqs, micro):
+                logp, ent = rl.forward_logp(actor, mb, temp, a.entropy_coef > 0)
                 old = logp.detach() if on_policy else old_logp[r]
-                ref_lp = None if ref_logp is None else ref_logp[r]
-                loss, metrics = policy_loss(logp, old, ref_lp, ent, adv_tok[r], mb, args, kl_coef, agg)
-                aux = models.router_aux_loss(actor)  # MoE: the router's load-balancing loss of this forward
-                if aux is not None:  # DEVIATION(5): logged, not added
-                    metrics["loss/router_aux"] = aux.detach()
-                meter.add_loss("loss/policy", rl.backward(actor, loss, step, world, real, j == len(micro) - 1))
+                loss, metrics = loss_fn(logp, old, adv_tok[r], mb["loss_mask"], rollout_logp=mb["rollout_logp"], ent=ent,
+                                        ref_logp=None if ref is None else ref_logp[r], **norm)  # fmt: skip
+                metrics |= rl.router_aux(actor)  # DEVIATION(5): a MoE router's balancing loss, logged, not added
+                meter.add_loss("loss/policy", rl.backward(actor, loss, step, world, real, last))
                 meter.add(metrics, mb["loss_mask"].sum().item() if real else 0.0)
             meter.add_step("train/grad_norm", ds_engine.optimizer_step(actor, step, "actor"))  # NaN/inf: raise
     return {**meter.result(world), "train/tokens": float(mask.sum())}
@@ -197,13 +210,14 @@ def main(args: Args, engines: rollout.RolloutEngines | None = None, groups: dict
                          "2 samples per prompt (with --algo.filter-zero-variance every group of 1 is dropped)")  # fmt: skip
     # PLUMBING: `--train.ranks 1`: this process holds the DeepSpeed actor and an in-process vLLM engine. N > 1: the
     # driver starts Ray, the engine actors and N ranks, each of which runs this function with the engines given.
-    if engines is None and rl.needs_launch(args):
-        return rl.launch(main, args)
+    uses_ref = args.algo.kl_coef > 0  # ALGO LOGIC: the KL term needs the reference policy (DEVIATION(3))
+    if engines is None and rl.needs_launch(args, uses_ref):
+        return rl.launch(main, args, uses_ref)
     rank, world, device = rl.init_rank(args, engines)
     tokenizer, train_set, eval_set, reward = rl.load_task(args, groups)
     actor = rl.make_actor(args, device, args.train.max_steps * args.train.minibatches * args.train.epochs)
-    ref = rl.make_ref(args, device, groups, actor)  # DEVIATION(3): only with --algo.kl-coef > 0 (LoRA: the actor)
-    run = rl.start(args, {"actor": actor}, engines, tokenizer, eval_set, reward, rank, world, device, "rloo")
+    ref = rl.make_ref(args, device, groups, actor) if uses_ref else None  # LoRA: the actor with its adapters off
+    run = rl.start(args, {"actor": actor}, engines, tokenizer, eval_set, reward, rank, world, device, args.exp_name)
     kl_ctl = (rl_math.AdaptiveKLController(args.algo.kl_coef, args.algo.kl_target, args.algo.kl_horizon)
               if args.algo.kl_target else rl_math.FixedKLController(args.algo.kl_coef))  # fmt: skip
     kl_ctl.load_state_dict(run.client.get("kl_ctl", kl_ctl.state_dict()))
@@ -217,26 +231,27 @@ def main(args: Args, engines: rollout.RolloutEngines | None = None, groups: dict
         perf: dict = {}
         # 2. rollout: G episodes per prompt through the agent executor, token ids in, token ids + log-probs out
         with timer(perf, "perf/gen_s"):
-            ro = rl.collect_rollout(run, args, train_set, step, keep=keep_groups)
+            ro = rl.collect_rollout(run, args, train_set, step, keep_groups, args.algo.dynamic_filter_max_rounds)
         perf["perf/tokens_per_s"] = sum(len(e.token_ids) for e in ro.episodes) / max(perf["perf/gen_s"], 1e-9)
 
         # 3. rewards and advantages
-        rewards, truncated = rl.shape_rewards(ro, args)
+        rw = args.reward  # shaping: a truncated response's reward, DAPO's overlong penalty, clipping
+        rewards, truncated = rl.shape_rewards(ro, rw.stop_properly_penalty, rw.overlong_buffer, rw.overlong_penalty_factor,
+                                              args.rollout.max_new_tokens, rw.clip)  # fmt: skip
         # ALGO LOGIC: leave-one-out advantage, one scalar per response, broadcast to its tokens
         adv = rloo_advantages(rewards, G)
         keep = torch.ones(len(ro.episodes), dtype=torch.bool)
-        if args.algo.filter_zero_variance:  # DEVIATION(2): uninformative groups dropped
-            keep = ~rl.zero_variance_groups(rewards, G)
+        if args.algo.filter_zero_variance:  # DEVIATION(2): groups whose rewards all agree (A = 0) are dropped
+            keep = (rewards.view(-1, G).std(dim=1) > 0).repeat_interleave(G)
         kept = keep.nonzero().flatten().tolist()
         stats = rl.rollout_stats(ro, rewards, truncated, keep)
 
-        # 4. policy update on the kept samples: minibatches of the PPO-clipped loss
+        # 4. policy update on the kept samples (none kept: nothing trains, rl.end_step warns)
         with timer(perf, "perf/train_s"):
-            if kept:
-                seqs = rl.sequences([ro.episodes[i] for i in kept], tokenizer.pad_token_id, device, args.train.packing)
-                stats.update(update(actor, ref, seqs, adv[kept], args, run, step, kl_ctl.value))
-                if "loss/kl" in stats:
-                    kl_ctl.update(stats["loss/kl"], len(kept))
+            seqs = rl.sequences([ro.episodes[i] for i in kept], tokenizer.pad_token_id, device, args.train.packing)
+            stats.update(update(actor, ref, seqs, adv[kept], args, run, step, kl_ctl.value) if kept else {})
+        if "loss/kl" in stats:  # β for the next rollout
+            kl_ctl.update(stats["loss/kl"], len(kept))
 
         # 5. weight sync, eval, logging, checkpoint
         with timer(perf, "perf/sync_s"):

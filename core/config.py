@@ -183,7 +183,13 @@ class ActorArgs:
     lr: float = 3e-4
     """peak learning rate (3e-4 suits the ~1 M embedded model; ~1e-6 for real models)."""
     warmup_steps: int = 0
-    """linear learning-rate warmup steps, then cosine decay to 0.1 · lr."""
+    """linear learning-rate warmup (optimizer steps), then cosine decay to min-lr-ratio · lr."""
+    min_lr_ratio: float = 0.1
+    """the cosine schedule ends at lr · min_lr_ratio."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    adam_betas: tuple[float, float] = (0.9, 0.95)
+    """AdamW (β1, β2)."""
     clip_low: float = 0.2
     """ε_low: ratio lower clip 1 − ε_low."""
     clip_high: float = 0.2
@@ -309,6 +315,7 @@ NON_NEGATIVE = frozenset({
 # fractions and probabilities (on top of the rules above)
 AT_MOST_ONE = frozenset({"top_p", "gpu_memory_utilization", "min_lr_ratio", "lora_dropout", "gamma", "lam",
                          "stop_at_accuracy", "muon_momentum", "ema_beta"})  # fmt: skip
+ABOVE_ONE = frozenset({"dual_clip"})  # the dual-clip constant c bounds a loss at c·|A| > |A|
 MODEL_PATHS = frozenset({"name_or_path", "tokenizer", "model"})  # str fields naming a model; local ones must exist
 FLOAT32_MAX = 3.4028234663852886e38  # every float flag ends up in float32 tensors (rewards, losses, clip bounds)
 
@@ -343,6 +350,8 @@ def _check_value(flag: str, name: str, value) -> list[str]:
         return [f"{flag} {value}: must be >= 0 (0 turns it off)"]
     if name in AT_MOST_ONE and value > 1:
         return [f"{flag} {value}: must be <= 1"]
+    if name in ABOVE_ONE and value <= 1:
+        return [f"{flag} {value}: must be > 1"]
     return []
 
 

@@ -6,7 +6,8 @@ A resumed run (`resume_step` > 0) continues the same records: rows and TensorBoa
 run started with and every flag that differs on resume is appended to `config_changes.jsonl`. A run that starts from
 step 0 in a folder that already holds a run moves the old run's files into `previous_<unix time>/`.
 
-Metric names follow the house style: `rollout/*`, `loss/*`, `train/*`, `perf/*`, `eval/*`.
+Metric names follow the house style: `rollout/*`, `loss/*`, `train/*`, `perf/*`, `eval/*`; `Meter` merges an RL
+update's metrics over micro-batches, optimizer steps and ranks.
 """
 
 from __future__ import annotations
@@ -18,8 +19,12 @@ import os
 import sys
 import time
 import uuid
+from collections import defaultdict
 from contextlib import contextmanager
 from pathlib import Path
+
+import numpy as np
+import torch
 
 from core.config import LoggerConfig
 
@@ -261,3 +266,45 @@ def timer(out: dict, key: str):
     t0 = time.perf_counter()
     yield
     out[key] = out.get(key, 0.0) + time.perf_counter() - t0
+
+
+class Meter:
+    """A step's update metrics, merged over micro-batches, optimizer steps and ranks, one meaning per name in every
+    script: `add(m, tokens)` for per-token means (loss/clipfrac, loss/kl, loss/entropy: token-weighted over every
+    trained token of the step); `add_loss(name, value)` for a micro-batch's share of its minibatch's loss (summed
+    over a minibatch's micro-batches and ranks, averaged over the optimizer steps); `add_step(name, value)` for one
+    value per optimizer step (gradient norms, the same on every rank), averaged."""
+
+    def __init__(self):
+        self.sums, self.weights = defaultdict(float), defaultdict(float)
+        self.losses, self.per_step = defaultdict(float), defaultdict(list)
+
+    def add(self, metrics: dict, tokens: float) -> None:
+        for k, v in metrics.items():
+            self.sums[k] += float(v.detach() if isinstance(v, torch.Tensor) else v) * tokens
+            self.weights[k] += tokens
+
+    def add_loss(self, name: str, value: float) -> None:
+        self.losses[name] += value
+
+    def add_step(self, name: str, value: float) -> None:
+        self.per_step[name].append(float(value))
+
+    def result(self, world: int) -> dict:
+        """The merged metrics, the same on every rank (collective when world > 1)."""
+        keys, loss_keys = sorted(self.sums), sorted(self.losses)
+        flat = torch.tensor([self.sums[k] for k in keys] + [self.weights[k] for k in keys]
+                            + [self.losses[k] for k in loss_keys], dtype=torch.float64)  # fmt: skip
+        if world > 1:
+            torch.distributed.all_reduce(flat)
+        out = {k: flat[i].item() / max(flat[len(keys) + i].item(), 1e-12) for i, k in enumerate(keys)}
+        for i, k in enumerate(loss_keys):
+            out[k] = flat[2 * len(keys) + i].item() / max(1, len(self.per_step.get(_steps_key(k), [1])))
+        out.update({k: float(np.mean(v)) for k, v in self.per_step.items()})
+        return out
+
+
+def _steps_key(loss_name: str) -> str:
+    """The per-step metric that counts a loss's optimizer steps: the actor's grad norm for loss/policy, the critic's
+    for loss/value."""
+    return "critic/grad_norm" if loss_name == "loss/value" else "train/grad_norm"

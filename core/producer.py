@@ -1,7 +1,7 @@
 """Generation running ahead of training (algos/grpo_async.py): rank 0's producer thread asks the vLLM engines (Ray
 actors, their own processes) for step t+1's rollout while the training loop trains on step t's.
 
-    pipeline = producer.start(run, args, train_set, keep, cleanup)   # the thread starts; `cleanup` stops it
+    pipeline = producer.start(run, args, train_set, keep, cleanup, max_rounds)  # the thread starts; `cleanup` stops it
     for step in ...:
         ro = pipeline.take(step)                  # step t's rollout, sampled by the weights of update t − L
         ... update ...
@@ -189,12 +189,12 @@ def tag(ro: Rollout, versions: list[list[int]] | int) -> Rollout:
 
 
 def interrupted_rollout(run: rl.Run, args, train_set: list[dict], step: int, version: int, pipeline: Pipeline,
-                        keep=None, in_flight: InFlight | None = None) -> Rollout:  # fmt: skip
+                        keep=None, in_flight: InFlight | None = None, max_rounds: int = 1) -> Rollout:  # fmt: skip
     """Step `step`'s rollout with a weight sync inside it (partial rollout): the first `--train.partial-rollout` N
     tokens of every response under the weights of `version` (update step − lag), then `pipeline.pause` (the trainer
     syncs the next weights), then the unfinished responses continued under those (`rollout.generate_segment`). A
     step a checkpoint carried (`in_flight`) starts at its second segment. DAPO refill rounds (`keep`) come after the
-    sync and are generated whole under the new weights. Scored by the run's executor, episodes tagged per token."""
+    sync and are generated whole under the new weights, up to `max_rounds` rounds in all. Scored by the run's executor, episodes tagged per token."""
     ex, G, max_new = run.executor, args.rollout.n_samples, args.rollout.max_new_tokens
     prompts, seeds = rl.step_prompts(run, args, train_set, step)
     segment = partial(rollout.generate_segment, run.engines, [p["prompt_ids"] for p in prompts], G, max_new,
@@ -216,7 +216,7 @@ def interrupted_rollout(run: rl.Run, args, train_set: list[dict], step: int, ver
         def more(round_: int) -> Rollout:
             return tag(rl.generate(run, args, train_set, step, round_), version)
 
-        ro = rl.refill(ro, keep, more, G, args.algo.dynamic_filter_max_rounds)
+        ro = rl.refill(ro, keep, more, G, max_rounds)
     ro.logs["perf/pause_s"] = pause_s
     return ro
 
@@ -242,9 +242,9 @@ def version_stats(ro: Rollout, step: int) -> dict:
             "rollout/stale_token_frac": stale}  # fmt: skip
 
 
-def start(run: rl.Run, args, train_set: list[dict], keep, cleanup: contextlib.ExitStack) -> Pipeline:
+def start(run: rl.Run, args, train_set: list[dict], keep, cleanup: contextlib.ExitStack, max_rounds: int = 1) -> Pipeline:
     """Start the producer thread on rank 0: step t's rollout is `rl.collect_rollout` of the whole batch (DAPO refills
-    by `keep`, as in grpo.py), begun once the engines hold the weights of update t − `--train.max-lag`, with
+    by `keep` in up to `max_rounds` rounds, as in grpo.py), begun once the engines hold the weights of update t − `--train.max-lag`, with
     `rollout/lag` (updates between those weights and the trained ones) and `perf/gen_s` in its logs. The rollouts a
     resumed checkpoint carried (`ahead`) come first. The thread stops with `cleanup`.
 
@@ -261,9 +261,9 @@ def start(run: rl.Run, args, train_set: list[dict], keep, cleanup: contextlib.Ex
     def produce(step: int, version: int):
         t0, in_flight = time.perf_counter(), pipeline.resumed(step)
         if cut is not None and lag >= 1 and (step - lag >= run.start_step or in_flight is not None):
-            ro = interrupted_rollout(whole, args, train_set, step, version, pipeline, keep, in_flight)
+            ro = interrupted_rollout(whole, args, train_set, step, version, pipeline, keep, in_flight, max_rounds)
         else:
-            ro = rl.collect_rollout(whole, args, train_set, step, keep=keep)
+            ro = rl.collect_rollout(whole, args, train_set, step, keep, max_rounds)
             ro = ro if cut is None else tag(ro, version)
         gen_s = time.perf_counter() - t0 - ro.logs.get("perf/pause_s", 0.0)
         ro.logs.update({"rollout/lag": step - version, "perf/gen_s": gen_s})

@@ -4,21 +4,24 @@ Plain functions over plain values, no trainer class: a script's `main` reads top
 
     rank, world, device = rl.init_rank(args, engines)                     # 1. setup
     tokenizer, train_set, eval_set, reward = rl.load_task(args)
-    actor, ref = rl.make_actor(args, device, total_updates), rl.make_ref(args, device)
-    run = rl.start(args, {"actor": actor}, engines, tokenizer, eval_set, reward, rank, world, device, "grpo")
+    actor = rl.make_actor(args, device, total_updates)
+    ref = rl.make_ref(args, device) if <the script's KL term is on> else None
+    run = rl.start(args, {"actor": actor}, engines, tokenizer, eval_set, reward, rank, world, device, args.exp_name)
     for step in range(run.start_step, args.train.max_steps):
-        ro = rl.collect_rollout(run, args, train_set, step, keep=...)        # 2. rollout (the filter is the script's)
-        rewards, truncated = rl.shape_rewards(ro, args)                     # 3. rewards -> the script's advantages
-        ... the script's update: rl.minibatches, rl.forward_logp, its loss, rl.backward, optimizer_step
+        ro = rl.collect_rollout(run, args, train_set, step, keep, max_rounds)  # 2. rollout (the filter is the script's)
+        rewards, truncated = rl.shape_rewards(ro, ...the script's shaping)  # 3. rewards -> the script's advantages
+        ... the script's update: rl.minibatches, rl.micro_batches, rl.forward_logp, its loss, rl.backward, optimizer_step
         stats.update(rl.sync_weights(run, args, actor))                     # 5. sync, eval, log, checkpoint
         if rl.end_step(run, args, step, stats, state):                      # True: --train.halt-after stops here
             return rl.finish(run, args, actor, tokenizer, halted_at=step)
     return rl.finish(run, args, actor, tokenizer)                           # 6. export and summary
 
-Distributed bookkeeping lives here, not in the loss: with `--train.ranks N` every rank holds the whole rollout and
+Core decides no algorithm: what a script chooses (the filter, the reward shaping, whether a reference is loaded, the
+loss and its normalisers) it passes here as plain values; nothing here reads `args.algo`. Distributed bookkeeping
+lives here, not in the loss: with `--train.ranks N` every rank holds the whole rollout and
 trains on its share of every minibatch (`minibatches`), in as many passes as every other rank (under ZeRO-3 each
 forward is a collective), and `backward` scales the loss so that DeepSpeed's average over ranks is the minibatch's
-token mean. Metric names mean one thing in every script (see `Meter`).
+token mean. Metric names mean one thing in every script (see `core.logger.Meter`).
 """
 
 from __future__ import annotations
@@ -29,7 +32,6 @@ import os
 import random
 import sys
 import time
-from collections import defaultdict
 from dataclasses import dataclass, fields, is_dataclass
 from functools import partial
 from pathlib import Path
@@ -48,7 +50,7 @@ from rewards.loader import load_reward_func, score
 
 
 # ----------------------------------------------------------------------------------------------------- 1. setup
-def launch(main, args) -> dict:
+def launch(main, args, uses_ref: bool = False) -> dict:
     """`--train.ranks N`: start Ray, the vLLM engine actors and N trainer ranks (one DeepSpeed world) on one placement
     group, and run `main(args, engines, groups)` on every rank, as torchrun would; returns rank 0's summary. Models
     in groups of their own (`group_layout`: `--ref.ranks`, `--critic.ranks`, `--reward.ranks`) get their Ray ranks
@@ -56,7 +58,7 @@ def launch(main, args) -> dict:
     models there (`build_model`), the reward model's replicas are built here. Embedded model names are
     resolved (built) once here, so that the ranks agree on the models and the run folder."""
     resources = placement.init_ray(args.ray)
-    gpu, n, layout = resources.get("GPU", 0) > 0, args.train.ranks, group_layout(args)
+    gpu, n, layout = resources.get("GPU", 0) > 0, args.train.ranks, group_layout(args, uses_ref)
     pg, share, engine_options = placement.place_rl(n, args.vllm.num_engines, args.vllm.tensor_parallel_size,
                                                    args.train.colocate, args.ray.strategy, args.ray.timeout_s,
                                                    sum(colocate for _, colocate in layout.values()))  # fmt: skip
@@ -103,20 +105,21 @@ def engine_lora_rank(args) -> int:
     return args.actor.model.lora_rank if args.vllm.lora_sync == "adapter" else 0
 
 
-def needs_launch(args) -> bool:
+def needs_launch(args, uses_ref: bool = False) -> bool:
     """Whether the run is several processes started through Ray (`launch`): trainer ranks (`--train.ranks N`) or a
-    model in a group of its own (`group_layout`)."""
-    return args.train.ranks > 1 or bool(group_layout(args))
+    model in a group of its own (`group_layout`). `uses_ref`: the script's loss or reward uses a reference policy."""
+    return args.train.ranks > 1 or bool(group_layout(args, uses_ref))
 
 
-def group_layout(args) -> dict[str, tuple[int, bool]]:
+def group_layout(args, uses_ref: bool = False) -> dict[str, tuple[int, bool]]:
     """{role: (ranks, colocated)} of the models that run as Ray groups of their own, OpenRLHF's layout: the reference
-    (`--ref.ranks N`, when a KL term uses it), PPO's critic (`--critic.ranks N`) and the reward model
-    (`--reward.model PATH --reward.ranks N`)."""
+    (`--ref.ranks N`, when the script says it uses one: `uses_ref`), PPO's critic (`--critic.ranks N`) and the reward
+    model (`--reward.model PATH --reward.ranks N`)."""
     layout = {}
     if args.ref.ranks is not None:
-        if args.algo.kl_coef <= 0:
-            raise ValueError(f"--ref.ranks {args.ref.ranks}: there is no reference to place (--algo.kl-coef 0)")
+        if not uses_ref:
+            raise ValueError(f"--ref.ranks {args.ref.ranks}: there is no reference to place (the KL term is off: "
+                             "--algo.kl-coef 0)")  # fmt: skip
         layout["ref"] = (args.ref.ranks, args.ref.colocate)
     if getattr(getattr(args, "critic", None), "ranks", None) is not None:
         layout["critic"] = (args.critic.ranks, args.critic.colocate)
@@ -238,8 +241,9 @@ def load_task(args, groups: dict | None = None) -> tuple[object, list[dict], lis
 
 
 def make_actor(args, device: torch.device, total_updates: int):
-    """The trained policy: `--actor.model.*` as a DeepSpeed engine with AdamW and a warmup/cosine schedule over
-    `total_updates` optimizer steps."""
+    """The trained policy: `--actor.model.*` as a DeepSpeed engine with AdamW (`--actor.lr`, `--actor.adam-betas`,
+    `--actor.weight-decay`) and a linear warmup (`--actor.warmup-steps`) then cosine schedule to `--actor.min-lr-ratio`
+    · lr over `total_updates` optimizer steps."""
     model = models.load_causal_lm(args.actor.model, "--actor.model.name-or-path").to(device)
     if args.train.sp_size > 1:  # --train.sp-size: the actor's forwards split each row's tokens over an SP group
         critic_ranks = getattr(getattr(args, "critic", None), "ranks", None)
@@ -247,18 +251,17 @@ def make_actor(args, device: torch.device, total_updates: int):
             raise ValueError("--train.sp-size needs --train.packing and is not built for models on ranks of their own "
                              "(--critic.ranks, --ref.ranks) or pictures (--data.image-key: padded forwards)")  # fmt: skip
         sequence_parallel.setup(model, args.train.sp_size)
-    return ds_engine.make_engine(model, args.ds, args.actor.lr, total_updates, args.actor.warmup_steps,
-                                 hybrid=args.vllm.enable_sleep, ema_beta=args.actor.ema_beta)  # fmt: skip
+    a = args.actor
+    return ds_engine.make_engine(model, args.ds, a.lr, total_updates, a.warmup_steps, a.min_lr_ratio, a.weight_decay,
+                                 a.adam_betas, hybrid=args.vllm.enable_sleep, ema_beta=a.ema_beta)  # fmt: skip
 
 
 def make_ref(args, device: torch.device, groups: dict | None = None, actor=None):
-    """The frozen reference policy of the KL term (`--ref.*`, default the actor's starting model); None when
-    `--algo.kl-coef` is 0. With `--ref.ranks N`: built in the reference's own group (`build_model`). A LoRA `actor`
+    """The frozen reference policy of a KL term (`--ref.*`, default the actor's starting model); the script calls it
+    only when its KL term is on. With `--ref.ranks N`: built in the reference's own group (`build_model`). A LoRA `actor`
     (`--actor.model.lora-rank N`) whose reference is its own starting model is its own reference: the actor engine
     with its adapters switched off (`core.engine.AdaptersOff`, the frozen base it adapts), no second copy of the
     weights (`--ref.zero-stage` and `--ref.offload` then do not apply: the reference lives where the actor does)."""
-    if args.algo.kl_coef <= 0:
-        return None
     own_base = args.ref.name_or_path in (None, args.actor.model.name_or_path)
     if actor is not None and args.actor.model.lora_rank > 0 and own_base and not (groups and "ref" in groups):
         return ds_engine.AdaptersOff(actor)
@@ -293,6 +296,7 @@ class Run:
     best: float = -math.inf
     name: str = "rl"
     own_engines: bool = False  # created by this run (single process): `finish` shuts them down
+    idle_steps: int = 0  # steps whose update trained nothing (the script's filter dropped every sample)
 
 
 def start(args, engine_models: dict, engines, tokenizer, eval_set: list[dict], reward: tuple | None, rank: int,
@@ -335,7 +339,8 @@ def start(args, engine_models: dict, engines, tokenizer, eval_set: list[dict], r
         for m in engine_models.values():
             placement.offload_states(m)
     run = Run(rank, world, device, engine_models, engines, executor, eval_set, run_dir, ckpt_dir, logger, start_step,
-              client, first_eval={}, best=client.get("best", -math.inf), name=name, own_engines=own_engines)  # fmt: skip
+              client, first_eval={}, best=client.get("best", -math.inf), name=name, own_engines=own_engines,
+              idle_steps=client.get("idle_steps", 0))  # fmt: skip
     run.first_eval = client.get("first_eval") or all_ranks(evaluate(run, args) if rank == 0 else None, world)
     if start_step == 0:  # a resumed run logged it when it started
         logger.log(run.first_eval, 0, shown=("eval/pass@1",))
@@ -411,14 +416,14 @@ def gather(ro: Rollout, world: int) -> Rollout:
     return whole
 
 
-def collect_rollout(run: Run, args, train_set: list[dict], step: int, keep=None) -> Rollout:
-    """Step `step`'s rollout on every rank: generate this rank's prompts, refill the groups that `keep` (the script's
-    filter, `refill`) rejects when it is given, gather the ranks' parts, and (hybrid engine) hand the GPU from the
-    engines to the trainer."""
+def collect_rollout(run: Run, args, train_set: list[dict], step: int, keep=None, max_rounds: int = 1) -> Rollout:
+    """Step `step`'s rollout on every rank: generate this rank's prompts, replace the groups that `keep` (the script's
+    filter) rejects by fresh ones in up to `max_rounds` generation rounds in all (`refill`) when it is given, gather
+    the ranks' parts, and (hybrid engine) hand the GPU from the engines to the trainer."""
     ro = generate(run, args, train_set, step)
     if keep is not None:
         more = partial(generate, run, args, train_set, step)
-        ro = refill(ro, keep, more, args.rollout.n_samples, args.algo.dynamic_filter_max_rounds)
+        ro = refill(ro, keep, more, args.rollout.n_samples, max_rounds)
     ro = gather(ro, run.world)
     if args.vllm.enable_sleep:  # hybrid engine: the engines' GPU memory goes to training
         if run.rank == 0:
@@ -429,23 +434,19 @@ def collect_rollout(run: Run, args, train_set: list[dict], step: int, keep=None)
 
 
 # ------------------------------------------------------------------------------------------------ 3. rewards
-def shape_rewards(ro: Rollout, args) -> tuple[torch.Tensor, torch.Tensor]:
-    """The rollout's rewards after the `--reward.*` shaping (a fixed reward for truncated responses, DAPO's overlong
-    penalty, clipping to ±clip), and which episodes were truncated. Both (B,)."""
+def shape_rewards(ro: Rollout, truncated_reward: float | None, overlong_buffer: int, overlong_factor: float,
+                  max_new_tokens: int, clip: float) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """The rollout's rewards shaped as the script says, and which episodes were truncated, both (B,): a truncated
+    response's reward replaced by `truncated_reward` (None: kept), DAPO's overlong penalty over the last
+    `overlong_buffer` tokens of `max_new_tokens` (`rl_math.overlong_penalty`; 0: off), then clipped to ±`clip`."""
     rewards = ro.rewards
     truncated = torch.tensor([e.truncated for e in ro.episodes], dtype=torch.bool)
-    if args.reward.stop_properly_penalty is not None:
-        rewards = torch.where(truncated, torch.tensor(args.reward.stop_properly_penalty), rewards)
-    if args.reward.overlong_buffer:
+    if truncated_reward is not None:
+        rewards = torch.where(truncated, torch.tensor(truncated_reward), rewards)
+    if overlong_buffer:
         lengths = torch.tensor([len(e.token_ids) for e in ro.episodes])
-        rewards = rewards + rl_math.overlong_penalty(lengths, args.rollout.max_new_tokens, args.reward.overlong_buffer,
-                                                     args.reward.overlong_penalty_factor)  # fmt: skip
-    return rewards.clamp(-args.reward.clip, args.reward.clip), truncated
-
-
-def zero_variance_groups(rewards: torch.Tensor, G: int) -> torch.Tensor:
-    """(B,) bool: True for the samples of groups whose rewards all agree (a group-relative advantage of 0)."""
-    return (rewards.view(-1, G).std(dim=1) == 0).repeat_interleave(G)
+        rewards = rewards + rl_math.overlong_penalty(lengths, max_new_tokens, overlong_buffer, overlong_factor)
+    return rewards.clamp(-clip, clip), truncated
 
 
 def rollout_stats(ro: Rollout, rewards: torch.Tensor, truncated: torch.Tensor, keep: torch.Tensor) -> dict:
@@ -468,6 +469,8 @@ def sequences(episodes: list[Episode], pad_id: int, device, packed: bool = True)
     packing`: the padded forward, the reference the packed one is tested against). Episodes that carry `versions`
     (grpo_async's partial rollout: the weights version that sampled each response token) give a `versions` table
     too, −1 off the responses."""
+    if not episodes:  # a step whose filter kept nothing: no table (the script trains nothing)
+        return {}
     examples = [{"input_ids": e.prompt_ids + e.token_ids, "loss_mask": [0] * len(e.prompt_ids) + e.action_mask}
                 for e in episodes]  # fmt: skip
     batch = packing.collate_padded(examples, pad_id, device)
@@ -625,11 +628,18 @@ def logp_table(model, rank: int, world: int, seqs: dict, args, step: int) -> tor
                             getattr(args.train, "sp_size", 1))  # fmt: skip
 
 
-def agg_kwargs(mask: torch.Tensor, minibatch: list[int], args) -> dict:
-    """The normalisers of `rl_math.aggregate_loss` for one minibatch: its tokens and sequences over all ranks, and
-    the length constant of `seq-mean-token-sum-norm` (the response budget)."""
-    max_len = args.rollout.max_new_tokens if args.algo.loss_agg == "seq-mean-token-sum-norm" else mask.shape[1]
-    return {"num_tokens": mask[minibatch].sum().item(), "num_seqs": len(minibatch), "max_len": max_len}
+def router_aux(model) -> dict:
+    """{"loss/router_aux": the load-balancing loss of a mixture-of-experts model's last forward, detached} to log
+    beside the loss ({} for a dense model)."""
+    aux = models.router_aux_loss(model)
+    return {} if aux is None else {"loss/router_aux": aux.detach()}
+
+
+def micro_batches(seqs: dict, micro: list[tuple[list[int], bool]]):
+    """This rank's micro-batches of one minibatch (`minibatches`' `micro`), as (row indices, their rows of `seqs`,
+    real, last): `real` False for a padding pass (its loss counts 0), `last` True for the accumulation boundary."""
+    for j, (r, real) in enumerate(micro):
+        yield r, rows(seqs, r), real, j == len(micro) - 1
 
 
 def backward(engine, loss: torch.Tensor, step: int, world: int, real: bool, last: bool, what: str = "loss") -> float:
@@ -644,48 +654,6 @@ def backward(engine, loss: torch.Tensor, step: int, world: int, real: bool, last
     engine.backward(loss * (world if real else 0.0))
     group = sequence_parallel.sp_group(engine)
     return loss.item() / (1 if group is None else torch.distributed.get_world_size(group)) if real else 0.0
-
-
-class Meter:
-    """A step's update metrics, merged over micro-batches, optimizer steps and ranks, one meaning per name in every
-    script: `add(m, tokens)` for per-token means (loss/clipfrac, loss/kl, loss/entropy: token-weighted over every
-    trained token of the step); `add_loss(name, value)` for a micro-batch's share of its minibatch's loss (summed
-    over a minibatch's micro-batches and ranks, averaged over the optimizer steps); `add_step(name, value)` for one
-    value per optimizer step (gradient norms, the same on every rank), averaged."""
-
-    def __init__(self):
-        self.sums, self.weights = defaultdict(float), defaultdict(float)
-        self.losses, self.per_step = defaultdict(float), defaultdict(list)
-
-    def add(self, metrics: dict, tokens: float) -> None:
-        for k, v in metrics.items():
-            self.sums[k] += float(v.detach() if isinstance(v, torch.Tensor) else v) * tokens
-            self.weights[k] += tokens
-
-    def add_loss(self, name: str, value: float) -> None:
-        self.losses[name] += value
-
-    def add_step(self, name: str, value: float) -> None:
-        self.per_step[name].append(float(value))
-
-    def result(self, world: int) -> dict:
-        """The merged metrics, the same on every rank (collective when world > 1)."""
-        keys, loss_keys = sorted(self.sums), sorted(self.losses)
-        flat = torch.tensor([self.sums[k] for k in keys] + [self.weights[k] for k in keys]
-                            + [self.losses[k] for k in loss_keys], dtype=torch.float64)  # fmt: skip
-        if world > 1:
-            torch.distributed.all_reduce(flat)
-        out = {k: flat[i].item() / max(flat[len(keys) + i].item(), 1e-12) for i, k in enumerate(keys)}
-        for i, k in enumerate(loss_keys):
-            out[k] = flat[2 * len(keys) + i].item() / max(1, len(self.per_step.get(_steps_key(k), [1])))
-        out.update({k: float(np.mean(v)) for k, v in self.per_step.items()})
-        return out
-
-
-def _steps_key(loss_name: str) -> str:
-    """The per-step metric that counts a loss's optimizer steps: the actor's grad norm for loss/policy, the critic's
-    for loss/value."""
-    return "critic/grad_norm" if loss_name == "loss/value" else "train/grad_norm"
 
 
 # ---------------------------------------------------------------------------------------- 5. sync, eval, save
@@ -711,11 +679,20 @@ def sync_weights(run: Run, args, actor, changed: bool = True, sample: list[list[
     return stats
 
 
+IDLE_WARN_EVERY = 10  # a run whose filter drops every sample warns at the first such step and every 10th after
+
+
 def end_step(run: Run, args, step: int, stats: dict, state: dict | None = None) -> bool:
     """The end of step `step`: eval every `--eval.every` steps and at the last (exporting a new best to <run>/best),
-    log the metrics row, checkpoint every `--ckpt.every` steps, at the last and when halting, and (hybrid engine)
+    warn when the step trained nothing (`rollout/kept_frac` 0), log the metrics row, checkpoint every `--ckpt.every` steps, at the last and when halting, and (hybrid engine)
     move the trainer's states off the GPU for the next rollout. Returns True when `--train.halt-after` stops here."""
     last = step == args.train.max_steps - 1
+    if stats.get("rollout/kept_frac", 1.0) == 0:  # the script's filter dropped every sample: nothing was trained
+        run.idle_steps += 1
+        if run.idle_steps % IDLE_WARN_EVERY == 1 or IDLE_WARN_EVERY == 1:
+            run.logger.print(f"[{run.name}] warning: step {step + 1} trained nothing: every group was filtered out "
+                             f"(rollout/kept_frac 0; e.g. every reward of each group equal), {run.idle_steps} such "
+                             f"step(s) so far")  # fmt: skip
     if args.eval.every and ((step + 1) % args.eval.every == 0 or last):
         stats.update(all_ranks(evaluate(run, args) if run.rank == 0 else None, run.world))
         if args.eval.best_metric and stats.get(args.eval.best_metric, -math.inf) > run.best:
@@ -724,7 +701,8 @@ def end_step(run: Run, args, step: int, stats: dict, state: dict | None = None) 
     run.logger.log(stats, step + 1, shown=("rollout/reward_mean", "eval/pass@1"))
     halted = args.train.halt_after is not None and step + 1 - run.start_step >= args.train.halt_after and not last
     if halted or (args.ckpt.every and ((step + 1) % args.ckpt.every == 0 or last)):
-        client = {"step": step, "first_eval": run.first_eval, "best": run.best, **(state or {})}
+        client = {"step": step, "first_eval": run.first_eval, "best": run.best, "idle_steps": run.idle_steps,
+                  **(state or {})}  # fmt: skip
         checkpoint.save(run.models, run.ckpt_dir, step, client, args.ckpt.keep_last)
     if args.vllm.enable_sleep and not (last or halted):  # DeepSpeed states off the GPU while the engines generate
         for m in run.models.values():
@@ -750,7 +728,8 @@ def finish(run: Run, args, actor, tokenizer, halted_at: int | None = None) -> di
         run.logger.plot(run.run_dir / "learning_curve.png", ("rollout/reward_mean", "eval/pass@1"))
         summary = {"steps": args.train.max_steps, "eval_pass@1_first": run.first_eval["eval/pass@1"],
                    "eval_pass@1_last": run.logger.latest("eval/pass@1"),
-                   "reward_mean_last": run.logger.latest("rollout/reward_mean"), "run_dir": str(run.run_dir)}  # fmt: skip
+                   "reward_mean_last": run.logger.latest("rollout/reward_mean"),
+                   "steps_without_update": run.idle_steps, "run_dir": str(run.run_dir)}  # fmt: skip
         run.logger.close(summary)
         return summary
     finally:

@@ -1,4 +1,6 @@
-"""RL math shared by every CleanRLHF script: masked reductions, KL estimators, GAE, the clipped surrogate, aggregation.
+"""RL math shared by every CleanRLHF script: masked reductions, KL estimators, GAE, IS weights, loss aggregation.
+
+The policy losses themselves are written out in the scripts (algos/grpo.py's `policy_loss`); these are their pieces.
 
 Pure functions, tensors in and tensors out, explicit scalar arguments. Shapes: B sequences, T response tokens,
 V vocabulary. `mask` is a bool or 0/1 (B, T) tensor, right-padded. Masked positions of inputs may hold garbage (even
@@ -186,68 +188,7 @@ def aggregate_loss(
     return loss.sum() / _at_least_one(seqs * (mask.shape[1] if max_len is None else max_len))
 
 
-def policy_loss(
-    logp: Tensor,
-    old_logp: Tensor,
-    advantages: Tensor,
-    mask: Tensor,
-    clip_low: float = 0.2,
-    clip_high: float = 0.2,
-    dual_clip: float | None = None,
-    level: str = "token",
-    agg: str = "token-mean",
-    rollout_logp: Tensor | None = None,
-    is_correction: str | None = None,
-    is_threshold: tuple[float, float] = (0.5, 5.0),
-    **agg_kwargs: Count | None,
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """PPO clipped surrogate (Schulman et al. 2017, arXiv:1707.06347) with the usual LLM-RL options; OpenRLHF semantics.
-
-    ρ_t = exp(clamp(logp_t − old_logp_t, −20, 20)),   ℓ_t = −min(ρ_t·A_t, clip(ρ_t, 1 − clip_low, 1 + clip_high)·A_t),
-    loss = aggregate_loss(ℓ, mask, agg, **agg_kwargs).
-    - clip_high > clip_low is DAPO's clip-higher (arXiv:2503.14476).
-    - dual_clip = c > 1 (Ye et al. 2020, arXiv:1912.09729): where A_t < 0, ℓ_t = min(ℓ_t, −c·A_t), which bounds the
-      loss of a token whose ratio exploded; tokens with A_t ≥ 0 are untouched.
-    - level="sequence" is GSPO (Zheng et al. 2025, arXiv:2507.18071), as OpenRLHF: ρ_i = exp(mean_t(logp − old_logp))
-      per sequence, used for every token of it and differentiated through the mean, so each token's gradient is
-      ρ_i·∇log π_t/|y_i| times the derivative of the min/clip. GSPO proper is agg="seq-mean-token-mean" with one
-      advantage per sequence; GSPO's clip ranges are tiny (3e-4, 4e-4 in the paper).
-    - is_correction corrects for the rollout engine's log-probs, w_t = exp(old_logp_t − rollout_logp_t) (detached),
-      (lo, hi) = is_threshold: "tis" multiplies ℓ_t by clamp(w_t, lo, hi) (truncated IS, Yao et al. 2025); "icepop"
-      by w_t where lo ≤ w_t ≤ hi and by 0 elsewhere (IcePop, Ring-1T report); "seq-mask-tis" by w_t, and by 0 for
-      every token of a sequence whose geometric mean exp(mean_t log w_t) is outside [lo, hi] (as OpenRLHF).
-    logp: (B, T) current log-probs, with gradient; old_logp, advantages, rollout_logp, mask: (B, T), used detached.
-    Returns (loss, stats); stats are detached scalars: clipfrac (fraction of valid tokens on the clipped branch),
-    approx_kl (mean k3 estimate of KL(π_old‖π) from the per-token ratios), ratio_mean, and dual_clipfrac /
-    is_weight_mean when those options are on.
-    """
-    if dual_clip is not None and dual_clip <= 1.0:
-        raise ValueError(f"dual_clip must be > 1 (or None), got {dual_clip}")
-    if level not in ("token", "sequence"):
-        raise ValueError(f"unknown policy-loss level {level!r}; valid levels: token, sequence")
-    if is_correction is not None and is_correction not in IS_CORRECTIONS:
-        raise ValueError(f"unknown is_correction {is_correction!r}; valid: None, {', '.join(IS_CORRECTIONS)}")
-    if is_correction is not None and rollout_logp is None:
-        raise ValueError(f"is_correction={is_correction!r} needs rollout_logp (the inference engine's log-probs)")
-    mask = mask.bool()
-    old_logp = _keep(old_logp, mask).detach()
-    ratio = importance_ratio(logp, old_logp, mask, level)
-    loss, clipped, dual_active = clipped_surrogate(ratio, _keep(advantages, mask).detach(), clip_low, clip_high,
-                                                   dual_clip)  # fmt: skip
-    stats: dict[str, Tensor] = {}
-    if dual_clip is not None:
-        stats["dual_clipfrac"] = masked_mean(dual_active.float(), mask).detach()
-    if is_correction is not None:
-        weight = is_weight(old_logp, rollout_logp, mask, is_correction, is_threshold)
-        loss = loss * weight
-        stats["is_weight_mean"] = masked_mean(weight, mask).detach()
-    stats["clipfrac"] = masked_mean(clipped.float(), mask).detach()
-    stats["approx_kl"] = masked_mean(approx_kl(old_logp, _keep(logp, mask).detach(), "k3"), mask)
-    stats["ratio_mean"] = masked_mean(ratio.detach(), mask)
-    return aggregate_loss(loss, mask, agg, **agg_kwargs), stats
-
-
-# The pieces of the clipped-surrogate loss, for scripts that write their loss out (algos/grpo.py's `policy_loss`).
+# Pieces of the policy loss that every RL script writes out in its own `policy_loss` (algos/grpo.py's).
 def importance_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor, level: str = "token") -> Tensor:
     """ρ = π_θ / π_old per token, exp(clamp(logp − old_logp, ±20)); level "sequence" (GSPO) gives every token of a
     sequence exp(mean_t(logp − old_logp)) over its valid tokens, differentiable through the mean (each token's
@@ -262,24 +203,6 @@ def importance_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor, level: str = 
     return torch.exp(log_ratio.clamp(-20.0, 20.0))
 
 
-def clipped_surrogate(ratio: Tensor, adv: Tensor, clip_low: float = 0.2, clip_high: float = 0.2,
-                      dual_clip: float | None = None) -> tuple[Tensor, Tensor, Tensor]:  # fmt: skip
-    """Per-token PPO loss ℓ = −min(ρ·A, clip(ρ, 1 − clip_low, 1 + clip_high)·A) (Schulman et al. 2017); clip_high >
-    clip_low is DAPO's clip-higher. dual_clip = c > 1 (Ye et al. 2020): where A < 0, ℓ = min(ℓ, −c·A). ratio, adv:
-    (B, T) -> (ℓ (B, T), clipped (B, T) bool: the clipped branch was taken, dual (B, T) bool: the dual bound was)."""
-    if dual_clip is not None and dual_clip <= 1.0:
-        raise ValueError(f"dual_clip must be > 1 (or None), got {dual_clip}")
-    surr = ratio * adv
-    surr_clipped = ratio.clamp(1.0 - clip_low, 1.0 + clip_high) * adv
-    loss = -torch.min(surr, surr_clipped)
-    dual = torch.zeros_like(loss, dtype=torch.bool)
-    if dual_clip is not None:
-        bound = -dual_clip * adv  # > 0 where A < 0
-        dual = (adv < 0) & (bound < loss)
-        loss = torch.where(adv < 0, torch.min(loss, bound), loss)
-    return loss, surr_clipped < surr, dual
-
-
 def is_weight(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, mode: str,
               threshold: tuple[float, float] = (0.5, 5.0)) -> Tensor:  # fmt: skip
     """Importance weight (detached) correcting for the rollout engine's log-probs, w = exp(old_logp − rollout_logp),
@@ -288,6 +211,8 @@ def is_weight(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, mode: str,
     exp(mean_t log w) is outside [lo, hi] (as OpenRLHF). (B, T) each -> (B, T)."""
     if mode not in IS_CORRECTIONS:
         raise ValueError(f"unknown is_correction {mode!r}; valid: None, {', '.join(IS_CORRECTIONS)}")
+    if rollout_logp is None:
+        raise ValueError(f"is_correction={mode!r} needs rollout_logp (the inference engine's log-probs)")
     mask = mask.bool()
     lo, hi = threshold
     log_w = _keep(_keep(old_logp, mask).detach() - _keep(rollout_logp, mask).detach(), mask)

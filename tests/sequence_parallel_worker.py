@@ -204,9 +204,7 @@ def main(out: str) -> None:
         episodes.append(Episode({}, prompt, response, [-2.0] * len(response), [1] * len(response), False))
     seqs = rl.sequences(episodes, 0, torch.device("cpu"))
     mask = seqs["loss_mask"]
-    args = grpo.Args()
-    args.actor.entropy_coef, args.actor.clip_low, args.actor.clip_high = 0.01, 0.1, 0.1
-    agg = rl.agg_kwargs(mask, list(range(len(episodes))), args)
+    norm = {"num_tokens": mask.sum().item(), "num_seqs": len(episodes)}
     adv = torch.linspace(-1, 1, len(episodes))[:, None].expand_as(mask).float()
     wiggle = 0.3 * torch.sin(torch.arange(mask.numel()).view(mask.shape).float()) * mask
 
@@ -214,7 +212,8 @@ def main(out: str) -> None:
         assert (sp.sp_group(m) is not None) == use_sp  # forward_logp splits the tokens for the SP model only
         logp, ent = rl.forward_logp(m, seqs, temperature=0.7, entropy=True)
         old = logp.detach() + wiggle
-        return grpo.policy_loss(logp, old, old - 0.1 * mask, ent, adv, seqs, args, kl_coef=0.2, agg=agg)[0]
+        return grpo.policy_loss(logp, old, adv, mask, clip_low=0.1, clip_high=0.1, ref_logp=old - 0.1 * mask,
+                                kl_coef=0.2, ent=ent, entropy_coef=0.01, **norm)[0]  # fmt: skip
 
     compare("grpo", ref, model, grpo_loss, group, results)
 

@@ -18,10 +18,9 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
 
 def _args(**sections):
-    """A stand-in for a script's Args with the fields `group_layout` reads."""
+    """A stand-in for a script's Args with the fields `group_layout` reads (none of the script's `--algo.*`)."""
     base = {
         "train": SimpleNamespace(ranks=1),
-        "algo": SimpleNamespace(kl_coef=0.05),
         "ref": SimpleNamespace(ranks=None, colocate=True),
         "reward": SimpleNamespace(ranks=None, colocate=True, model=None),
     }
@@ -31,16 +30,16 @@ def _args(**sections):
 
 
 def test_group_layout_and_its_refusals():
-    assert rl.group_layout(_args()) == {} and not rl.needs_launch(_args())
-    layout = rl.group_layout(_args(ref={"ranks": 2, "colocate": False}, reward={"ranks": 1, "model": "rm"}))
+    assert rl.group_layout(_args(), uses_ref=True) == {} and not rl.needs_launch(_args(), uses_ref=True)
+    layout = rl.group_layout(_args(ref={"ranks": 2, "colocate": False}, reward={"ranks": 1, "model": "rm"}), True)
     assert layout == {"ref": (2, False), "reward": (1, True)}
-    assert rl.needs_launch(_args(ref={"ranks": 1}))  # a one-process run is launched through Ray for its groups
-    with pytest.raises(ValueError, match=r"--ref.ranks 1: there is no reference to place \(--algo.kl-coef 0\)"):
-        rl.group_layout(_args(ref={"ranks": 1}, algo={"kl_coef": 0.0}))
+    assert rl.needs_launch(_args(ref={"ranks": 1}), True)  # a one-process run is launched through Ray for its groups
+    with pytest.raises(ValueError, match=r"--ref.ranks 1: there is no reference to place \(the KL term is off"):
+        rl.group_layout(_args(ref={"ranks": 1}), uses_ref=False)  # the script says whether its KL term is on
     with pytest.raises(ValueError, match=r"--reward.ranks 2: only for a reward model \(--reward.model PATH\)"):
         rl.group_layout(_args(reward={"ranks": 2}))
     with pytest.raises(ValueError, match=r"--ref.ranks 3 colocated: .*--train.ranks 2.*--ref.no-colocate"):
-        rl.group_layout(_args(train={"ranks": 2}, ref={"ranks": 3}))
+        rl.group_layout(_args(train={"ranks": 2}, ref={"ranks": 3}), True)
 
 
 @pytest.fixture(scope="module")

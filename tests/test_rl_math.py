@@ -22,7 +22,6 @@ from core.rl_math import (
     masked_mean,
     masked_whiten,
     overlong_penalty,
-    policy_loss,
     token_rewards,
     value_loss,
 )
@@ -159,82 +158,6 @@ def test_aggregate_loss_gradients_hand():
     assert_close(grad, mask / 9.0)
 
 
-def _policy_hand_inputs():
-    # ratios 1.5, 0.5, 1.0 with A = +1, -1, +2
-    old = torch.log(t([0.2, 0.4, 0.5]))
-    logp = torch.log(t([0.3, 0.2, 0.5])).requires_grad_()
-    return logp, old, t([1.0, -1.0, 2.0]), torch.ones(1, 3, dtype=torch.bool)
-
-
-def test_policy_loss_token_hand():
-    logp, old, adv, mask = _policy_hand_inputs()
-    loss, stats = policy_loss(logp, old, adv, mask)
-    # t0: ρ=1.5, A=+1: min(1.5, 1.2) = 1.2 (clipped)    -> ℓ = -1.2, no gradient
-    # t1: ρ=0.5, A=-1: min(-0.5, -0.8) = -0.8 (clipped) -> ℓ = +0.8, no gradient
-    # t2: ρ=1,   A=+2: ℓ = -2, ∂ℓ/∂logp = -ρA = -2
-    # token mean: (-1.2 + 0.8 - 2) / 3 = -0.8; gradient [0, 0, -2/3]; clipfrac 2/3
-    assert_close(loss, -0.8)
-    (grad,) = torch.autograd.grad(loss, logp)
-    assert_close(grad, [[0.0, 0.0, -2.0 / 3.0]])
-    assert_close(stats["clipfrac"], 2.0 / 3.0)
-    # approx_kl to the old policy, k3 = ρ - 1 - log ρ per token: 0.5 - ln 1.5, -0.5 + ln 2, 0
-    assert_close(stats["approx_kl"], (0.5 - math.log(1.5) - 0.5 + math.log(2.0)) / 3.0)
-    assert all(not v.requires_grad for v in stats.values())
-    # clip-higher (clip_high = 0.6): t0 now unclipped, ℓ = -1.5 -> (-1.5 + 0.8 - 2) / 3 = -0.9, ∂/∂logp_0 = -1.5/3
-    loss, stats = policy_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.6)
-    assert_close(loss, -0.9)
-    (grad,) = torch.autograd.grad(loss, logp)
-    assert_close(grad, [[-0.5, 0.0, -2.0 / 3.0]])
-    assert_close(stats["clipfrac"], 1.0 / 3.0)
-
-
-def test_policy_loss_ratio_is_clamped_at_e20():
-    # log-ratio 100 with A = -1: ρ = e^min(100, 20) = e^20, ℓ = -min(-e^20, -1.2) = e^20 (fp32: no inf), no gradient
-    old = torch.zeros(1, 1)
-    logp = torch.full((1, 1), 100.0, requires_grad=True)
-    loss, _ = policy_loss(logp, old, -torch.ones(1, 1), torch.ones(1, 1, dtype=torch.bool))
-    assert_close(loss, math.exp(20.0), rtol=1e-6, atol=0)
-    (grad,) = torch.autograd.grad(loss, logp)
-    assert grad.item() == 0.0
-
-
-def test_policy_loss_dual_clip_hand():
-    old = torch.zeros(1, 2, dtype=F64)
-    logp = torch.log(t([5.0, 5.0])).requires_grad_()  # ρ = 5 on both tokens
-    adv, mask = t([-1.0, 1.0]), torch.ones(1, 2, dtype=torch.bool)
-    loss_plain, _ = policy_loss(logp, old, adv, mask)
-    loss_dual, stats = policy_loss(logp, old, adv, mask, dual_clip=3.0)
-    # A=-1: plain ℓ = -min(-5, -1.2) = 5; dual ℓ = min(5, -3*(-1)) = 3.   A=+1: ℓ = -min(5, 1.2) = -1.2 in both
-    assert_close(loss_plain, (5.0 - 1.2) / 2)
-    assert_close(loss_dual, (3.0 - 1.2) / 2)
-    assert_close(stats["dual_clipfrac"], 0.5)
-    for bad in (1.0, 0.5):
-        with pytest.raises(ValueError, match="dual_clip must be > 1"):
-            policy_loss(logp, old, adv, mask, dual_clip=bad)
-
-
-def test_policy_loss_sequence_level_hand():
-    # row 0: log-ratios [0.1, 0.3] -> mean 0.2, ρ = e^0.2 = 1.221 > 1.2, A = +1 -> clipped: ℓ = -1.2 on both tokens
-    # row 1: log-ratios [0.3, -0.3] -> mean 0, ρ = 1, A = -2 -> ℓ = 2 on both tokens
-    # seq-mean-token-mean: (-1.2 + 2) / 2 = 0.4
-    # gradient: row 0 is clipped -> 0; row 1: each ℓ_t sees logp_s through the mean, ∂ℓ_t/∂logp_s = -ρA/2 = 1;
-    # both ℓ_t of the row, weight 1/(2 rows * 2 tokens) each: 2 * 1 / 4 = 0.5 per token
-    old = torch.full((2, 2), -1.0, dtype=F64)
-    logp = (old + t([0.1, 0.3], [0.3, -0.3])).requires_grad_()
-    adv = t([1.0, 1.0], [-2.0, -2.0])
-    mask = torch.ones(2, 2, dtype=torch.bool)
-    loss, stats = policy_loss(logp, old, adv, mask, level="sequence", agg="seq-mean-token-mean")
-    assert_close(loss, 0.4)
-    (grad,) = torch.autograd.grad(loss, logp)
-    assert_close(grad, [[0.0, 0.0], [0.5, 0.5]])
-    assert_close(stats["clipfrac"], 0.5)
-    # token level on the same data differs: row 0 token 0 (ρ = e^0.1 = 1.105) is no longer clipped
-    loss_tok, _ = policy_loss(logp, old, adv, mask, level="token", agg="seq-mean-token-mean")
-    assert not torch.isclose(loss_tok, loss)
-    with pytest.raises(ValueError, match="'seq'"):
-        policy_loss(logp, old, adv, mask, level="seq")
-
-
 def test_value_loss_hand():
     values = t([1.0, 2.0]).requires_grad_()
     old_values, returns, mask = t([0.5, 2.0]), t([2.0, 1.0]), torch.ones(1, 2, dtype=torch.bool)
@@ -314,106 +237,9 @@ def test_kl_controller_resumes_exactly(cls, args):
 # ----------------------------------------------------------------------------------------------------------------------
 
 
-def _is_inputs(w_rows):
-    """ratio 1 (logp = old), A = 1, so the per-token loss is -weight; w = exp(old - rollout) as given."""
-    w = t(*w_rows)
-    old = torch.full_like(w, math.log(0.5))
-    return old.clone().requires_grad_(), old, torch.ones_like(w), torch.ones_like(w, dtype=torch.bool), old - w.log()
-
-
-def test_is_correction_tis_clamps():
-    logp, old, adv, mask, rollout = _is_inputs([[0.25, 1.0, 8.0]])
-    loss, stats = policy_loss(logp, old, adv, mask, rollout_logp=rollout, is_correction="tis", is_threshold=(0.5, 5))
-    # weights clamp([0.25, 1, 8], 0.5, 5) = [0.5, 1, 5] -> loss -(0.5 + 1 + 5)/3; ∂/∂logp_t = -A ρ w_t / 3
-    assert_close(loss, -6.5 / 3)
-    assert_close(stats["is_weight_mean"], 6.5 / 3)
-    (grad,) = torch.autograd.grad(loss, logp)
-    assert_close(grad, [[-0.5 / 3, -1.0 / 3, -5.0 / 3]])
-
-
-def test_is_correction_icepop_zeroes_out_of_band():
-    logp, old, adv, mask, rollout = _is_inputs([[0.25, 1.0, 8.0]])
-    loss, _ = policy_loss(logp, old, adv, mask, rollout_logp=rollout, is_correction="icepop")
-    # weights [0, 1, 0]: out-of-band tokens contribute neither loss nor gradient
-    assert_close(loss, -1.0 / 3)
-    (grad,) = torch.autograd.grad(loss, logp)
-    assert_close(grad, [[0.0, -1.0 / 3, 0.0]])
-
-
-def test_is_correction_seq_mask_tis_masks_whole_sequences():
-    # row 0: w = [2, 8], geometric mean 4 in [0.5, 5] -> kept, weights [2, 8] (8 alone would be out of band)
-    # row 1: w = [8, 8], geometric mean 8 -> the whole sequence is dropped
-    # row 2: w = [0.1, 10], geometric mean 1 -> kept, weights [0.1, 10]
-    # token mean over 6 tokens: -(2 + 8 + 0.1 + 10) / 6
-    logp, old, adv, mask, rollout = _is_inputs([[2.0, 8.0], [8.0, 8.0], [0.1, 10.0]])
-    loss, _ = policy_loss(logp, old, adv, mask, rollout_logp=rollout, is_correction="seq-mask-tis")
-    assert_close(loss, -20.1 / 6)
-    (grad,) = torch.autograd.grad(loss, logp)
-    assert_close(grad, [[-2 / 6, -8 / 6], [0.0, 0.0], [-0.1 / 6, -10 / 6]])
-
-
-def test_is_correction_argument_errors():
-    logp, old, adv, mask, rollout = _is_inputs([[1.0]])
-    with pytest.raises(ValueError, match="needs rollout_logp"):
-        policy_loss(logp, old, adv, mask, is_correction="tis")
-    with pytest.raises(ValueError, match="'tis2'"):
-        policy_loss(logp, old, adv, mask, rollout_logp=rollout, is_correction="tis2")
-
-
 # ----------------------------------------------------------------------------------------------------------------------
 # properties
 # ----------------------------------------------------------------------------------------------------------------------
-
-
-def test_zero_variance_group_gives_zero_advantage_and_no_gradient():
-    # two GRPO-style groups of 4 responses: group 0 all rewarded 0.7 (no signal), group 1 mixed
-    rewards = t([0.7, 0.7, 0.7, 0.7], [0.0, 1.0, 0.0, 1.0])
-    ones = torch.ones(4, dtype=torch.bool)
-    seq_adv = torch.stack([masked_whiten(group, ones) for group in rewards]).reshape(8)  # per-group (r - mean)/std
-    assert_close(seq_adv[:4], torch.zeros(4), atol=1e-6, rtol=0)
-    assert_close(seq_adv[4:], [-1.0, 1.0, -1.0, 1.0], atol=1e-6, rtol=0)
-    assert_close(torch.stack([masked_whiten(g, ones, scale_by_std=False) for g in rewards])[0], torch.zeros(4))
-    # downstream: broadcast to tokens; the zero-variance group gets no loss and no gradient
-    gen = torch.Generator().manual_seed(1)
-    mask = lengths_mask([3, 5, 1, 4, 5, 2, 3, 4], 5)
-    old = torch.randn(8, 5, dtype=F64, generator=gen)
-    logp = (old + 0.3 * torch.randn(8, 5, dtype=F64, generator=gen)).requires_grad_()
-    loss, _ = policy_loss(logp, old, seq_adv[:, None].expand(8, 5), mask)
-    (grad,) = torch.autograd.grad(loss, logp)
-    assert_close(grad[:4], torch.zeros(4, 5), atol=1e-9, rtol=0)
-    assert (grad[4:][mask[4:]] != 0).all()
-
-
-@pytest.mark.parametrize("level", ["token", "sequence"])
-def test_ratio_one_gives_no_clipping(level):
-    gen = torch.Generator().manual_seed(2)
-    mask = lengths_mask([4, 2, 0], 4)
-    old = torch.randn(3, 4, dtype=F64, generator=gen)
-    adv = torch.randn(3, 4, dtype=F64, generator=gen)
-    loss, stats = policy_loss(old.clone(), old, adv, mask, clip_low=0.0, clip_high=0.0, level=level)
-    assert stats["clipfrac"] == 0.0
-    assert stats["approx_kl"] == 0.0
-    assert_close(loss, -masked_mean(adv, mask))  # ρ = 1: ℓ = -A
-
-
-def test_dual_clip_never_increases_loss_and_leaves_positive_advantages_alone():
-    for seed in range(5):
-        gen = torch.Generator().manual_seed(seed)
-        mask = lengths_mask([6, 3, 5, 1], 6)
-        old = torch.randn(4, 6, dtype=F64, generator=gen)
-        logp = old + 2.0 * torch.randn(4, 6, dtype=F64, generator=gen)  # ratios up to e^±6: the dual clip bites
-        adv = torch.randn(4, 6, dtype=F64, generator=gen)
-        # per-token losses: a one-token mask per position, so each call returns that token's ℓ
-        for b, tt in mask.nonzero().tolist():
-            one = torch.zeros_like(mask)
-            one[b, tt] = True
-            plain, _ = policy_loss(logp, old, adv, one)
-            dual, _ = policy_loss(logp, old, adv, one, dual_clip=3.0)
-            assert dual <= plain
-            if adv[b, tt] >= 0:
-                assert dual == plain
-        _, stats = policy_loss(logp, old, adv, mask, dual_clip=3.0)
-        assert stats["dual_clipfrac"] > 0
 
 
 # one entry per function that takes a mask: (number of (B, T) inputs, fn(inputs, mask) -> list of output tensors)
@@ -428,15 +254,6 @@ MASKED_FNS = {
     **{
         f"aggregate_loss_{mode}": (1, lambda x, m, mode=mode: [aggregate_loss(x[0], m, mode)])
         for mode in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-    },
-    "policy_loss_token_dual": (3, lambda x, m: _flat(policy_loss(x[0], x[1], x[2], m, dual_clip=3.0))),
-    "policy_loss_sequence": (
-        3,
-        lambda x, m: _flat(policy_loss(x[0], x[1], x[2], m, level="sequence", agg="seq-mean-token-mean")),
-    ),
-    **{
-        f"policy_loss_{c}": (4, lambda x, m, c=c: _flat(policy_loss(*x[:3], m, rollout_logp=x[3], is_correction=c)))
-        for c in ("tis", "icepop", "seq-mask-tis")
     },
     "value_loss_clipped": (3, lambda x, m: _flat(value_loss(x[0], x[1], x[2], m, clip_eps=0.2))),
 }
@@ -570,44 +387,6 @@ def test_micro_batches_add_up_to_the_whole_batch(mode):
         assert not torch.isclose(local, whole)
 
 
-def test_policy_loss_micro_batches_with_num_tokens_equal_whole_batch():
-    gen = torch.Generator().manual_seed(5)
-    mask = lengths_mask([4, 2, 3, 1], 4)
-    old = torch.randn(4, 4, dtype=F64, generator=gen)
-    logp = (old + 0.5 * torch.randn(4, 4, dtype=F64, generator=gen)).requires_grad_()
-    adv = torch.randn(4, 4, dtype=F64, generator=gen)
-    whole, _ = policy_loss(logp, old, adv, mask)
-    (grad_whole,) = torch.autograd.grad(whole, logp)
-    n = mask.sum()
-    parts = [
-        policy_loss(logp[i : i + 2], old[i : i + 2], adv[i : i + 2], mask[i : i + 2], num_tokens=n)[0] for i in (0, 2)
-    ]
-    (grad_parts,) = torch.autograd.grad(sum(parts), logp)
-    assert_close(sum(parts), whole)
-    assert_close(grad_parts, grad_whole)
-
-
-def test_sequence_level_equals_gspo_objective():
-    # GSPO: ρ_i = exp(mean_t(logp - old)), ℓ_i = -min(ρ_i A_i, clip(ρ_i) A_i), differentiated through the mean
-    gen = torch.Generator().manual_seed(6)
-    mask = lengths_mask([5, 2, 4, 1, 3], 5)
-    old = torch.randn(5, 5, dtype=F64, generator=gen)
-    logp = (old + 0.2 * torch.randn(5, 5, dtype=F64, generator=gen)).requires_grad_()
-    seq_adv = torch.randn(5, dtype=F64, generator=gen)
-    adv = seq_adv[:, None].expand(5, 5)
-    rho = torch.exp(masked_mean(logp - old, mask, dim=-1))
-    per_seq = -torch.min(rho * seq_adv, rho.clamp(1 - 0.05, 1 + 0.05) * seq_adv)  # (B,)
-    n_tokens = mask.sum(-1)
-    for agg, direct in [
-        ("seq-mean-token-mean", per_seq.mean()),
-        ("token-mean", (per_seq * n_tokens).sum() / n_tokens.sum()),
-    ]:
-        ours, stats = policy_loss(logp, old, adv, mask, clip_low=0.05, clip_high=0.05, level="sequence", agg=agg)
-        assert 0 < stats["clipfrac"] < 1  # some sequences clipped, some not
-        assert_close(ours, direct)
-        assert_close(torch.autograd.grad(ours, logp)[0], torch.autograd.grad(direct, logp, retain_graph=True)[0])
-
-
 # ----------------------------------------------------------------------------------------------------------------------
 # gradients against finite differences (float64)
 # ----------------------------------------------------------------------------------------------------------------------
@@ -619,26 +398,6 @@ def _grad_inputs(seed, spread):
     old = torch.randn(3, 4, dtype=F64, generator=gen)
     new = (old + spread * torch.randn(3, 4, dtype=F64, generator=gen)).requires_grad_()
     return gen, mask, old, new
-
-
-@pytest.mark.parametrize(
-    "kwargs",
-    [
-        {},
-        {"clip_high": 0.28, "dual_clip": 3.0},
-        {"level": "sequence", "agg": "seq-mean-token-mean", "clip_low": 0.05, "clip_high": 0.05},
-        {"is_correction": "tis", "agg": "seq-mean-token-sum-norm"},
-    ],
-)
-def test_policy_loss_gradcheck_with_clipping_active(kwargs):
-    gen, mask, old, logp = _grad_inputs(7, spread=0.4)
-    adv = torch.randn(3, 4, dtype=F64, generator=gen)
-    rollout = old + 0.5 * torch.randn(3, 4, dtype=F64, generator=gen)
-    if kwargs.get("is_correction"):
-        kwargs = {**kwargs, "rollout_logp": rollout}
-    _, stats = policy_loss(logp, old, adv, mask, **kwargs)
-    assert 0 < stats["clipfrac"] < 1
-    assert torch.autograd.gradcheck(lambda lp: policy_loss(lp, old, adv, mask, **kwargs)[0], (logp,))
 
 
 def test_value_loss_gradcheck_with_clipping_active():

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import f32_rtol
 
 from agents.executor import Episode
-from conftest import f32_rtol
 from algos import grpo
 from core import models, packing, rl
 from core.config import ModelConfig
@@ -92,8 +92,6 @@ def test_token_budget_micro_batches_cover_the_minibatch_once_within_the_budget(w
 
 def test_packed_equals_padded_logprobs_loss_and_gradients(policy, tokenizer):
     episodes = mixed_rollout(len(tokenizer))
-    args = grpo.Args()
-    args.actor.entropy_coef, args.actor.clip_low, args.actor.clip_high = 0.01, 0.1, 0.1
     out = {}
     for packed in (True, False):
         seqs = rl.sequences(episodes, tokenizer.pad_token_id, torch.device("cpu"), packed)
@@ -102,8 +100,9 @@ def test_packed_equals_padded_logprobs_loss_and_gradients(policy, tokenizer):
         logp, ent = rl.forward_logp(policy, seqs, temperature=0.7, entropy=True)
         old = logp.detach() + 0.3 * torch.sin(torch.arange(mask.numel()).view(mask.shape).float()) * mask
         adv = torch.linspace(-1, 1, len(episodes))[:, None].expand_as(mask).float()
-        agg = rl.agg_kwargs(mask, list(range(len(episodes))), args)
-        loss, _ = grpo.policy_loss(logp, old, old - 0.1 * mask, ent, adv, seqs, args, kl_coef=0.2, agg=agg)
+        norm = {"num_tokens": mask.sum().item(), "num_seqs": len(episodes)}
+        loss, _ = grpo.policy_loss(logp, old, adv, mask, clip_low=0.1, clip_high=0.1, ref_logp=old - 0.1 * mask,
+                                   kl_coef=0.2, ent=ent, entropy_coef=0.01, **norm)  # fmt: skip
         loss.backward()
         out[packed] = (logp.detach(), ent.detach(), loss.item(), {n: p.grad.clone() for n, p in policy.named_parameters()})
     (lp1, e1, l1, g1), (lp0, e0, l0, g0) = out[True], out[False]

@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import f32_rtol
 
 from core import embedded
 from core import sequence_parallel as sp
 from core.engine import free_port
-from conftest import f32_rtol
 
 ROOT = Path(__file__).resolve().parents[1]
 WORKER = Path(__file__).with_name("sequence_parallel_worker.py")

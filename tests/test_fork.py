@@ -1,0 +1,103 @@
+"""What you fork is what trains: every algorithm choice of an RL script lives in the script. Core reads none of a
+script's `--algo.*` fields (a copy with every `AlgoArgs` field renamed still runs), the scripts log the same names for
+what they share, and a step whose filter dropped every sample says so instead of passing silently."""
+
+from __future__ import annotations
+
+import ast
+import importlib.util
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+RL_SCRIPTS = ("grpo", "rloo", "reinforce_pp", "grpo_async", "ppo")
+# what every RL script logs for what they share (loss/kl: with the KL term on; loss/entropy: with the bonus on)
+SHARED = {"rollout/reward_mean", "rollout/response_len_mean", "rollout/truncated_frac", "rollout/kept_frac",
+          "train/grad_norm", "train/tokens", "train/lr", "train/kl_coef", "perf/gen_s", "perf/train_s", "perf/sync_s",
+          "perf/tokens_per_s", "loss/policy", "loss/clipfrac", "loss/entropy", "loss/kl"}  # fmt: skip
+
+
+def test_core_reads_no_field_a_script_owns():
+    """No `args.algo` (nor `.algo.` through another name) in core/: a script passes its choices as values."""
+    found = [f"{p.name}:{i}" for p in sorted((ROOT / "core").glob("*.py"))
+             for i, line in enumerate(p.read_text().splitlines(), 1)
+             if re.search(r"\.algo\b", line.split("#")[0]) and "`args.algo`" not in line]  # fmt: skip
+    assert not found, found
+
+
+def renamed_copy(script: str, folder: Path) -> tuple[object, dict[str, str]]:
+    """`algos/<script>.py` copied with every `AlgoArgs` field renamed `x_<field>` (its declaration and every
+    `args.algo.<field>`), imported. Returns the module and {old: new}."""
+    text = (ROOT / "algos" / f"{script}.py").read_text()
+    (cls,) = [n for n in ast.parse(text).body if isinstance(n, ast.ClassDef) and n.name == "AlgoArgs"]
+    fields = [n.target.id for n in cls.body if isinstance(n, ast.AnnAssign)]
+    lines = text.splitlines(keepends=True)
+    for n in cls.body:  # the declarations
+        if isinstance(n, ast.AnnAssign):
+            i = n.lineno - 1
+            lines[i] = lines[i].replace(f"{n.target.id}:", f"x_{n.target.id}:", 1)
+    text = "".join(lines)
+    for f in fields:
+        text = re.sub(rf"\bargs\.algo\.{f}\b", f"args.algo.x_{f}", text)
+    path = folder / f"{script}_renamed.py"
+    path.write_text(text)
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[path.stem] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module, {f: f"x_{f}" for f in fields}
+
+
+@pytest.mark.slow
+def test_copies_with_renamed_algo_fields_run_and_log_the_same_names(tmp_path, one_thread):
+    """Each RL script, copied with its `AlgoArgs` fields renamed, runs one step with the KL term and the entropy bonus
+    on (core would fail on a field it reads by name), and every script logs the shared names."""
+    names = {}
+    for script in RL_SCRIPTS:
+        module, renamed = renamed_copy(script, tmp_path)
+        assert len(renamed) >= 5, renamed
+        args = module.Args()
+        assert args.exp_name == f"{script}_renamed"  # a copy names its own runs
+        args.train.max_steps, args.rollout.batch_size, args.rollout.n_samples = 1, 8, 4
+        args.eval.every, args.eval.max_samples = 0, 8
+        args.actor.entropy_coef = 0.01
+        args.algo.x_kl_coef = 0.05
+        if hasattr(args.algo, "x_filter_zero_variance"):
+            args.algo.x_filter_zero_variance = False  # a step that trains, whatever the 8 samples score
+        args.logger.quiet, args.logger.tensorboard = True, False
+        args.run_dir = str(tmp_path / script)
+        summary = module.main(args)
+        assert summary["steps"] == 1 and summary["steps_without_update"] == 0, summary
+        (row,) = [json.loads(line) for line in open(tmp_path / script / "metrics.jsonl") if '"step": 1' in line]
+        names[script] = set(row)
+    for script, logged in names.items():
+        assert SHARED <= logged, (script, sorted(SHARED - logged))
+
+
+@pytest.mark.slow
+def test_a_step_that_trains_nothing_says_so(tmp_path, one_thread, capsys):
+    """A reward that scores every sample alike: every group is dropped by the zero-variance filter, nothing trains.
+    The console warns at the first such step, the metrics say kept_frac 0 with no loss, the summary counts the steps."""
+    from algos import grpo
+
+    reward = tmp_path / "flat.py"
+    reward.write_text("def reward_func(queries, prompts, labels):\n    return [0.5] * len(queries)\n")
+    args = grpo.Args()
+    args.train.max_steps, args.rollout.batch_size, args.rollout.n_samples = 2, 8, 4
+    args.eval.every, args.eval.max_samples = 0, 8
+    args.reward.func = str(reward)
+    args.logger.tensorboard = False
+    args.run_dir = str(tmp_path / "run")
+    summary = grpo.main(args)
+    assert summary["steps_without_update"] == 2, summary
+    rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    trained = [r for r in rows if r["step"] > 0]
+    assert [r["rollout/kept_frac"] for r in trained] == [0.0, 0.0]
+    assert not any("loss/policy" in r for r in trained)
+    out = capsys.readouterr().out
+    assert out.count("trained nothing") == 1 and "every group was filtered out" in out, out[-2000:]
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps_without_update"] == 2
