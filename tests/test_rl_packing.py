@@ -3,6 +3,7 @@
 checked against the right-padded path (`--train.no-packing`) in float32: log-probs, entropies, losses, gradients, and
 whole GRPO/PPO updates (actor, critic, reference) on one and two ZeRO-3 ranks."""
 
+import importlib
 import json
 import os
 import random
@@ -15,7 +16,6 @@ import torch
 from conftest import f32_rtol
 
 from agents.executor import Episode
-from algos import grpo
 from core import models, packing, rl
 from core.config import ModelConfig
 from core.engine import free_port
@@ -90,7 +90,14 @@ def test_token_budget_micro_batches_cover_the_minibatch_once_within_the_budget(w
     assert all(len(m) <= 4 for r in range(world) for m, _ in shard_minibatch(rows, r, world, 4))
 
 
-def test_packed_equals_padded_logprobs_loss_and_gradients(policy, tokenizer):
+LOSSES = {"grpo": {"clip_low": 0.1, "clip_high": 0.1}, "cispo": {"clip_low": 1.0, "clip_high": 0.5},
+          "sapo": {"tau_pos": 1.0, "tau_neg": 1.05}}  # fmt: skip
+
+
+@pytest.mark.parametrize("script", sorted(LOSSES))
+def test_packed_equals_padded_logprobs_loss_and_gradients(policy, tokenizer, script):
+    """Each script's own loss (its surrogate, the KL and entropy terms) on the packed and the padded forward."""
+    policy_loss = importlib.import_module(f"algos.{script}").policy_loss
     episodes = mixed_rollout(len(tokenizer))
     out = {}
     for packed in (True, False):
@@ -101,8 +108,8 @@ def test_packed_equals_padded_logprobs_loss_and_gradients(policy, tokenizer):
         old = logp.detach() + 0.3 * torch.sin(torch.arange(mask.numel()).view(mask.shape).float()) * mask
         adv = torch.linspace(-1, 1, len(episodes))[:, None].expand_as(mask).float()
         norm = {"num_tokens": mask.sum().item(), "num_seqs": len(episodes)}
-        loss, _ = grpo.policy_loss(logp, old, adv, mask, clip_low=0.1, clip_high=0.1, ref_logp=old - 0.1 * mask,
-                                   kl_coef=0.2, ent=ent, entropy_coef=0.01, **norm)  # fmt: skip
+        loss, _ = policy_loss(logp, old, adv, mask, ref_logp=old - 0.1 * mask, kl_coef=0.2, ent=ent, entropy_coef=0.01,
+                              **LOSSES[script], **norm)  # fmt: skip
         loss.backward()
         out[packed] = (logp.detach(), ent.detach(), loss.item(), {n: p.grad.clone() for n, p in policy.named_parameters()})
     (lp1, e1, l1, g1), (lp0, e0, l0, g0) = out[True], out[False]
