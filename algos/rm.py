@@ -45,7 +45,7 @@ import tyro
 from core import checkpoint, data, models, packing
 from core import engine as ds_engine
 from core.config import CkptConfig, DataConfig, DSConfig, LoggerConfig, ModelConfig, check_args
-from core.logger import RunLogger, run_name, timer
+from core.logger import RunLogger, lock_run_dir, run_name, timer
 
 
 @dataclass
@@ -245,6 +245,7 @@ def main(args: Args) -> dict:
 
     run_dir = Path(args.run_dir or Path(args.logger.run_root) / run_name(args.exp_name, args.train.seed))
     ckpt_dir = Path(args.ckpt.dir or run_dir / "checkpoints")
+    lock_run_dir(run_dir, enabled=rank == 0)  # PLUMBING: one run writes a run folder: a second one is refused here
     # PLUMBING: resume from the newest intact checkpoint (flags checked against config.json); (0, {}) if new
     start_step, client = checkpoint.resume({"model": engine}, ckpt_dir, run_dir, args)
     logger = RunLogger(args.logger, run_dir, args, args.train.max_steps, enabled=rank == 0, resume_step=start_step)

@@ -72,7 +72,8 @@ class DataConfig:
     skipped and counted (or raise, see on-bad-row). None: the model's context, `max_position_embeddings` of its
     config; a larger value is an error. (The functions of core/data.py check no length when it is None.)"""
     on_bad_row: Literal["skip", "raise"] = "skip"
-    """bad rows (missing key, empty text, too long): skip and count them in the log, or raise naming file/row/key."""
+    """bad rows (missing key, empty text, too long, a JSONL line that is not UTF-8 text): skip and count them in the
+    log, or raise naming file/row/key (or line)."""
     image_key: str | None = None
     """field holding each row's picture (a file path or a base64 PNG/JPEG) for a vision-language model (Qwen2-VL
     style, e.g. `cleanrlhf/tiny-vl` on `cleanrlhf/shapes`): it goes in front of the prompt (core/vision.py). Batches
@@ -280,7 +281,7 @@ class TrainArgs:
 @dataclass
 class EvalArgs:
     every: int = 10
-    """evaluate every N steps (and at the start and end); 0 disables."""
+    """evaluate every N steps (and at the start and end); 0 disables every eval, the start and end included."""
     max_samples: int = 500
     """eval prompts."""
     k: int = 4

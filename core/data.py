@@ -2,15 +2,16 @@
 examples, mix several sources, and cut deterministic batches.
 
 Every user mistake becomes one `ValueError` naming the file, the row and the key. Bad rows (missing key, empty text,
-too long after tokenization) are skipped and counted, or raise, as `--data.on-bad-row` says. "Too long" is measured
-against `--data.max-len`, which the scripts first resolve against the model's context (`resolve_max_len`).
+too long after tokenization, a JSONL line that is not UTF-8 text) are skipped and counted, or raise naming the file
+and row (or line), as `--data.on-bad-row` says. "Too long" is measured against `--data.max-len`, which the scripts
+first resolve against the model's context (`resolve_max_len`).
 """
 
 from __future__ import annotations
 
 import json
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -60,15 +61,45 @@ def _too_long(key: str, n: int, cfg: DataConfig, what: str = "tokens", reserve: 
 
 @dataclass
 class Source:
-    """One loaded data file (or hub split): `name` is what error messages cite."""
+    """One loaded data file (or hub split): `name` is what error messages cite. `bad_lines`: the lines of a JSONL
+    file that were not UTF-8 text, left out of `rows` ("<file>: line <n>: ..."); `build_examples` skips and counts
+    them, or raises, as `--data.on-bad-row` says."""
 
     name: str
     rows: object  # datasets.Dataset
+    bad_lines: list[str] = field(default_factory=list)
 
 
-def _check_json_file(path: Path) -> None:
-    """Parse every line of a .jsonl (or the whole .json) so a malformed line is reported by file and line."""
-    text = path.read_text()
+NOT_UTF8 = "not UTF-8 text"
+
+
+def _read_json_text(path: Path) -> tuple[str, list[tuple[int, str]]]:
+    """The file's text and its lines that are not UTF-8, as (line number, "<file>: line <n>: not UTF-8 text (...)"),
+    each replaced by an empty line so that the line numbers stay and JSONL readers see no row there. A JSON array
+    file cannot lose a line: any such byte in it is a ValueError naming the file and line."""
+    raw = path.read_bytes()
+    try:
+        return raw.decode("utf-8"), []
+    except UnicodeDecodeError:
+        pass
+    lines, bad = [], []
+    for lineno, line in enumerate(raw.split(b"\n"), start=1):
+        try:
+            lines.append(line.decode("utf-8"))
+        except UnicodeDecodeError as e:
+            lines.append("")
+            bad.append((lineno, f"{path}: line {lineno}: {NOT_UTF8} (byte 0x{line[e.start]:02x} at column "
+                                f"{e.start + 1}: {e.reason})"))  # fmt: skip
+    text = "\n".join(lines)
+    if path.suffix == ".json" and text.lstrip().startswith("["):
+        raise ValueError(f"{bad[0][1]}; a JSON array file cannot skip a line: fix or re-encode the file as UTF-8")
+    if not text.strip():
+        raise ValueError(f"{path}: no line is UTF-8 text ({len(bad)} lines; first: {bad[0][1]})")
+    return text, bad
+
+
+def _check_json_file(path: Path, text: str) -> None:
+    """Parse every line of a .jsonl (or the whole .json, `text`) so a malformed line is reported by file and line."""
     if path.suffix == ".json" and text.lstrip().startswith("["):
         try:
             rows = json.loads(text)
@@ -115,6 +146,20 @@ def resolve_data(path: str) -> str:
     return embedded.resolve_data(path)
 
 
+def _load_file(datasets, f: Path, text: str | None):
+    """`datasets.load_dataset` of one local file; given `text` (the file with its non-UTF-8 lines blanked), loaded from
+    a cleaned copy instead, kept in memory, with nothing left in the datasets cache."""
+    if text is None:
+        return datasets.load_dataset(DATA_SUFFIXES[f.suffix], data_files=str(f), split="train")
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        clean = Path(tmp) / f.name
+        clean.write_text(text, encoding="utf-8")
+        return datasets.load_dataset(DATA_SUFFIXES[f.suffix], data_files=str(clean), split="train",
+                                     cache_dir=str(Path(tmp) / "cache"), keep_in_memory=True)  # fmt: skip
+
+
 def load_sources(paths: str, split: str, max_samples: int = 100_000_000) -> list[Source]:
     """Load comma-separated datasets; returns one `Source` per file (or per hub dataset)."""
     import datasets
@@ -125,13 +170,18 @@ def load_sources(paths: str, split: str, max_samples: int = 100_000_000) -> list
         resolved = Path(resolve_data(raw)).expanduser()
         if resolved.exists():
             for f in _files_for(resolved, split):
+                text, bad = None, []
                 if DATA_SUFFIXES[f.suffix] == "json":
-                    _check_json_file(f)
+                    text, bad = _read_json_text(f)
+                    _check_json_file(f, text)
                 try:
-                    ds = datasets.load_dataset(DATA_SUFFIXES[f.suffix], data_files=str(f), split="train")
+                    ds = _load_file(datasets, f, text if bad else None)
                 except Exception as e:  # arrow schema errors etc.: name the file, keep the cause
                     raise ValueError(f"{f}: could not be read as a dataset: {e}") from e
-                sources.append(Source(str(f), ds.select(range(min(max_samples, len(ds))))))
+                if bad and len(ds) > max_samples:  # only the bad lines among the rows kept count
+                    rows = [n for n, line in enumerate(text.split("\n"), start=1) if line.strip()]
+                    bad = [(n, msg) for n, msg in bad if n < rows[max_samples]]
+                sources.append(Source(str(f), ds.select(range(min(max_samples, len(ds)))), [msg for _, msg in bad]))
         elif raw.startswith((".", "/", "~")) or Path(raw).suffix in DATA_SUFFIXES:
             raise ValueError(f"{raw}: no such data file or folder")
         else:
@@ -267,7 +317,8 @@ def prompt_example(row: dict, tokenizer, cfg: DataConfig, reserve: int = 0) -> d
     rollout engine.
 
     Labels: a JSON number (int or float, not bool) becomes its text, `42` -> "42", `42.0` -> "42", `2.5` -> "2.5",
-    so rule rewards comparing text (rewards/arithmetic.py) see what the file says. Any other label (text, a list, a
+    so rule rewards comparing text see what the file says (rewards/arithmetic.py compares integers as numbers, so a
+    zero-padded "042" and 42 are one answer). Any other label (text, a list, a
     dict, a bool) is passed through unchanged, for custom reward functions that want structure; rewards/arithmetic.py
     raises naming the type when it gets a label that is neither text nor an int."""
     text = format_prompt(_text(row, cfg.input_key), tokenizer, cfg)
@@ -286,6 +337,10 @@ def build_examples(sources: list[Source], make, cfg: DataConfig, log=print) -> l
     out = []
     for src in sources:
         examples, skipped, first = [], Counter(), None
+        if src.bad_lines:  # lines of the file that were not UTF-8 text: bad rows read before the dataset
+            if cfg.on_bad_row == "raise":
+                raise ValueError(src.bad_lines[0])
+            skipped[NOT_UTF8], first = len(src.bad_lines), src.bad_lines[0]
         for i, row in enumerate(src.rows):
             try:
                 examples.append(make(row))
@@ -296,7 +351,7 @@ def build_examples(sources: list[Source], make, cfg: DataConfig, log=print) -> l
                 skipped[e.kind] += 1
                 first = first or msg
         if skipped:
-            log(f"[data] skipped {sum(skipped.values())} of {len(src.rows)} rows in {src.name} "
+            log(f"[data] skipped {sum(skipped.values())} of {len(src.rows) + len(src.bad_lines)} rows in {src.name} "
                 f"({dict(skipped)}); first: {first}")  # fmt: skip
         if not examples:
             raise ValueError(f"{src.name}: no usable rows (the dataset is empty or every row was bad)")

@@ -6,16 +6,23 @@ A resumed run (`resume_step` > 0) continues the same records: rows and TensorBoa
 run started with and every flag that differs on resume is appended to `config_changes.jsonl`. A run that starts from
 step 0 in a folder that already holds a run moves the old run's files into `previous_<unix time>/`.
 
+A run folder has one writer: before anything in it is moved or written, rank 0 takes `<run>/.lock` (`lock_run_dir`),
+which names its host and pid, and a second run on the folder is refused while the first runs. The lock is released
+when the logger closes (or the process exits); a lock whose process is dead (killed on this host) is taken over with
+a warning, so the same command resumes a killed run.
+
 Metric names follow the house style: `rollout/*`, `loss/*`, `train/*`, `perf/*`, `eval/*`; `Meter` merges an RL
 update's metrics over micro-batches, optimizer steps and ranks.
 """
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import fnmatch
 import json
 import os
+import socket
 import sys
 import time
 import uuid
@@ -104,6 +111,139 @@ def check_config(run_dir: str | Path, args) -> list[dict]:
     return changes
 
 
+LOCK = ".lock"
+"""The run folder's lock file: JSON {"host", "pid", "started", "time"} of the process that writes the folder."""
+_held: dict[Path, Path] = {}  # run folder (resolved) -> its lock file, for the locks this process holds
+
+
+class RunDirLocked(ValueError):
+    """Another run (a live process) holds the run folder's lock."""
+
+
+def _process_start(pid: int) -> str | None:
+    """When process `pid` started (Linux: clock ticks after boot, /proc/<pid>/stat field 22), so that a pid reused by
+    another process is not taken for the lock's holder; None where unknown."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19]
+    except (OSError, IndexError):
+        return None
+
+
+def _running(holder: dict) -> bool:
+    """Whether the lock's holder (a process of this host) still runs: its pid exists, is not a zombie and, where the
+    start time is known, started when the holder did."""
+    pid = holder.get("pid")
+    if not isinstance(pid, int) or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process
+        pass
+    try:
+        if Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z":
+            return False
+    except (OSError, IndexError):
+        pass
+    started = _process_start(pid)
+    return holder.get("started") is None or started is None or started == holder["started"]
+
+
+def _read_lock(lock: Path) -> tuple[str | None, dict | None]:
+    """The lock file's text (None: it is gone) and its holder (None: not a lock's JSON, e.g. still being written)."""
+    try:
+        text = lock.read_text()
+    except FileNotFoundError:
+        return None, None
+    try:
+        holder = json.loads(text)
+    except ValueError:
+        return text, None
+    return text, holder if isinstance(holder, dict) and "host" in holder and "pid" in holder else None
+
+
+def lock_run_dir(run_dir: str | Path, enabled: bool = True) -> Path | None:
+    """Take the run folder's lock `<run_dir>/.lock` (created with O_CREAT | O_EXCL, holding this host and pid) before
+    anything in the folder is moved or written; the scripts call it on rank 0 (`enabled`) before they resume, and
+    `RunLogger` takes it too. Held by this process already: nothing to do. Held by a running process, or by one on
+    another host (whose liveness cannot be checked): `RunDirLocked` naming the folder, the holder's host and pid. Left
+    by a process of this host that is no longer running (a killed run): taken over with a warning. Released by
+    `release_run_dir` (`RunLogger.close`) or at exit. Returns the lock file (None when not `enabled`)."""
+    if not enabled:
+        return None
+    run_dir = Path(run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    lock, key = run_dir / LOCK, run_dir.resolve()
+    me = {"host": socket.gethostname(), "pid": os.getpid(), "started": _process_start(os.getpid())}
+    for _ in range(50):
+        try:
+            fd = os.open(lock, os.O_CREAT | os.O_EXCL | os.O_WRONLY, 0o644)
+        except FileExistsError:
+            text, holder = _read_lock(lock)
+            if text is None:  # released (or taken over) meanwhile: try again
+                continue
+            if holder is None:  # created by another run a moment ago and not written yet, or not a lock
+                deadline = time.monotonic() + 2.0
+                while _read_lock(lock)[0] == text and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                if _read_lock(lock)[0] == text:
+                    raise RunDirLocked(f"{run_dir} is locked by {lock}, which does not name its run ({text[:200]!r}); "
+                                       f"if no run uses the folder, delete {lock}") from None  # fmt: skip
+                continue
+            if holder["host"] == me["host"] and holder["pid"] == me["pid"]:  # this process: an earlier open
+                _hold(key, lock)
+                return lock
+            if holder["host"] != me["host"] or _running(holder):
+                since = f" since {holder['time']}" if holder.get("time") else ""
+                raise RunDirLocked(
+                    f"{run_dir} is in use by another run (host {holder['host']}, pid {holder['pid']}{since}): a run "
+                    f"folder has one writer. Wait for that run to end or give this run another --run-dir; if that run "
+                    f"is gone (its host lost), delete {lock}"
+                ) from None  # fmt: skip
+            stale = lock.with_name(f"{LOCK}.stale.{me['pid']}")
+            try:  # a dead holder: move its lock aside; of two runs taking it over at once, one gets it
+                os.replace(lock, stale)
+            except FileNotFoundError:
+                continue
+            if _read_lock(stale)[0] != text:  # another run took the stale lock over between our read and the move
+                os.replace(stale, lock)
+                continue
+            stale.unlink(missing_ok=True)
+            print(f"[logger] warning: {lock} was left by pid {holder['pid']} on {holder['host']}, which is no longer "
+                  "running (a killed run?): taken over", file=sys.stderr, flush=True)  # fmt: skip
+            continue
+        with os.fdopen(fd, "w") as f:
+            f.write(json.dumps({**me, "time": time.strftime("%Y-%m-%dT%H:%M:%S%z")}))
+            f.flush()
+            os.fsync(f.fileno())
+        _hold(key, lock)
+        return lock
+    raise RunDirLocked(f"{run_dir}: could not take {lock} (other runs keep taking and releasing it)")
+
+
+def _hold(key: Path, lock: Path) -> None:
+    if not _held:
+        atexit.register(_release_all)
+    _held[key] = lock
+
+
+def release_run_dir(run_dir: str | Path) -> None:
+    """Release the run folder's lock if this process holds it (the file is removed only while it names this
+    process)."""
+    lock = _held.pop(Path(run_dir).resolve(), None)
+    if lock is None:
+        return
+    holder = _read_lock(lock)[1]
+    if holder is not None and holder["host"] == socket.gethostname() and holder["pid"] == os.getpid():
+        lock.unlink(missing_ok=True)
+
+
+def _release_all() -> None:
+    for run_dir in list(_held):
+        release_run_dir(run_dir)
+
+
 def _read_rows(path: Path) -> list[dict]:
     rows = []
     for line in path.read_text().splitlines():
@@ -124,7 +264,7 @@ class RunLogger:
         self.start = time.time()
         if not enabled:
             return
-        self.run_dir.mkdir(parents=True, exist_ok=True)
+        lock_run_dir(self.run_dir)  # before anything in the folder is moved or written; RunDirLocked if in use
         config = config_dict(args)
         metrics_file = self.run_dir / "metrics.jsonl"
         if resume_step > 0:
@@ -258,6 +398,7 @@ class RunLogger:
             self.tb.close()
         if self.wandb:
             self.wandb.finish()
+        release_run_dir(self.run_dir)
 
 
 @contextmanager

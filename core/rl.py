@@ -44,7 +44,7 @@ from agents.openai_agent import OpenAIAgentExecutor
 from core import checkpoint, data, embedded, models, packing, placement, rl_math, rollout, sequence_parallel, vision
 from core import engine as ds_engine
 from core.config import ModelConfig
-from core.logger import RunLogger, run_name
+from core.logger import RunLogger, lock_run_dir, run_name
 from core.placement import all_ranks, shard_minibatch
 from rewards.loader import load_reward_func, score
 
@@ -113,8 +113,8 @@ def needs_launch(args, uses_ref: bool = False) -> bool:
 
 def group_layout(args, uses_ref: bool = False) -> dict[str, tuple[int, bool]]:
     """{role: (ranks, colocated)} of the models that run as Ray groups of their own, OpenRLHF's layout: the reference
-    (`--ref.ranks N`, when the script says it uses one: `uses_ref`), PPO's critic (`--critic.ranks N`) and the reward
-    model (`--reward.model PATH --reward.ranks N`)."""
+    (`--ref.ranks N`, when the script says it uses one: `uses_ref`), PPO's critic (`--critic.ranks N`), the teacher
+    of on-policy distillation (`--teacher.ranks N`) and the reward model (`--reward.model PATH --reward.ranks N`)."""
     layout = {}
     if args.ref.ranks is not None:
         if not uses_ref:
@@ -123,6 +123,8 @@ def group_layout(args, uses_ref: bool = False) -> dict[str, tuple[int, bool]]:
         layout["ref"] = (args.ref.ranks, args.ref.colocate)
     if getattr(getattr(args, "critic", None), "ranks", None) is not None:
         layout["critic"] = (args.critic.ranks, args.critic.colocate)
+    if getattr(getattr(args, "teacher", None), "ranks", None) is not None:
+        layout["teacher"] = (args.teacher.ranks, args.teacher.colocate)
     if getattr(args, "reward", None) is not None and args.reward.ranks is not None:
         if not args.reward.model:
             raise ValueError(f"--reward.ranks {args.reward.ranks}: only for a reward model (--reward.model PATH)")
@@ -301,8 +303,12 @@ class Run:
 
 def start(args, engine_models: dict, engines, tokenizer, eval_set: list[dict], reward: tuple | None, rank: int,
           world: int, device: torch.device, name: str) -> Run:  # fmt: skip
-    """Create the rollout engines (or connect to the launcher's), resume from the newest intact checkpoint (flags
-    checked against the run's config.json), build the agent executor and run (or restore) the first eval."""
+    """Create the rollout engines (or connect to the launcher's), lock the run folder (rank 0; a second run on it is
+    refused), resume from the newest intact checkpoint (flags checked against the run's config.json), build the agent
+    executor and run (or restore) the first eval (none with `--eval.every 0`)."""
+    run_dir = Path(args.run_dir or Path(args.logger.run_root) / run_name(args.exp_name, args.train.seed))
+    lock_run_dir(run_dir, enabled=rank == 0)  # one run writes a run folder: a second one is refused here
+    ckpt_dir = Path(args.ckpt.dir or run_dir / "checkpoints")
     own_engines = engines is None
     if engines is None:
         if args.vllm.in_process is False or args.vllm.num_engines > 1:  # engine actors: Ray as `--ray.*` says
@@ -312,8 +318,6 @@ def start(args, engine_models: dict, engines, tokenizer, eval_set: list[dict], r
                                          max_lora_rank=engine_lora_rank(args))  # fmt: skip
     elif engines.backend == "broadcast":
         engines.init_broadcast(rank, world)  # rank 0 (or every rank: its ZeRO-3 partitions) sends to the engine actors
-    run_dir = Path(args.run_dir or Path(args.logger.run_root) / run_name(args.exp_name, args.train.seed))
-    ckpt_dir = Path(args.ckpt.dir or run_dir / "checkpoints")
     start_step, client = checkpoint.resume(engine_models, ckpt_dir, run_dir, args)
     if start_step:
         placement.sync_weights(engines, engine_models["actor"], rank)  # the engines start from the checkpoint's weights
@@ -341,11 +345,13 @@ def start(args, engine_models: dict, engines, tokenizer, eval_set: list[dict], r
     run = Run(rank, world, device, engine_models, engines, executor, eval_set, run_dir, ckpt_dir, logger, start_step,
               client, first_eval={}, best=client.get("best", -math.inf), name=name, own_engines=own_engines,
               idle_steps=client.get("idle_steps", 0))  # fmt: skip
-    run.first_eval = client.get("first_eval") or all_ranks(evaluate(run, args) if rank == 0 else None, world)
-    if start_step == 0:  # a resumed run logged it when it started
-        logger.log(run.first_eval, 0, shown=("eval/pass@1",))
+    if args.eval.every:  # --eval.every 0: no eval at all, the first one included (first_eval stays {})
+        run.first_eval = client.get("first_eval") or all_ranks(evaluate(run, args) if rank == 0 else None, world)
+        if start_step == 0:  # a resumed run logged it when it started
+            logger.log(run.first_eval, 0, shown=("eval/pass@1",))
+    first = run.first_eval.get("eval/pass@1")
     logger.print(f"[{name}] {len(eval_set)} eval prompts, {world} trainer rank(s), eval pass@1 "
-                 f"{run.first_eval['eval/pass@1']:.3f} at step {start_step}")  # fmt: skip
+                 f"{'off (--eval.every 0)' if first is None else f'{first:.3f}'} at step {start_step}")  # fmt: skip
     return run
 
 
@@ -726,8 +732,8 @@ def finish(run: Run, args, actor, tokenizer, halted_at: int | None = None) -> di
         if args.actor.ema_beta > 0:  # the moving average of the weights, beside the trained ones
             ds_engine.export_hf(actor, tokenizer, run.run_dir / "hf_ema", ema=True)
         run.logger.plot(run.run_dir / "learning_curve.png", ("rollout/reward_mean", "eval/pass@1"))
-        summary = {"steps": args.train.max_steps, "eval_pass@1_first": run.first_eval["eval/pass@1"],
-                   "eval_pass@1_last": run.logger.latest("eval/pass@1"),
+        summary = {"steps": args.train.max_steps, "eval_pass@1_first": run.first_eval.get("eval/pass@1"),
+                   "eval_pass@1_last": run.logger.latest("eval/pass@1", None),  # None: --eval.every 0
                    "reward_mean_last": run.logger.latest("rollout/reward_mean"),
                    "steps_without_update": run.idle_steps, "run_dir": str(run.run_dir)}  # fmt: skip
         run.logger.close(summary)

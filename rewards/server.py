@@ -13,7 +13,9 @@ with an eos appended (`core.data.reward_ids`, exactly as `algos/rm.py` trained) 
 
 Errors: a body that is not JSON or has the wrong shape -> 422 with pydantic's description of the offending field;
 mismatched list lengths, too many texts or an over-long text -> 400 naming the field and index. A bad request never
-stops the server. A text is over-long past `--max-len` or the model's own `max_position_embeddings`, whichever is
+stops the server. A fault of the server itself while scoring (the model's forward failing, ...) -> 500 naming it
+(the RL scripts' client retries a 5xx, never a 4xx). The server's own flags are checked at start, before the model
+loads (`check_server_args`). A text is over-long past `--max-len` or the model's own `max_position_embeddings`, whichever is
 smaller: the model has no positions for more.
 
 Bounded work: each request is scored in a worker thread that checks a cancel event before it takes the model and
@@ -29,8 +31,11 @@ Run:
 from __future__ import annotations
 
 import asyncio
+import math
+import sys
 import threading
-from dataclasses import dataclass
+import traceback
+from dataclasses import dataclass, fields
 
 import torch
 import tyro
@@ -64,6 +69,29 @@ class ServerArgs:
     """`auto` (bf16 on GPU, fp32 on CPU), `bf16` or `fp32`."""
 
 
+DTYPES = ("auto", "bf16", "fp32")
+
+
+def check_server_args(args: ServerArgs) -> None:
+    """The server's flags, checked before anything loads: a server that starts must be able to answer. One
+    ValueError lists every bad flag, each as typed (`--batch-size 0: must be > 0`)."""
+    errors = []
+    for f in fields(args):
+        value, flag = getattr(args, f.name), "--" + f.name.replace("_", "-")
+        if f.name in ("batch_size", "max_len", "max_texts") and value < 1:
+            errors.append(f"{flag} {value}: must be > 0")
+        elif f.name == "port" and not 1 <= value <= 65535:
+            errors.append(f"{flag} {value}: must be a TCP port, 1 to 65535")
+        elif f.name == "request_timeout_s" and not (math.isfinite(value) and value >= 0):
+            errors.append(f"{flag} {value}: must be a finite number of seconds >= 0 (0: no limit)")
+        elif f.name == "dtype" and value not in DTYPES:
+            errors.append(f"{flag} {value}: must be one of {', '.join(DTYPES)}")
+    if len(errors) == 1:
+        raise ValueError(errors[0])
+    if errors:
+        raise ValueError("invalid flags:\n  " + "\n  ".join(errors))
+
+
 GRACE_S = 3.0
 """on SIGTERM / SIGINT, seconds uvicorn waits for in-flight requests (told to stop) before cancelling them."""
 POLL_S = 0.1
@@ -72,6 +100,10 @@ POLL_S = 0.1
 
 class ScoringCancelled(Exception):
     """The request's cancel event was set: its time ran out, its client left, or the server is shutting down."""
+
+
+class TextTooLong(ValueError):
+    """A text of the request has more tokens than the model takes: the client's mistake (400)."""
 
 
 class RewardRequest(BaseModel):
@@ -103,13 +135,13 @@ class RewardScorer:
         self.lock = threading.Lock()
 
     def token_ids(self, texts: list[str]) -> list[list[int]]:
-        """Tokenize; ValueError naming the index of the first over-long text."""
+        """Tokenize; `TextTooLong` (a ValueError) naming the index of the first over-long text."""
         ids = [data.reward_ids(self.tokenizer, t, self.add_special_tokens) for t in texts]
         for i, x in enumerate(ids):
             if len(x) > self.max_len:
                 why = (f" (the model's max_position_embeddings; --max-len is {self.requested_max_len})"
                        if self.max_len < self.requested_max_len else "")  # fmt: skip
-                raise ValueError(f"query[{i}]: {len(x)} tokens > max_len {self.max_len}{why}")
+                raise TextTooLong(f"query[{i}]: {len(x)} tokens > max_len {self.max_len}{why}")
         return ids
 
     @torch.no_grad()
@@ -170,10 +202,15 @@ def create_app(scorer: RewardScorer, max_texts: int = 4096, request_timeout_s: f
         in_flight.add(cancel)
         try:
             rewards = await score_in_thread(req.query, cancel, request)
-        except ValueError as e:  # an over-long text: the client's mistake
+        except TextTooLong as e:  # the client's mistake
             raise HTTPException(400, str(e)) from None
         except (ScoringCancelled, asyncio.CancelledError):  # the latter: a forward outlasted the shutdown's grace
             raise HTTPException(503, "the reward server is shutting down: request not scored") from None
+        except HTTPException:  # 504 (time limit) and 499 (client gone), decided while waiting
+            raise
+        except Exception as e:  # the server's own fault (the model's forward, ...): 5xx, which a client may retry
+            traceback.print_exception(e, file=sys.stderr)
+            raise HTTPException(500, f"the reward server failed while scoring: {type(e).__name__}: {e}") from None
         finally:
             cancel.set()  # a request cancelled by the server (shutdown) stops its worker too
             in_flight.discard(cancel)
@@ -222,6 +259,7 @@ def create_app(scorer: RewardScorer, max_texts: int = 4096, request_timeout_s: f
 
 
 def main(args: ServerArgs) -> None:
+    check_server_args(args)  # before the model loads: a server that starts can answer
     import uvicorn
 
     scorer = RewardScorer(args.model, args.normalize, args.batch_size, args.max_len, args.dtype)

@@ -113,6 +113,42 @@ def test_malformed_json_array_file(tmp_path, tokenizer):
         load(f, tokenizer)
 
 
+def write_latin1_line(path, at: int):
+    """GOOD's rows as JSONL with a Latin-1 row ("café": byte 0xe9, not UTF-8) inserted as line `at`."""
+    lines = [json.dumps(r).encode() for r in GOOD]
+    lines.insert(at - 1, '{"prompt": "caf\u00e9=", "answer": "1"}'.encode("latin-1"))
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    return path
+
+
+def test_a_line_that_is_not_utf8_names_file_and_line_or_is_skipped_and_counted(tmp_path, tokenizer):
+    f = write_latin1_line(tmp_path / "d.jsonl", at=2)
+    with pytest.raises(ValueError) as err:
+        load(f, tokenizer, replace(CFG, on_bad_row="raise"))
+    assert str(err.value).startswith(f"{f}: line 2: not UTF-8 text (byte 0xe9 at column 16")
+    logs = []
+    (examples,) = load(f, tokenizer, replace(CFG, on_bad_row="skip"), log=logs.append)
+    assert [tokenizer.decode(ex["input_ids"], skip_special_tokens=True) for ex in examples] == ["1+2=3", "10+20=30"]
+    assert len(logs) == 1 and "skipped 1 of 3 rows" in logs[0] and "'not UTF-8 text': 1" in logs[0]
+    assert f"{f}: line 2: not UTF-8 text" in logs[0]
+    # --data.max-samples: a bad line past the rows kept is not counted
+    (src,) = data.load_sources(str(write_latin1_line(tmp_path / "e.jsonl", at=3)), "train", max_samples=1)
+    assert len(src.rows) == 1 and src.bad_lines == []
+    (src,) = data.load_sources(str(write_latin1_line(tmp_path / "e.jsonl", at=3)), "train", max_samples=2)
+    assert len(src.rows) == 2 and len(src.bad_lines) == 1
+
+
+def test_a_json_array_file_that_is_not_utf8_names_file_and_line(tmp_path, tokenizer):
+    f = tmp_path / "d.json"
+    f.write_bytes(b'[\n  {"prompt": "1+2=", "answer": "3"},\n  {"prompt": "caf\xe9=", "answer": "1"}\n]\n')
+    with pytest.raises(ValueError, match=rf"^{f}: line 3: not UTF-8 text .*cannot skip a line"):
+        load(f, tokenizer, replace(CFG, on_bad_row="skip"))
+    f = tmp_path / "utf16.jsonl"  # every line bad: an error either way
+    f.write_bytes(json.dumps(GOOD[0]).encode("utf-16"))
+    with pytest.raises(ValueError, match=rf"^{f}: no line is UTF-8 text"):
+        load(f, tokenizer, replace(CFG, on_bad_row="skip"))
+
+
 def test_nonexistent_path(tmp_path, tokenizer, monkeypatch):
     monkeypatch.chdir(tmp_path)
     for path in ["./nope.jsonl", "nope.jsonl", str(tmp_path / "nope")]:

@@ -1,11 +1,17 @@
 """Run records across a resume: metrics.jsonl and TensorBoard hold every step once (the killed run's rows past the
 checkpoint are dropped, the step-0 eval is not logged again), the history behind `latest()` / `plot()` covers the
 whole run, a new run never appends to an old run's files, and a resume with run-altering flags is refused unless
-`--ckpt.allow-changes`, which is recorded while `config.json` keeps the original flags."""
+`--ckpt.allow-changes`, which is recorded while `config.json` keeps the original flags. A run folder has one
+writer: a second run on a folder in use is refused before it moves or writes anything, and a killed run's lock is
+taken over."""
 
 from __future__ import annotations
 
 import json
+import os
+import socket
+import subprocess
+import sys
 from collections import Counter
 from pathlib import Path
 
@@ -13,7 +19,9 @@ import pytest
 
 from core import checkpoint
 from core.config import LoggerConfig
-from core.logger import RunLogger, check_config, config_changes
+from core.logger import RunDirLocked, RunLogger, check_config, config_changes, lock_run_dir
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def rows(run_dir: Path) -> list[dict]:
@@ -130,6 +138,78 @@ def test_a_flag_added_since_the_run_started_is_harmless_at_its_default(tmp_path)
         check_config(tmp_path, args)
 
 
+# ------------------------------------------------------------------------------------- one writer per run folder
+HOLDER = """
+import sys
+from core.config import LoggerConfig
+from core.logger import RunLogger
+logger = RunLogger(LoggerConfig(quiet=True, tensorboard=False), sys.argv[1], {"train": {"lr": 0.001}}, 10)
+logger.log({"loss/x": 1.0}, 1)
+print("holding", flush=True)
+sys.stdin.read()  # until the test closes stdin: then the run ends as a finished run does
+logger.close()
+"""
+
+
+def hold(run_dir: Path) -> subprocess.Popen:
+    """Another process running in `run_dir` (a RunLogger that logged step 1), until its stdin is closed."""
+    proc = subprocess.Popen([sys.executable, "-c", HOLDER, str(run_dir)], cwd=ROOT, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, text=True)  # fmt: skip
+    assert proc.stdout.readline().strip() == "holding"
+    return proc
+
+
+def files(run_dir: Path) -> dict:
+    return {p.relative_to(run_dir).as_posix(): p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+
+
+def test_a_second_run_on_a_folder_in_use_is_refused_until_the_first_ends(tmp_path, capsys):
+    """Two runs on one --run-dir: the second neither moves the first's files into previous_* (a new run) nor cuts
+    its metrics (a resume); it stops naming the folder and the holder. Once the first has ended, the same command
+    resumes."""
+    cfg = LoggerConfig(quiet=True, tensorboard=False)
+    first = hold(tmp_path)
+    try:
+        before = files(tmp_path)
+        for resume_step in (0, 1):
+            with pytest.raises(RunDirLocked) as err:
+                RunLogger(cfg, tmp_path, CONFIG, 10, resume_step=resume_step)
+            msg = str(err.value)
+            assert msg.startswith(f"{tmp_path} is in use by another run (host {socket.gethostname()}, pid {first.pid}")
+        assert files(tmp_path) == before and not list(tmp_path.glob("previous_*"))
+    finally:
+        first.communicate(timeout=60)  # stdin closed: the first run ends and releases the folder
+    assert first.returncode == 0 and not (tmp_path / ".lock").exists()
+    resumed = RunLogger(cfg, tmp_path, CONFIG, 10, resume_step=1)
+    resumed.log({"loss/x": 2.0}, 2)
+    resumed.close()
+    assert [r["step"] for r in rows(tmp_path)] == [1, 2] and not (tmp_path / ".lock").exists()
+    assert "taken over" not in capsys.readouterr().err
+
+
+def test_a_lock_left_by_a_killed_run_is_taken_over_with_a_warning(tmp_path, capsys):
+    first = hold(tmp_path)
+    first.kill()  # SIGKILL: no exit handler runs, the lock stays
+    first.wait(timeout=60)
+    lock = tmp_path / ".lock"
+    assert json.loads(lock.read_text())["pid"] == first.pid
+    resumed = RunLogger(LoggerConfig(quiet=True, tensorboard=False), tmp_path, CONFIG, 10, resume_step=1)
+    err = capsys.readouterr().err
+    assert f"{lock} was left by pid {first.pid} on {socket.gethostname()}" in err and "taken over" in err
+    assert json.loads(lock.read_text())["pid"] == os.getpid()
+    resumed.log({"loss/x": 2.0}, 2)
+    resumed.close()
+    assert [r["step"] for r in rows(tmp_path)] == [1, 2] and not lock.exists()
+
+
+def test_a_lock_held_on_another_host_is_refused(tmp_path):
+    """Whether a process of another host still runs cannot be checked here: refused, saying how to release it."""
+    (tmp_path / ".lock").write_text(json.dumps({"host": "node-that-is-not-this-one", "pid": 4242, "started": None}))
+    with pytest.raises(RunDirLocked, match=r"host node-that-is-not-this-one, pid 4242\).*delete .*\.lock$"):
+        lock_run_dir(tmp_path)
+    assert lock_run_dir(tmp_path, enabled=False) is None  # ranks other than 0 do not lock
+
+
 # ------------------------------------------------------------------------------------- sft.py, end to end
 def sft_args(run_dir: Path, **train):
     from algos.sft import Args
@@ -199,3 +279,17 @@ def test_sft_resume_with_a_changed_lr_is_refused_unless_allowed(tmp_path):
     assert recorded["--train.halt-after"]["harmless"] and not recorded["--train.lr"]["harmless"]
     assert {r["resume_step"] for r in recorded.values()} == {1} and all("time" in r for r in recorded.values())
     assert [r["step"] for r in rows(tmp_path / "run")] == [0, 1, 2, 3]
+
+
+def test_sft_on_a_folder_in_use_is_refused_before_it_writes(tmp_path):
+    from algos.sft import main
+
+    run = tmp_path / "run"
+    first = hold(run)
+    try:
+        before = files(run)
+        with pytest.raises(RunDirLocked, match=rf"^{run} is in use by another run \(host .*, pid {first.pid}"):
+            main(sft_args(run, max_steps=2))
+        assert files(run) == before and not list(run.glob("previous_*"))
+    finally:
+        first.communicate(timeout=60)

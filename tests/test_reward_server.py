@@ -21,7 +21,8 @@ from transformers import AutoModelForSequenceClassification
 
 from core import data, models
 from core.engine import free_port
-from rewards.server import RewardScorer, create_app
+from rewards.server import RewardScorer, ServerArgs, create_app
+from rewards.server import main as server_main
 
 TEXTS = ["1+2=3", "1+2=4", "37+45=82", "37+45=28", "99+99=198", "", "5+5=10 and more"]
 MEAN, STD = 0.25, 2.0
@@ -129,6 +130,50 @@ def test_malformed_request_gets_4xx_with_message_and_server_keeps_serving(server
 def test_wrong_method_and_path(server):
     assert requests.get(f"{server}/get_reward", timeout=TIMEOUT).status_code == 405
     assert requests.post(f"{server}/nope", json={"query": ["x"]}, timeout=TIMEOUT).status_code == 404
+
+
+def test_a_fault_of_the_server_while_scoring_gets_5xx_not_4xx(server, monkeypatch, rm_path):
+    """A ValueError raised inside the model's forward is the server's fault, not the client's: 500 naming it (the
+    client retries a 5xx), and the server keeps serving."""
+
+    def broken(*args, **kwargs):
+        raise ValueError("the forward failed")
+
+    with monkeypatch.context() as m:
+        m.setattr(models, "sequence_scores", broken)
+        r = post(server, {"query": TEXTS[:2]})
+    assert r.status_code == 500, r.text
+    assert "the reward server failed while scoring: ValueError: the forward failed" in r.text
+    good = post(server, {"query": TEXTS[:2]})
+    assert good.status_code == 200 and good.json()["rewards"] == pytest.approx(in_process_scores(rm_path, TEXTS[:2]),
+                                                                                abs=1e-5)  # fmt: skip
+
+
+@pytest.mark.parametrize("flags, message", [
+    ({"batch_size": 0}, "--batch-size 0: must be > 0"),
+    ({"max_len": 0}, "--max-len 0: must be > 0"),
+    ({"max_texts": 0}, "--max-texts 0: must be > 0"),
+    ({"port": 99999}, "--port 99999: must be a TCP port, 1 to 65535"),
+    ({"port": 0}, "--port 0: must be a TCP port, 1 to 65535"),
+    ({"request_timeout_s": -1.0}, "--request-timeout-s -1.0: must be a finite number of seconds >= 0 (0: no limit)"),
+    ({"dtype": "fp64"}, "--dtype fp64: must be one of auto, bf16, fp32"),
+])  # fmt: skip
+def test_the_servers_own_flags_are_checked_before_the_model_loads(monkeypatch, flags, message):
+    """Each of these once started a server that answered every request 400 (or died with a bare KeyError)."""
+    monkeypatch.setattr(models, "load_scalar_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    with pytest.raises(ValueError) as err:
+        server_main(ServerArgs(model="/no/such/model", **flags))
+    assert str(err.value) == message
+
+
+def test_the_server_command_lists_every_bad_flag(tmp_path):
+    out = subprocess.run([sys.executable, "-m", "rewards.server", "--model", str(tmp_path / "nothing-here"),
+                          "--batch-size", "0", "--dtype", "fp64"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=120)  # fmt: skip
+    assert out.returncode != 0
+    assert (
+        "invalid flags:\n  --batch-size 0: must be > 0\n  --dtype fp64: must be one of auto, bf16, fp32" in out.stderr
+    )
 
 
 # ------------------------------------------------------------------------------ the RL scripts' client side

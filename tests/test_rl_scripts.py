@@ -1,6 +1,6 @@
 """Behaviour every RL script shares, checked on each of them: exact resume after `--train.halt-after`, the best-eval
-export, DAPO dynamic filtering with refill (grpo.py has its own, stricter filtering test in test_grpo.py) and the
-multi-turn `--rollout.env-file` flag."""
+export, DAPO dynamic filtering with refill (grpo.py has its own, stricter filtering test in test_grpo.py), the
+multi-turn `--rollout.env-file` flag and `--eval.every 0`."""
 
 from __future__ import annotations
 
@@ -30,6 +30,29 @@ def _small(module: str, run_dir, steps: int):
     args.logger.quiet, args.logger.tensorboard = True, False
     args.run_dir = str(run_dir)
     return mod, args
+
+
+@pytest.mark.slow
+def test_eval_every_0_runs_no_eval_at_all(tmp_path, monkeypatch, one_thread):
+    """`--eval.every 0` ("0 disables") once still evaluated every eval prompt at step 0 (the first eval) and at the
+    last step: now nothing is evaluated, no eval/* metric is logged, and the summary's eval fields are None."""
+    from algos import grpo
+    from core import rl
+
+    monkeypatch.setattr(rl, "evaluate", lambda *a, **k: pytest.fail("evaluated with --eval.every 0"))
+    args = grpo.Args()
+    args.train.max_steps, args.rollout.batch_size, args.rollout.n_samples = 1, 8, 4
+    args.eval.every = 0
+    args.logger.quiet, args.logger.tensorboard = True, False
+    args.run_dir = str(tmp_path / "run")
+    summary = grpo.main(args)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1] and "loss/policy" in rows[0]
+    assert not [k for r in rows for k in r if k.startswith("eval/")], rows
+    saved = json.loads((tmp_path / "run" / "summary.json").read_text())
+    for out in (summary, saved):
+        assert out["eval_pass@1_first"] is None and out["eval_pass@1_last"] is None, out
+    assert not (tmp_path / "run" / "best").exists() and (tmp_path / "run" / "hf" / "config.json").is_file()
 
 
 @pytest.mark.slow

@@ -168,6 +168,34 @@ def test_integer_labels_of_a_mixed_json_column_still_earn_their_reward(tmp_path,
     assert out["rewards"].tolist() == [1.0]
 
 
+@pytest.mark.parametrize("response, label, reward", [
+    ("063", 63, 1.0), ("63", "063", 1.0), ("063", "63", 1.0), ("0063 and more", "+63", 1.0), ("-05", "-5", 1.0),
+    ("-0", "0", 1.0), ("064", "063", 0.0), ("-63", "63", 0.0), ("no number", "063", 0.0), ("2", "2.5", 0.0),
+    ("1" * 5000, "0" + "1" * 5000, 1.0),  # beyond int()'s 4300 digits: compared as text without leading zeros
+])  # fmt: skip
+def test_arithmetic_answers_compare_as_numbers(response, label, reward):
+    assert reward_func(["1+2=" + response], ["1+2="], [label])["rewards"].tolist() == [reward]
+
+
+def test_integer_answers_in_a_file_of_zero_padded_text_answers_earn_their_reward(tmp_path, tokenizer):
+    """The task's answers are zero-padded ("063"); a file holding some as JSON numbers (63) gives a column that
+    `datasets` reads as one type (it turns "003" into 3): whatever the loader makes of the column, the response in the
+    task's format earns its reward."""
+    rows = [
+        {"prompt": "60+03=", "answer": 63},
+        {"prompt": "01+02=", "answer": "003"},
+        {"prompt": "10+10=", "answer": "020"},
+    ]
+    f = write_jsonl(tmp_path / "d.jsonl", rows)
+    cfg = DataConfig(max_len=TINY_CONTEXT)
+    make = partial(data.prompt_example, tokenizer=tokenizer, cfg=cfg)
+    (prompts,) = data.build_examples(data.load_sources(str(f), "train"), make, cfg)
+    responses = ["063", "003", "020"]
+    out = reward_func([p["prompt"] + r for p, r in zip(prompts, responses)], [p["prompt"] for p in prompts],
+                      [p["label"] for p in prompts])  # fmt: skip
+    assert out["rewards"].tolist() == [1.0, 1.0, 1.0], [p["label"] for p in prompts]
+
+
 @pytest.mark.parametrize("label", [4.2, True, ["42"], None])
 def test_arithmetic_reward_refuses_a_label_that_is_not_text(label):
     with pytest.raises(ValueError, match=f"label .* is a {type(label).__name__}, expected text"):
