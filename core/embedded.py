@@ -8,6 +8,7 @@ script accepts a real model or dataset name in their place unchanged:
 |-----------------------|-------------------------------------------------------------------------------|
 | `cleanrlhf/tiny`      | randomly initialised Qwen2 (~1 M parameters) + character tokenizer            |
 | `cleanrlhf/tiny-sft`  | `cleanrlhf/tiny` after `algos/sft.py` on `cleanrlhf/add2` (the RL warm start) |
+| `cleanrlhf/tiny-grpo` | `cleanrlhf/tiny-sft` after `algos/grpo.py` (the main job; opd.py's teacher)   |
 | `cleanrlhf/add2`      | 2-digit addition, `train.jsonl` / `test.jsonl` (`addN` for N digits)          |
 | `cleanrlhf/tiny-chat` | randomly initialised Qwen2 (~0.1 M parameters) + a BPE chat tokenizer         |
 | `cleanrlhf/tiny-moe`  | randomly initialised Qwen2-MoE (~0.16 M parameters) + character tokenizer     |
@@ -563,13 +564,42 @@ def ensure_sft_warm_start() -> Path:
     return _atomic_build(target, build)
 
 
+def ensure_grpo_teacher() -> Path:
+    """Build (once) the on-policy distillation teacher (`algos/opd.py`'s default `--teacher.model`) by running
+    `algos/grpo.py` with its defaults, the main job (80 steps from `cleanrlhf/tiny-sft`, eval pass@1 ~0.95); returns
+    its HF directory, with the GRPO run's summary beside the weights as `grpo_summary.json`."""
+    target = home() / "models" / "tiny-grpo"
+    if _is_built(target):
+        return target
+    script = Path(__file__).resolve().parent.parent / "algos" / "grpo.py"
+
+    def build(tmp: Path) -> None:
+        print(f"[cleanrlhf] building the distillation teacher {PREFIX}tiny-grpo with {script} (one time, ~3 min)")
+        env = standalone_env()
+        for key, value in reproducible_cpu_env().items():  # the same kernels as the warm start it starts from
+            env.setdefault(key, value)
+        run_dir = tmp.with_name(tmp.name + "-run")  # beside, not inside: the folder `tmp` becomes the artifact
+        cmd = [sys.executable, str(script), "--run-dir", str(run_dir), "--logger.quiet", "--logger.no-tensorboard"]
+        try:
+            subprocess.run(cmd, check=True, env=env, preexec_fn=_die_with_parent)
+            shutil.copytree(run_dir / "hf", tmp, dirs_exist_ok=True)
+            summary = json.loads((run_dir / "summary.json").read_text())
+            (tmp / "grpo_summary.json").write_text(json.dumps(summary, indent=2))
+        finally:
+            shutil.rmtree(run_dir, ignore_errors=True)
+
+    return _atomic_build(target, build)
+
+
 def resolve_model(name_or_path: str) -> str:
-    """Map `cleanrlhf/tiny`, `cleanrlhf/tiny-sft`, `cleanrlhf/tiny-chat`, `cleanrlhf/tiny-moe` and `cleanrlhf/tiny-vl`
-    to their built directories; pass anything else through."""
+    """Map `cleanrlhf/tiny`, `cleanrlhf/tiny-sft`, `cleanrlhf/tiny-grpo`, `cleanrlhf/tiny-chat`, `cleanrlhf/tiny-moe`
+    and `cleanrlhf/tiny-vl` to their built directories; pass anything else through."""
     if name_or_path == PREFIX + "tiny":
         return str(ensure_tiny_base())
     if name_or_path == PREFIX + "tiny-sft":
         return str(ensure_sft_warm_start())
+    if name_or_path == PREFIX + "tiny-grpo":
+        return str(ensure_grpo_teacher())
     if name_or_path == PREFIX + "tiny-chat":
         return str(ensure_tiny_chat())
     if name_or_path == PREFIX + "tiny-moe":

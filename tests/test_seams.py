@@ -66,8 +66,8 @@ def test_core_has_no_import_cycles_lazy_imports_included():
     assert "core.placement" not in graph["core.rollout"]
 
 
-@pytest.mark.parametrize("script", ["grpo", "rloo", "reinforce_pp", "ppo", "grpo_async", "cispo", "sapo", "sft", "dpo",
-                                    "kto", "rm"])  # fmt: skip
+@pytest.mark.parametrize("script", ["grpo", "rloo", "reinforce_pp", "ppo", "grpo_async", "cispo", "sapo", "opd", "sft",
+                                    "dpo", "kto", "rm"])  # fmt: skip
 def test_scripts_leave_embedded_names_to_the_loaders(script):
     assert "core.embedded" not in _project_imports(ROOT / "algos" / f"{script}.py")
 
@@ -106,7 +106,7 @@ def test_warm_start_preset_is_the_recipe_and_later_flags_win():
 
 # ------------------------------------------------------------------ one story per script: the RL scripts' shape
 # Changed lines of `diff algos/grpo.py algos/<script>.py` at most: everything else is shared, word for word.
-DIFF_TARGETS = {"rloo": 70, "reinforce_pp": 120, "grpo_async": 160, "ppo": 320, "cispo": 80, "sapo": 80}
+DIFF_TARGETS = {"rloo": 70, "reinforce_pp": 120, "grpo_async": 160, "ppo": 320, "cispo": 80, "sapo": 80, "opd": 180}
 
 
 def _changed_lines(a: Path, b: Path) -> int:
@@ -147,7 +147,7 @@ def test_rl_scripts_are_short_and_shallow(script):
     assert _depth_into_update(path) <= 5  # for step > with > for epoch > for minibatch > for micro-batch
     text = path.read_text()
     assert "def policy_loss(" in text  # the loss is written out in the script
-    if script not in ("cispo", "sapo"):  # those two replace the clip: their own surrogates
+    if script not in ("cispo", "sapo"):  # those two replace the clip: their own surrogates (opd keeps GRPO's)
         assert "-torch.min(surr, surr_clipped)" in text
     if script == "grpo":
         assert len(path.read_text().splitlines()) <= 280

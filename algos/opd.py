@@ -1,0 +1,315 @@
+"""On-policy distillation (Agarwal et al. 2024, GKD: "On-Policy Distillation of Language Models: Learning from
+Self-Generated Mistakes", arXiv:2306.13649) in the per-token reverse-KL form of tinker-cookbook's distillation recipe.
+
+The student π_θ (the actor) samples G responses o_1..o_G per prompt q; a frozen teacher π_T with the same tokenizer
+scores the sampled tokens, and each token's advantage is the negative per-token reverse KL of the sampling policy
+π_old to the teacher (no discount, detached), plus, optionally, λ times GRPO's group-relative task advantage:
+
+    A_{i,t} = log π_T(o_{i,t} | q, o_{i,<t}) − log π_old(o_{i,t} | q, o_{i,<t})  +  λ · Â_i
+    Â_i     = (r_i − mean(r_1..r_G)) / (std(r_1..r_G) + ε)              (GRPO's advantage of the task reward r_i)
+
+The policy maximises the PPO clipped surrogate with ratio ρ_{i,t} = π_θ(o_{i,t} | q, o_{i,<t}) / π_old(o_{i,t} | ...):
+
+    J(θ) = E[ 1/Σ|o_i| Σ_i Σ_t min(ρ_{i,t} A_{i,t}, clip(ρ_{i,t}, 1 − ε_low, 1 + ε_high) A_{i,t}) − β · KL_k3(π_θ ‖ π_ref) ]
+
+At ρ = 1 and λ = 0 the gradient is E_{o∼π_θ}[Σ_t ∇log π_θ(o_t|…) · (log π_T(o_t|…) − log π_θ(o_t|…))]: the policy
+gradient of −KL(π_θ ‖ π_T) with per-token rewards, i.e. GKD on the student's own samples with the reverse KL.
+
+Deviations from the paper:
+1. A PPO-clipped surrogate over 2 minibatches per rollout with a token-mean loss over the whole batch (DAPO,
+   arXiv:2503.14476), instead of GKD's plain gradient of the per-sequence divergence.
+2. The teacher scores the sampled tokens only: a one-sample estimate of the reverse KL at each position (tinker-
+   cookbook), not GKD's divergence of the two full next-token distributions (no (B, T, V) teacher logits are held).
+   Both sides' log-probs are taken at the rollout temperature (`--rollout.temperature`, 1 by default).
+3. Every sample trains: no zero-variance filter (the teacher's signal is there when a group's rewards all agree).
+   No KL to a reference by default (`--algo.kl-coef 0`); no reference model is loaded then.
+4. Old log-probs are recomputed by the trainer, not taken from vLLM: the engine's log-probs are kept as
+   `rollout_logp` for the optional importance-sampling correction (`--algo.is-correction`).
+5. A mixture-of-experts actor's router load-balancing loss is logged (`loss/router_aux`), not trained on: J above is
+   the objective (OpenRLHF's default `--aux_loss_coef 0`); add it to `loss` in `update` to keep the routing balanced.
+6. The embedded teacher `cleanrlhf/tiny-grpo` is the main job's model (algos/grpo.py's defaults, pass@1 ≈ 0.95 after
+   80 steps from `cleanrlhf/tiny-sft`): a better policy of the student's own size, not a larger model.
+
+Debug (embedded tiny model and task, one CPU process, in-process vLLM):
+    python algos/opd.py --train.max-steps 5 --eval.every 5
+A real model (the same tokenizer on both sides), the teacher on 2 Ray ranks of its own:
+    python algos/opd.py --actor.model.name-or-path Qwen/Qwen2.5-0.5B-Instruct --data.path prompts.jsonl \\
+        --teacher.model Qwen/Qwen2.5-7B-Instruct --teacher.ranks 2 --teacher.no-colocate --train.ranks 4 \\
+        --data.apply-chat-template --reward.func my_reward.py --rollout.max-new-tokens 1024 --actor.lr 1e-6
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Literal
+
+import torch
+import tyro
+
+from core import engine as ds_engine
+from core import models, rl, rl_math, rollout
+from core.config import (
+    ActorArgs,
+    CkptConfig,
+    DataConfig,
+    DSConfig,
+    EvalArgs,
+    LoggerConfig,
+    ModelConfig,
+    RefConfig,
+    RolloutArgs,
+    TrainArgs,  # fmt: skip
+    check_args,
+)
+from core.logger import Meter, timer
+from core.placement import RayConfig
+from core.rollout import VLLMConfig
+from rewards.loader import RewardConfig
+
+
+@dataclass
+class AlgoArgs:
+    reward_coef: float = 0.0
+    """λ: weight of GRPO's group-relative advantage of the task reward (`--reward.*`), added to every token's
+    distillation advantage (needs --rollout.n-samples >= 2); 0: pure distillation, the task reward is only logged."""
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
+    """loss aggregation (see core/rl_math.aggregate_loss)."""
+    kl_coef: float = 0.0
+    """β of the k3 KL penalty in the loss; 0 loads no reference model."""
+    kl_target: float | None = None
+    """adaptive KL (Ziegler et al. 2019): β starts at kl-coef and is moved toward this per-token KL
+    (`rl_math.AdaptiveKLController`, saved in checkpoints); None keeps β fixed."""
+    kl_horizon: int = 10000
+    """adaptive KL horizon in samples: β changes by at most 20 % per this many samples."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """KL estimator for the penalty."""
+    is_correction: Literal["tis", "icepop", "seq-mask-tis"] | None = None
+    """importance-sampling correction for the rollout engine's log-probs (core/rl_math.is_weight)."""
+    is_threshold: tuple[float, float] = (0.5, 5.0)
+    """[lo, hi] bounds of the IS weight."""
+
+
+@dataclass
+class TeacherArgs:
+    model: str = "cleanrlhf/tiny-grpo"
+    """the frozen teacher (HF id, local path or embedded name; the default is algos/grpo.py's trained model, built once
+    by running it). It must use the actor's tokenizer: it scores the student's token ids."""
+    zero_stage: Literal[0, 3] = 0
+    """as --ref.zero-stage: 0, every trainer rank holds the whole teacher; 3, a DeepSpeed ZeRO-3 engine without
+    optimizer, partitioned over the ranks (a teacher too big for one device)."""
+    offload: bool = False
+    """as --ref.offload: the teacher's parameters in CPU memory, moved to the device for its forward passes (zero-stage
+    0) or its ZeRO-3 shards offloaded (3). No effect on CPU."""
+    ranks: int | None = None
+    """None: the teacher lives in the trainer ranks. N: it runs as a Ray group of its own, N ranks forming their own
+    DeepSpeed world, exactly as --ref.ranks (a one-process run is then launched through Ray)."""
+    colocate: bool = True
+    """with `ranks`: rank i shares trainer rank i's placement bundle (at most `--train.ranks` ranks); off: bundles of
+    its own."""
+    strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] | None = None
+    """with `ranks` and `no-colocate`: how its own bundles are placed over the nodes (see `--ray.strategy`, the
+    default)."""
+
+
+@dataclass
+class Args:
+    exp_name: str = Path(__file__).stem
+    """run name prefix; defaults to this file's name, so a copied script names its own runs."""
+    actor: ActorArgs = field(default_factory=ActorArgs)
+    teacher: TeacherArgs = field(default_factory=TeacherArgs)
+    ref: RefConfig = field(default_factory=RefConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    rollout: RolloutArgs = field(default_factory=RolloutArgs)
+    train: TrainArgs = field(default_factory=lambda: TrainArgs(max_steps=30))
+    algo: AlgoArgs = field(default_factory=AlgoArgs)
+    eval: EvalArgs = field(default_factory=EvalArgs)
+    data: DataConfig = field(default_factory=DataConfig)
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
+    ds: DSConfig = field(default_factory=DSConfig)
+    ckpt: CkptConfig = field(default_factory=CkptConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+    run_dir: str | None = None
+    """run folder; default `<logger.run-root>/<exp_name>__<seed>__<time>`. An existing one resumes."""
+    debug: bool = False
+    """after every weight sync, check that the engine's log-probs equal the trainer's."""
+
+
+# ALGO LOGIC: GRPO's advantage estimator.
+def group_advantages(rewards: torch.Tensor, group_size: int, scale_by_std: bool = True, eps: float = 1e-9):
+    """A_i = (r_i − mean_group(r)) / (std_group(r) + eps), unbiased std; without scaling only the mean is removed.
+
+    rewards: (B,) ordered prompt-major (samples i·G .. i·G+G−1 share a prompt) -> (B,)."""
+    r = rewards.view(-1, group_size)
+    adv = r - r.mean(dim=1, keepdim=True)
+    if scale_by_std:
+        adv = adv / (r.std(dim=1, keepdim=True) + eps)
+    return adv.reshape(-1)
+
+
+# ALGO LOGIC: on-policy distillation's advantage, per token.
+def distill_advantages(teacher_logp: torch.Tensor, student_logp: torch.Tensor, mask: torch.Tensor,
+                       task_adv: torch.Tensor | None = None, reward_coef: float = 0.0) -> torch.Tensor:  # fmt: skip
+    """A_t = log π_T(y_t) − log π_old(y_t) + reward_coef · task_adv, the negative per-token reverse KL (detached).
+
+    teacher_logp, student_logp, mask: (B, T) log-probs of the sampled tokens and the action mask; task_adv: (B,) one
+    scalar per response (`group_advantages` of the task reward) or None -> (B, T), 0 where masked."""
+    adv = (teacher_logp - student_logp).detach()
+    if task_adv is not None and reward_coef != 0:
+        adv = adv + reward_coef * task_adv[:, None]
+    return torch.where(mask.bool(), adv, 0.0)
+
+
+def load_teacher(args: Args, device: torch.device):
+    """The frozen teacher (`--teacher.*`) in the actor's dtype, placed as a reference policy would be."""
+    t = args.teacher
+    model = models.load_causal_lm(ModelConfig(name_or_path=t.model, dtype=args.actor.model.dtype), "--teacher.model")
+    return ds_engine.make_frozen(model, RefConfig(zero_stage=t.zero_stage, offload=t.offload), device)
+
+
+def check_teacher(args: Args) -> None:
+    """The teacher scores the student's token ids, so both must read them alike: the same tokenizer vocabulary."""
+    student = models.load_tokenizer(args.actor.model.tokenizer or args.actor.model.name_or_path,
+                                    "--actor.model.name-or-path / --actor.model.tokenizer")  # fmt: skip
+    teacher = models.load_tokenizer(args.teacher.model, "--teacher.model")
+    if teacher.get_vocab() != student.get_vocab():
+        raise ValueError(f"--teacher.model {args.teacher.model!r}: its tokenizer ({len(teacher)} tokens) differs from "
+                         f"the actor's ({len(student)} tokens); the teacher scores the student's token ids, so both "
+                         "need the same tokenizer")  # fmt: skip
+
+
+# ALGO LOGIC: the loss of one micro-batch of (b, T) tensors, normalised by its whole minibatch's counts.
+def policy_loss(logp, old_logp, adv, mask, *, clip_low=0.2, clip_high=0.2, dual_clip=None, level="token",
+                rollout_logp=None, is_correction=None, is_threshold=(0.5, 5.0), ent=None, entropy_coef=0.0,
+                ref_logp=None, kl_coef=0.0, kl_estimator="k3",
+                agg="token-mean", num_tokens=None, num_seqs=None, max_len=None):  # fmt: skip
+    """J = clipped surrogate (× IS weight) − β·KL(π_θ‖π_ref) + entropy bonus.
+
+    Aggregated by `agg` with the whole minibatch's `num_tokens` / `num_seqs` / `max_len` (rl_math.aggregate_loss).
+    logp (with gradient) and every other tensor: (b, T). Returns (loss to minimise, this micro-batch's metrics)."""
+    adv = torch.where(mask.bool(), adv, 0.0)  # what lies off the mask reaches no gradient (a GSPO ratio spans it)
+    ratio = rl_math.importance_ratio(logp, old_logp, mask, level)  # ρ = π_θ / π_old (per sequence: GSPO)
+    surr, surr_clipped = ratio * adv, ratio.clamp(1 - clip_low, 1 + clip_high) * adv
+    pg = -torch.min(surr, surr_clipped)  # −min(ρA, clip(ρ, 1 − ε_low, 1 + ε_high)·A)
+    metrics = {"loss/clipfrac": rl_math.masked_mean((surr_clipped < surr).float(), mask)}
+    if dual_clip is not None:  # dual clip (Ye et al. 2020): where A < 0 the loss is at most −c·A
+        metrics["loss/dual_clipfrac"] = rl_math.masked_mean(((adv < 0) & (pg > -dual_clip * adv)).float(), mask)
+        pg = torch.where(adv < 0, torch.min(pg, -dual_clip * adv), pg)
+    if is_correction:  # DEVIATION(4): correct for the engine's own log-probs, w = π_old / π_vllm (detached)
+        w = rl_math.is_weight(old_logp, rollout_logp, mask, is_correction, is_threshold)
+        pg, metrics["loss/is_weight"] = pg * w, rl_math.masked_mean(w, mask)
+    norm = {"num_tokens": num_tokens, "num_seqs": num_seqs, "max_len": max_len}
+    loss = rl_math.aggregate_loss(pg, mask, agg, **norm)  # DEVIATION(1): token-mean
+    if ref_logp is not None:
+        kl = rl_math.approx_kl(logp, ref_logp, kl_estimator, mask=mask)
+        loss = loss + kl_coef * rl_math.aggregate_loss(kl, mask, agg, **norm)
+        metrics["loss/kl"] = rl_math.masked_mean(kl, mask)
+    if ent is not None:
+        loss = loss - entropy_coef * rl_math.aggregate_loss(ent, mask, agg, **norm)
+        metrics["loss/entropy"] = rl_math.masked_mean(ent, mask)
+    return loss, metrics
+
+
+def update(actor, ref, teacher, seqs: dict, task_adv: torch.Tensor | None, args: Args, run: rl.Run, step: int,
+           kl_coef: float) -> dict:  # fmt: skip
+    """Minibatches of the loss over one rollout: old, teacher and reference log-probs, the token advantages from them,
+    then `--train.epochs` passes of `--train.minibatches` optimizer steps. seqs: (B, L) batch; task_adv: (B,) | None."""
+    mask, temp, world, a = seqs["loss_mask"], args.rollout.temperature, run.world, args.actor
+    batches = rl.minibatches(seqs, args, step, run.rank, world)
+    mine = [m for _, micro in batches for m in micro]  # this rank's rows
+    # the advantage needs the sampling policy's log-probs of every row (also when on-policy), so they are gathered
+    old_logp = rl.forward_rows(lambda b: rl.forward_logp(actor, b, temp)[0], seqs, mine, world, True,
+                               args.train.sp_size)  # on all ranks  # fmt: skip
+    teacher_logp = rl.on_model(teacher, rl.logp_table, seqs, args, step, run=run)  # or --teacher.ranks
+    ref_logp = None if ref is None else rl.on_model(ref, rl.logp_table, seqs, args, step, run=run)  # or --ref.ranks
+    meter = Meter()
+    # ALGO LOGIC: the teacher's log-prob of each sampled token minus the student's: (B, L) prompt-major, by row below
+    adv_tok = distill_advantages(teacher_logp, old_logp, mask, task_adv, args.algo.reward_coef)
+    reverse_kl = rl_math.masked_mean(old_logp - teacher_logp, mask)  # the quantity distillation drives to 0
+    meter.add({"opd/reverse_kl": reverse_kl}, mask.sum().item())  # the same on every rank
+    # Dr.GRPO's constant normaliser is the generation budget, not the padded width of the batch
+    max_len = args.rollout.max_new_tokens if args.algo.loss_agg == "seq-mean-token-sum-norm" else mask.shape[1]
+    loss_fn = partial(policy_loss, clip_low=a.clip_low, clip_high=a.clip_high, dual_clip=a.dual_clip, level=a.level,
+                      is_correction=args.algo.is_correction, is_threshold=args.algo.is_threshold,
+                      entropy_coef=a.entropy_coef, agg=args.algo.loss_agg, max_len=max_len,
+                      kl_coef=kl_coef, kl_estimator=args.algo.kl_estimator)  # fmt: skip
+    for _ in range(args.train.epochs):
+        for minibatch, micro in batches:  # the normalisers count the whole minibatch, over every rank
+            norm = {"num_tokens": mask[minibatch].sum().item(), "num_seqs": len(minibatch)}
+            for r, mb, real, last in rl.micro_batches(seqs, micro):
+                logp, ent = rl.forward_logp(actor, mb, temp, a.entropy_coef > 0)
+                loss, metrics = loss_fn(logp, old_logp[r], adv_tok[r], mb["loss_mask"], rollout_logp=mb["rollout_logp"],
+                                        ent=ent, ref_logp=None if ref is None else ref_logp[r], **norm)  # fmt: skip
+                metrics |= rl.router_aux(actor)  # DEVIATION(5): a MoE router's balancing loss, logged, not added
+                meter.add_loss("loss/policy", rl.backward(actor, loss, step, world, real, last))
+                meter.add(metrics, mb["loss_mask"].sum().item() if real else 0.0)
+            meter.add_step("train/grad_norm", ds_engine.optimizer_step(actor, step, "actor"))  # NaN/inf: raise
+    return {**meter.result(world), "train/tokens": float(mask.sum())}
+
+
+def main(args: Args, engines: rollout.RolloutEngines | None = None, groups: dict | None = None) -> dict:
+    # 1. setup ------------------------------------------------------------------------------------------------
+    check_args(args)  # PLUMBING: generic flag rules (sizes > 0, finite floats, ...) before anything is loaded
+    if args.algo.reward_coef != 0 and args.rollout.n_samples < 2:  # ALGO LOGIC: a group of one has no baseline
+        raise ValueError(f"--algo.reward-coef {args.algo.reward_coef}: the group-relative task advantage needs "
+                         f"--rollout.n-samples >= 2, got {args.rollout.n_samples}")  # fmt: skip
+    if args.teacher.ranks is not None and args.train.sp_size > 1:  # as --ref.ranks (rl.make_actor)
+        raise ValueError("--teacher.ranks with --train.sp-size > 1: a teacher on ranks of its own is not built for SP")
+    check_teacher(args)  # ALGO LOGIC: the teacher must read the student's token ids (builds an embedded teacher once)
+    # PLUMBING: `--train.ranks 1`: this process holds the DeepSpeed actor and an in-process vLLM engine. N > 1: the
+    # driver starts Ray, the engine actors and N ranks, each of which runs this function with the engines given.
+    uses_ref = args.algo.kl_coef > 0  # ALGO LOGIC: the KL term needs the reference policy (DEVIATION(3))
+    if engines is None and rl.needs_launch(args, uses_ref):
+        return rl.launch(main, args, uses_ref)
+    rank, world, device = rl.init_rank(args, engines)
+    tokenizer, train_set, eval_set, reward = rl.load_task(args, groups)
+    actor = rl.make_actor(args, device, args.train.max_steps * args.train.minibatches * args.train.epochs)
+    ref = rl.make_ref(args, device, groups, actor) if uses_ref else None  # LoRA: the actor with its adapters off
+    teacher = rl.build_model(groups, "teacher", load_teacher, args, device)  # PLUMBING: here, or its --teacher.ranks
+    run = rl.start(args, {"actor": actor}, engines, tokenizer, eval_set, reward, rank, world, device, args.exp_name)
+    kl_ctl = (rl_math.AdaptiveKLController(args.algo.kl_coef, args.algo.kl_target, args.algo.kl_horizon)
+              if args.algo.kl_target else rl_math.FixedKLController(args.algo.kl_coef))  # fmt: skip
+    kl_ctl.load_state_dict(run.client.get("kl_ctl", kl_ctl.state_dict()))
+    G = args.rollout.n_samples
+
+    for step in range(run.start_step, args.train.max_steps):
+        perf: dict = {}
+        # 2. rollout: G episodes per prompt through the agent executor, token ids in, token ids + log-probs out
+        with timer(perf, "perf/gen_s"):
+            ro = rl.collect_rollout(run, args, train_set, step)
+        perf["perf/tokens_per_s"] = sum(len(e.token_ids) for e in ro.episodes) / max(perf["perf/gen_s"], 1e-9)
+
+        # 3. rewards and advantages
+        rw = args.reward  # shaping: a truncated response's reward, DAPO's overlong penalty, clipping
+        rewards, truncated = rl.shape_rewards(ro, rw.stop_properly_penalty, rw.overlong_buffer, rw.overlong_penalty_factor,
+                                              args.rollout.max_new_tokens, rw.clip)  # fmt: skip
+        # ALGO LOGIC: the task term, GRPO's advantage (B,); `update` adds the teacher's term, which needs log-probs
+        task_adv = group_advantages(rewards, G).to(device) if args.algo.reward_coef != 0 else None
+        stats = rl.rollout_stats(ro, rewards, truncated, torch.ones(len(ro.episodes), dtype=torch.bool))
+
+        # 4. policy update on every sample (DEVIATION(3): no filter)
+        with timer(perf, "perf/train_s"):
+            seqs = rl.sequences(ro.episodes, tokenizer.pad_token_id, device, args.train.packing)
+            stats.update(update(actor, ref, teacher, seqs, task_adv, args, run, step, kl_ctl.value))
+        if "loss/kl" in stats:  # β for the next rollout
+            kl_ctl.update(stats["loss/kl"], len(ro.episodes))
+
+        # 5. weight sync, eval, logging, checkpoint
+        with timer(perf, "perf/sync_s"):
+            sample = [e.prompt_ids + e.token_ids for e in ro.episodes[:4]]
+            examples = [e.example for e in ro.episodes[:4]]  # their pictures, for a vision-language model
+            stats.update(rl.sync_weights(run, args, actor, sample=sample, examples=examples))
+        stats.update({"train/lr": actor.lr_scheduler.get_last_lr()[0], "train/kl_coef": kl_ctl.value, **perf})
+        if rl.end_step(run, args, step, stats, state={"kl_ctl": kl_ctl.state_dict()}):
+            return rl.finish(run, args, actor, tokenizer, halted_at=step)
+
+    # 6. export, learning curve and summary
+    return rl.finish(run, args, actor, tokenizer)
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main(tyro.cli(Args))
