@@ -247,7 +247,7 @@ def main(args: Args, engines: rollout.RolloutEngines | None = None, groups: dict
         # 4. policy update on the kept samples (none kept: nothing trains, rl.end_step warns)
         with timer(perf, "perf/train_s"):
             seqs = rl.sequences([ro.episodes[i] for i in kept], tokenizer.pad_token_id, device, args.train.packing)
-            stats.update(update(actor, ref, seqs, adv[kept], args, run, step, kl_ctl.value) if kept else {})
+            stats.update(update(actor, ref, seqs, adv[kept].to(device), args, run, step, kl_ctl.value) if kept else {})
         if "loss/kl" in stats:  # β for the next rollout
             kl_ctl.update(stats["loss/kl"], len(kept))
 

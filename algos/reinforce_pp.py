@@ -192,8 +192,9 @@ def update(actor, ref, seqs: dict, rewards: torch.Tensor, args: Args, run: rl.Ru
             norm = {"num_tokens": mask[minibatch].sum().item(), "num_seqs": len(minibatch)}
             for r, mb, real, last in rl.micro_batches(seqs, micro):
                 logp, ent = rl.forward_logp(actor, mb, temp, a.entropy_coef > 0)
-                loss, metrics = loss_fn(logp, old_logp[r], adv_tok[r], mb["loss_mask"], rollout_logp=mb["rollout_logp"],
-                                        ent=ent, **norm)  # fmt: skip
+                old = old_logp[r]  # computed for every row: the KL-shaped advantages needed them
+                loss, metrics = loss_fn(logp, old, adv_tok[r], mb["loss_mask"], rollout_logp=mb["rollout_logp"], ent=ent,
+                                        **norm)  # fmt: skip
                 metrics |= rl.router_aux(actor)  # DEVIATION(5): a MoE router's balancing loss, logged, not added
                 meter.add_loss("loss/policy", rl.backward(actor, loss, step, world, real, last))
                 meter.add(metrics, mb["loss_mask"].sum().item() if real else 0.0)
