@@ -92,6 +92,8 @@ def load_causal_lm(cfg: ModelConfig, flag: str = "--model.name-or-path"):
         )
     except OSError as e:
         raise ValueError(f"{flag} {cfg.name_or_path!r}: cannot load a causal LM: {e}") from None
+    except Exception as e:
+        raise damaged_weights(e, path, flag, cfg.name_or_path) from None
     if is_moe(model):  # forwards without a KV cache compute the router's aux loss; `router_aux_loss` hands it over
         model.register_forward_pre_hook(_ask_router_aux_loss, with_kwargs=True)
         model.register_forward_hook(_keep_router_aux_loss)
@@ -150,6 +152,25 @@ def router_aux_loss(model) -> torch.Tensor | None:
     return hf.__dict__.pop("_router_aux_loss", None)
 
 
+def damaged_weights(error: Exception, path: str, flag: str, name: str) -> Exception:
+    """A ValueError naming the weights file that does not open (a truncated or corrupted `*.safetensors`, e.g. from
+    a full disk or an interrupted copy) and the flag that pointed to it, when `error` came from one; `error` itself
+    otherwise (a fault of the model code, not of its files)."""
+    from safetensors import SafetensorError, safe_open
+
+    if not isinstance(error, SafetensorError) or not Path(path).is_dir():
+        return error
+    bad = []
+    for file in sorted(Path(path).glob("*.safetensors")):
+        try:
+            with safe_open(str(file), "pt"):
+                pass
+        except Exception as e:  # noqa: BLE001  (each damaged file is named with its own error)
+            bad.append(f"{file} ({e})")
+    what = "; ".join(bad) or f"a weights file under {path} ({error})"
+    return ValueError(f"{flag} {name!r}: damaged weights file: {what}. Export or copy the model again.")
+
+
 def load_scalar_model(name_or_path: str, dtype: str = "auto", attn: str = "auto", flag: str = "--model.name-or-path"):
     """A causal LM body with a scalar head (`AutoModelForSequenceClassification`, num_labels=1): the reward model
     and the critic. Loading a plain causal LM initialises a fresh head; `save_pretrained` output loads back with
@@ -165,6 +186,8 @@ def load_scalar_model(name_or_path: str, dtype: str = "auto", attn: str = "auto"
         )
     except OSError as e:
         raise ValueError(f"{flag} {name_or_path!r}: cannot load a scalar-head model: {e}") from None
+    except Exception as e:
+        raise damaged_weights(e, path, flag, name_or_path) from None
     model.config.pad_token_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
     return model
 

@@ -274,3 +274,23 @@ def test_hf_export_draws_no_progress_bar_and_restores_the_setting(tiny_path, tok
         assert "Writing model shards" not in out + err and hf_logging.is_progress_bar_enabled() == shown
         assert (tmp_path / f"hf-{shown}" / "model.safetensors").exists()
     hf_logging.enable_progress_bar()
+
+
+@pytest.mark.parametrize("loader", ["causal", "scalar"])
+def test_a_truncated_weights_file_is_named_with_the_flag(tmp_path, tiny_path, loader):
+    """A `model.safetensors` cut short (a full disk, an interrupted copy): the error names the file and the flag
+    that pointed to it, not safetensors' bare `invalid header length`."""
+    import shutil
+
+    from core.config import ModelConfig
+    from core.models import load_causal_lm, load_scalar_model
+
+    folder = tmp_path / "model"
+    shutil.copytree(tiny_path, folder)
+    weights = folder / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:5])
+    with pytest.raises(ValueError, match=r"--actor\.model\.name-or-path .*damaged weights file: .*model\.safetensors"):
+        if loader == "causal":
+            load_causal_lm(ModelConfig(name_or_path=str(folder)), "--actor.model.name-or-path")
+        else:
+            load_scalar_model(str(folder), flag="--actor.model.name-or-path")
