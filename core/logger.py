@@ -76,12 +76,23 @@ def flag_name(key: str) -> str:
     return "--" + key.replace("_", "-")
 
 
+def _model_path(key: str, value):
+    """An embedded model's name (`cleanrlhf/tiny-sft`) as the folder it resolves to, for the model fields: a run
+    launched through Ray saves the resolved folder, a one-process run the name, and both mean the same model."""
+    if key.rsplit(".", 1)[-1] in ("name_or_path", "model", "tokenizer") and isinstance(value, str):
+        from core import embedded
+
+        return embedded.resolve_model(value) if value.startswith(embedded.PREFIX) else value
+    return value
+
+
 def config_changes(saved: dict, now: dict, defaults: dict | None = None) -> list[dict]:
     """Every flag whose value differs between two `config_dict`s: {"flag", "saved", "now", "harmless"}, with
     `<absent>` for a flag one side lacks (e.g. added to the code since the run started). Such a new flag left at its
     default (`defaults`, a `config_dict` of the script's default Args) is harmless: a new option's default keeps
     the behaviour the run started with."""
     old, new, default = _flat(saved), _flat(now), _flat(defaults or {})
+    old, new = ({k: _model_path(k, v) for k, v in d.items()} for d in (old, new))
     return [{"flag": flag_name(k), "saved": old.get(k, ABSENT), "now": new.get(k, ABSENT),
              "harmless": any(fnmatch.fnmatchcase(k, pat) for pat in HARMLESS_FLAGS)
              or (k not in old and k in default and new.get(k, ABSENT) == default[k])}

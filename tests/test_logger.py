@@ -293,3 +293,14 @@ def test_sft_on_a_folder_in_use_is_refused_before_it_writes(tmp_path):
         assert files(run) == before and not list(run.glob("previous_*"))
     finally:
         first.communicate(timeout=60)
+
+
+def test_an_embedded_name_and_the_folder_it_resolves_to_are_no_change(tiny_path):
+    """A one-process run saves `cleanrlhf/tiny`, the same run resumed with `--train.ranks 2` (launched through Ray,
+    which resolves embedded names first) has the folder: the same model, so no change to refuse; a real change of
+    model is still one."""
+    saved = {"actor": {"model": {"name_or_path": "cleanrlhf/tiny"}}, "ref": {"name_or_path": None}}
+    resumed = {"actor": {"model": {"name_or_path": str(tiny_path)}}, "ref": {"name_or_path": None}}
+    assert config_changes(saved, resumed) == []
+    other = {"actor": {"model": {"name_or_path": "/elsewhere/model"}}, "ref": {"name_or_path": None}}
+    assert [c["flag"] for c in config_changes(saved, other)] == ["--actor.model.name-or-path"]
