@@ -14,8 +14,10 @@ from __future__ import annotations
 
 import functools
 import importlib.util
+import math
 import numbers
 import threading
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -146,8 +148,17 @@ def _is_number(v) -> bool:
         return False
 
 
+def _batch(step: int) -> str:
+    """Where a reward call happened, for its errors: the training batch of step `step`, or an eval (step < 0, the
+    executor's eval calls: the one before the first step and every later one)."""
+    return "an eval (its greedy pass@1 or sampled pass@k prompts)" if step < 0 else f"batch {step}"
+
+
+_NAN_LOGGED: set[tuple[str, str]] = set()  # (source, key) of extra_logs entries already warned about
+
+
 def _not_one_per_query(source: str, what: str, step: int, n: int) -> ValueError:
-    return ValueError(f"reward function {source} returned {what} on batch {step}: expected one number per query "
+    return ValueError(f"reward function {source} returned {what} on {_batch(step)}: expected one number per query "
                       f"({n} queries) as a list or a 1-D tensor, or a dict with them as 'rewards'")  # fmt: skip
 
 
@@ -179,10 +190,10 @@ def _one_per_query(values, name: str, source: str, step: int, n: int) -> torch.T
     else:
         raise bad(f"{name} of type {type(values).__name__}")
     if values.numel() != n:
-        raise ValueError(f"reward function {source} returned {values.numel()} {name} for {n} queries on batch {step}")
+        raise ValueError(f"reward function {source} returned {values.numel()} {name} for {n} queries on {_batch(step)}")
     if not torch.isfinite(values).all():
         bad_idx = (~torch.isfinite(values)).nonzero().flatten().tolist()[:5]
-        raise ValueError(f"reward function {source} returned NaN/inf on batch {step} ({name} of queries {bad_idx})")
+        raise ValueError(f"reward function {source} returned NaN/inf on {_batch(step)} ({name} of queries {bad_idx})")
     return values
 
 
@@ -194,9 +205,9 @@ def score(reward_func, source: str, queries, prompts, labels,
     try:
         out = reward_func(queries=queries, prompts=prompts, labels=labels)
     except RewardTimeout as e:
-        raise ValueError(f"reward function {source} {e} on batch {step}") from None
+        raise ValueError(f"reward function {source} {e} on {_batch(step)}") from None
     except Exception as e:
-        raise ValueError(f"reward function {source} raised on batch {step}: {type(e).__name__}: {e}") from e
+        raise ValueError(f"reward function {source} raised on {_batch(step)}: {type(e).__name__}: {e}") from e
     if isinstance(out, dict) and "rewards" not in out:
         raise _not_one_per_query(source, f"a dict without 'rewards' (keys {sorted(map(str, out))})", step, len(queries))
     rewards = _one_per_query(out["rewards"] if isinstance(out, dict) else out, "rewards", source, step, len(queries))
@@ -204,9 +215,13 @@ def score(reward_func, source: str, queries, prompts, labels,
     for k, v in (out.get("extra_logs") or {} if isinstance(out, dict) else {}).items():
         try:
             logs[f"rollout/{k}"] = torch.as_tensor(v, dtype=torch.float32).mean().item()
+            if math.isnan(logs[f"rollout/{k}"]) and (source, k) not in _NAN_LOGGED:
+                _NAN_LOGGED.add((source, k))
+                warnings.warn(f"reward function {source}: extra_logs[{k!r}] holds NaN on {_batch(step)}; it is logged "
+                              f"as rollout/{k} = nan (warned once)", stacklevel=2)  # fmt: skip
         except (TypeError, ValueError, RuntimeError) as e:
-            raise ValueError(f"reward function {source} returned extra_logs[{k!r}] that is not numbers on batch "
-                             f"{step}: {type(e).__name__}: {e}") from None  # fmt: skip
+            raise ValueError(f"reward function {source} returned extra_logs[{k!r}] that is not numbers on "
+                             f"{_batch(step)}: {type(e).__name__}: {e}") from None  # fmt: skip
     scores = out.get("scores") if isinstance(out, dict) else None
     scores = rewards if scores is None else _one_per_query(scores, "scores", source, step, len(queries))
     return rewards, logs, scores

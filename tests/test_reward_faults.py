@@ -2,12 +2,14 @@
 rejects everything else with a message naming the file and the batch, and `--reward.timeout-s` on a function that
 never returns."""
 
+import math
 import os
 import subprocess
 import sys
 import textwrap
 import threading
 import time
+import warnings
 from pathlib import Path
 
 import pytest
@@ -145,3 +147,23 @@ def test_a_timed_out_reward_thread_does_not_keep_the_process_alive(tmp_path):
                           env={**os.environ, "OMP_NUM_THREADS": "1"})  # fmt: skip
     assert proc.returncode == 3, proc.stderr
     assert "hang_reward.py did not return within 0.3 s (--reward.timeout-s) on batch 1" in proc.stdout
+
+
+def test_an_eval_call_is_named_as_such_and_a_nan_extra_log_warns_once(tmp_path):
+    """A reward error during an eval (the executor's step −1) says "an eval", not "batch -1"; a NaN inside
+    `extra_logs` is logged as nan with one warning naming the key, not silently."""
+    def failing(queries, prompts, labels):
+        raise KeyError("label")
+
+    with pytest.raises(ValueError, match=r"raised on an eval \(its greedy pass@1 or sampled pass@k prompts\): KeyError"):
+        score(failing, "my_reward.py", ["a"], ["a"], ["1"], step=-1)
+
+    def nan_log(queries, prompts, labels):
+        return {"rewards": [1.0] * len(queries), "extra_logs": {"acc": [float("nan")] * len(queries)}}
+
+    with pytest.warns(UserWarning, match=r"extra_logs\['acc'\] holds NaN on batch 3"):
+        _, logs, _ = score(nan_log, "nan_reward.py", ["a"], ["a"], ["1"], step=3)
+    assert math.isnan(logs["rollout/acc"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the second time: logged, no second warning
+        score(nan_log, "nan_reward.py", ["a"], ["a"], ["1"], step=4)
