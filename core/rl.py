@@ -309,6 +309,7 @@ def start(args, engine_models: dict, engines, tokenizer, eval_set: list[dict], r
     run_dir = Path(args.run_dir or Path(args.logger.run_root) / run_name(args.exp_name, args.train.seed))
     lock_run_dir(run_dir, enabled=rank == 0)  # one run writes a run folder: a second one is refused here
     ckpt_dir = Path(args.ckpt.dir or run_dir / "checkpoints")
+    refuse_finished(run_dir, ckpt_dir, args.train.max_steps, args.ckpt.resume)
     own_engines = engines is None
     if engines is None:
         if args.vllm.in_process is False or args.vllm.num_engines > 1:  # engine actors: Ray as `--ray.*` says
@@ -353,6 +354,21 @@ def start(args, engine_models: dict, engines, tokenizer, eval_set: list[dict], r
     logger.print(f"[{name}] {len(eval_set)} eval prompts, {world} trainer rank(s), eval pass@1 "
                  f"{'off (--eval.every 0)' if first is None else f'{first:.3f}'} at step {start_step}")  # fmt: skip
     return run
+
+
+def refuse_finished(run_dir: Path, ckpt_dir: Path, max_steps: int, resume: bool = True) -> None:
+    """Refuse a folder whose run finished (`summary.json`) while its newest checkpoint is older (`--train.halt-after`
+    jobs with `--ckpt.every 0`): resuming would train the last segment again. Say that it is finished instead."""
+    summary = run_dir / "summary.json"
+    if not resume or not summary.is_file():  # --ckpt.no-resume: a new run, the old files move aside
+        return
+    done = json.loads(summary.read_text())
+    newest = checkpoint.latest(ckpt_dir) if ckpt_dir.is_dir() else None
+    if done.get("halted") or done.get("steps") != max_steps or newest is None or int(newest.name[5:]) + 1 >= max_steps:
+        return
+    raise ValueError(f"{run_dir} holds a finished run of {max_steps} steps (summary.json; its model is in "
+                     f"{run_dir / 'hf'}): nothing to resume, and its newest checkpoint ({newest.name}) is older, so "
+                     "resuming would train its last steps again. Give another --run-dir for a new run.")  # fmt: skip
 
 
 @torch.no_grad()
@@ -685,20 +701,16 @@ def sync_weights(run: Run, args, actor, changed: bool = True, sample: list[list[
     return stats
 
 
-IDLE_WARN_EVERY = 10  # a run whose filter drops every sample warns at the first such step and every 10th after
-
-
-def end_step(run: Run, args, step: int, stats: dict, state: dict | None = None) -> bool:
+def end_step(run: Run, args, step: int, stats: dict, state: dict | None = None, warn_every: int = 10) -> bool:
     """The end of step `step`: eval every `--eval.every` steps and at the last (exporting a new best to <run>/best),
     warn when the step trained nothing (`rollout/kept_frac` 0), log the metrics row, checkpoint every `--ckpt.every` steps, at the last and when halting, and (hybrid engine)
     move the trainer's states off the GPU for the next rollout. Returns True when `--train.halt-after` stops here."""
     last = step == args.train.max_steps - 1
     if stats.get("rollout/kept_frac", 1.0) == 0:  # the script's filter dropped every sample: nothing was trained
         run.idle_steps += 1
-        if run.idle_steps % IDLE_WARN_EVERY == 1 or IDLE_WARN_EVERY == 1:
+        if (run.idle_steps - 1) % warn_every == 0:  # the first such step, then every `warn_every`-th
             run.logger.print(f"[{run.name}] warning: step {step + 1} trained nothing: every group was filtered out "
-                             f"(rollout/kept_frac 0; e.g. every reward of each group equal), {run.idle_steps} such "
-                             f"step(s) so far")  # fmt: skip
+                             f"(rollout/kept_frac 0), {run.idle_steps} such step(s) so far")  # fmt: skip
     if args.eval.every and ((step + 1) % args.eval.every == 0 or last):
         stats.update(all_ranks(evaluate(run, args) if run.rank == 0 else None, run.world))
         if args.eval.best_metric and stats.get(args.eval.best_metric, -math.inf) > run.best:

@@ -334,3 +334,20 @@ def test_a_stale_deepspeed_build_lock_is_removed_and_a_fresh_one_kept(tmp_path, 
     assert clear_stale_build_lock() is None and lock.exists()
     monkeypatch.setattr(engine, "_compiling", lambda: False)
     assert clear_stale_build_lock() == lock and not lock.exists()
+
+
+@pytest.mark.slow
+def test_a_finished_run_whose_newest_checkpoint_is_older_says_it_is_finished(tmp_path):
+    """A chain of `--train.halt-after` jobs with `--ckpt.every 0` ends with a finished run whose newest checkpoint is
+    the last halt's: the same command once more would train the last segment again. It is refused, naming the
+    finished run and where its model is."""
+    from algos import grpo
+
+    args = grpo.Args(run_dir=str(tmp_path / "run"))
+    args.train.max_steps, args.train.halt_after, args.rollout.batch_size, args.rollout.n_samples = 2, 1, 8, 4
+    args.ckpt.every, args.eval.every = 0, 0
+    args.logger.quiet, args.logger.tensorboard = True, False
+    assert grpo.main(args)["halted"]
+    assert grpo.main(args)["steps"] == 2  # resumed and finished; no checkpoint of the last step (--ckpt.every 0)
+    with pytest.raises(ValueError, match=r"holds a finished run of 2 steps .*nothing to resume.*step_00000000"):
+        grpo.main(args)
