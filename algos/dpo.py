@@ -232,6 +232,8 @@ def evaluate(model, pairs: list[dict], ref: torch.Tensor, args: Args, rank: int,
 def main(args: Args) -> dict:
     # 1. setup ------------------------------------------------------------------------------------------------
     check_args(args)  # PLUMBING: generic flag rules (sizes > 0, finite floats, ...) before anything is loaded
+    if args.data.image_key:  # PLUMBING: pictures are read by sft.py and the RL scripts only
+        raise ValueError(f"--data.image-key {args.data.image_key!r}: dpo.py reads no pictures (sft.py and the RL scripts do)")
     # PLUMBING: process group (world of one for `python algos/dpo.py`), tokenizer, pairs, policy, DeepSpeed engine.
     rank, world, device = ds_engine.init_distributed(args.ds.backend, args.ds.timeout_s)
     # Same seed on every rank for the data order (each rank slices the same global batch); per-rank offset for

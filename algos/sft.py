@@ -362,7 +362,9 @@ def cli(argv: list[str] | None = None) -> Args:
         if len(argv) < 2 or argv[1] not in PRESETS:
             raise SystemExit(f"--preset takes one of: {', '.join(PRESETS)}")
         default, argv = PRESETS[argv[1]](), argv[2:]
-    return tyro.cli(Args, args=argv, default=default)
+    presets = ", ".join(f"{name} ({' '.join(fn.__doc__.split(':')[0].split())})" for name, fn in PRESETS.items())
+    return tyro.cli(Args, args=argv, default=default, description=f"Supervised fine-tuning. `--preset NAME` as the "
+                    f"first flag starts from a named recipe, and the flags after it change it: {presets}.")  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -178,3 +178,12 @@ def _depth_into_update(path: Path) -> int:
         return None
 
     return 1 + call_depth(loop.body, 0) + blocks(update.body)
+
+
+def test_sft_help_names_its_presets(capsys):
+    """`--preset` is handled before tyro sees the flags: `--help` must still say it exists and what each preset is."""
+    sft = importlib.import_module("algos.sft")
+    with pytest.raises(SystemExit):
+        sft.cli(["--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--preset NAME" in out and "warm-start (The RL warm start `cleanrlhf/tiny-sft`" in out, out[:600]

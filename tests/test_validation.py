@@ -331,3 +331,15 @@ def test_loaders_name_the_flag_they_are_given(tmp_path):
         models.load_scalar_model(missing, flag="--critic.name-or-path")
     with pytest.raises(ValueError, match=r"\(--actor\.model\.name-or-path / --actor\.model\.tokenizer\): no such"):
         models.load_tokenizer(missing, "--actor.model.name-or-path / --actor.model.tokenizer")
+
+
+@pytest.mark.parametrize("script", ["dpo", "rm", "kto"])
+def test_the_preference_scripts_refuse_a_picture_column(script, tmp_path):
+    """dpo/rm/kto offer `--data.image-key` through the shared data section but read no pictures: refused by name."""
+    import importlib
+
+    mod = importlib.import_module(f"algos.{script}")
+    args = mod.Args(run_dir=str(tmp_path / "run"))
+    args.data.image_key = "image"
+    with pytest.raises(ValueError, match=rf"--data.image-key 'image': {script}.py reads no pictures"):
+        mod.main(args)
