@@ -10,11 +10,10 @@ import math
 
 import pytest
 import torch
+from test_rl_math import F64, INF, NAN, _grad_inputs, assert_close, lengths_mask, t  # the shared test helpers
 
 from core.rl_math import masked_mean, masked_whiten
 
-F64 = torch.float64
-NAN, INF = float("nan"), float("inf")
 SCRIPTS = ("grpo", "rloo", "reinforce_pp", "grpo_async", "ppo")
 KL_IN_LOSS = ("grpo", "rloo", "grpo_async")  # reinforce_pp and ppo put the KL penalty in the reward
 
@@ -22,27 +21,6 @@ KL_IN_LOSS = ("grpo", "rloo", "grpo_async")  # reinforce_pp and ppo put the KL p
 @pytest.fixture(params=SCRIPTS)
 def policy_loss(request):
     return importlib.import_module(f"algos.{request.param}").policy_loss
-
-
-def lengths_mask(lengths: list[int], T: int) -> torch.Tensor:
-    """Right-padded bool mask (B, T) with the given number of valid tokens per row."""
-    return torch.arange(T)[None, :] < torch.tensor(lengths)[:, None]
-
-
-def t(*rows) -> torch.Tensor:
-    return torch.tensor(rows, dtype=F64)
-
-
-def assert_close(a, b, **kw):
-    torch.testing.assert_close(torch.as_tensor(a, dtype=F64), torch.as_tensor(b, dtype=F64), **kw)
-
-
-def _grad_inputs(seed, spread):
-    gen = torch.Generator().manual_seed(seed)
-    mask = lengths_mask([4, 3, 1], 4)
-    old = torch.randn(3, 4, dtype=F64, generator=gen)
-    new = (old + spread * torch.randn(3, 4, dtype=F64, generator=gen)).requires_grad_()
-    return gen, mask, old, new
 
 
 def test_every_rl_script_has_the_same_loss_signature():
