@@ -495,8 +495,6 @@ def release_dropped_engines() -> int:
             core.shutdown()
         except Exception as e:  # a half-built or already torn-down core: its memory goes with the reference anyway
             logging.getLogger(__name__).warning("shutting down a dropped vLLM engine failed: %r", e)
-    if cores:
-        refreeze_heap()
     return len(cores)
 
 
@@ -1158,21 +1156,7 @@ class RolloutEngines:
                 ray.kill(engine)
             elif isinstance(engine, VLLMEngine):  # an HFEngine's model goes with its last reference
                 engine.llm.llm_engine.engine_core.shutdown()  # vllm 0.32: InprocClient.shutdown
-        in_process = any(isinstance(e, VLLMEngine) for e in self.engines) and not self.actors
         self.engines = []
-        if in_process:
-            refreeze_heap()
-
-
-def refreeze_heap() -> None:
-    """vLLM freezes the heap when an in-process engine starts (`gc.freeze`: the objects alive then are never scanned by
-    the cyclic garbage collector) and unfreezes it at the engine's shutdown. In a process that goes on (a test process,
-    a notebook running several scripts) every later full collection then scans the whole heap again: an RL test took
-    117 s instead of 87 s. Collect the engine's garbage, then freeze what is left."""
-    import gc
-
-    gc.collect()
-    gc.freeze()
 
 
 # ---------------------------------------------------------------------------------------------------------------
