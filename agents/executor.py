@@ -49,6 +49,8 @@ class Episode:
     truncated: bool
     """the last generation hit max-new-tokens (or the context) without an eos."""
     finish_reason: str = "stop"
+    extra: dict = field(default_factory=dict)
+    """the reward function's per-sample `extra_logs` entries (kept with the samples, core/samples.py)."""
 
 
 @dataclass
@@ -74,8 +76,8 @@ class Rollout:
                        torch.cat([p.scores for p in parts]), dict(parts[0].logs) if parts else {})  # fmt: skip
 
 
-RewardFn = Callable[..., tuple[torch.Tensor, dict, torch.Tensor]]
-"""`reward_fn(queries, prompts, labels, step) -> (rewards (B,), logs, scores (B,))`, checked (the RL scripts' `score`
+RewardFn = Callable[..., tuple[torch.Tensor, dict, torch.Tensor, list[dict]]]
+"""`reward_fn(queries, prompts, labels, step) -> (rewards (B,), logs, scores (B,), extras)`, checked (the RL scripts' `score`
 wrapped around the user's `reward_func`)."""
 
 
@@ -101,8 +103,10 @@ class SingleTurnExecutor:
                             s.finish_reason) for e, g in zip(batch, groups) for s in g]  # fmt: skip
         texts = [self.tokenizer.decode(ep.token_ids, skip_special_tokens=True) for ep in episodes]
         prompts = [ep.example["prompt"] for ep in episodes]
-        rewards, logs, scores = self.reward_fn([p + t for p, t in zip(prompts, texts)], prompts,
-                                               [ep.example["label"] for ep in episodes], step)  # fmt: skip
+        rewards, logs, scores, extras = self.reward_fn([p + t for p, t in zip(prompts, texts)], prompts,
+                                                       [ep.example["label"] for ep in episodes], step)  # fmt: skip
+        for ep, extra in zip(episodes, extras):
+            ep.extra = extra
         return Rollout(episodes, rewards, scores, logs)
 
     def close(self) -> None:

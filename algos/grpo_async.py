@@ -54,7 +54,7 @@ from typing import Literal
 import torch
 import tyro
 
-from core import config, producer, rl, rl_math, rollout
+from core import config, producer, rl, rl_math, rollout, samples
 from core import engine as ds_engine
 from core.config import (
     ActorArgs,
@@ -199,9 +199,11 @@ def policy_loss(logp, old_logp, adv, mask, *, clip_low=0.2, clip_high=0.2, dual_
     return loss, metrics
 
 
-def update(actor, ref, seqs: dict, adv: torch.Tensor, args: Args, run: rl.Run, step: int, kl_coef: float) -> dict:
+def update(actor, ref, seqs: dict, adv: torch.Tensor, args: Args, run: rl.Run, step: int, kl_coef: float,
+           trace: samples.Trace = samples.NO_TRACE) -> dict:  # fmt: skip
     """Minibatches of the loss over one rollout: old and reference log-probs first (by the trainer), then
-    `--train.epochs` passes of `--train.minibatches` optimizer steps. seqs: (B, L) batch; adv: (B,) -> metrics."""
+    `--train.epochs` passes of `--train.minibatches` optimizer steps; `trace` keeps what the loss saw of a few samples
+    (samples.jsonl). seqs: (B, L) batch; adv: (B,) -> metrics."""
     mask, temp, world, a = seqs["loss_mask"], args.rollout.temperature, run.world, args.actor
     adv_tok = adv[:, None].expand_as(mask).float()
     batches = rl.minibatches(seqs, args, step, run.rank, world)
@@ -226,6 +228,8 @@ def update(actor, ref, seqs: dict, adv: torch.Tensor, args: Args, run: rl.Run, s
                 old = logp.detach() if on_policy else old_logp[r]
                 loss, metrics = loss_fn(logp, old, adv_tok[r], mb["loss_mask"], rollout_logp=mb["rollout_logp"], ent=ent,
                                         ref_logp=None if ref is None else ref_logp[r], **norm)  # fmt: skip
+                trace.add(r, mb["loss_mask"], logp=logp, old_logp=old, adv=adv_tok[r], entropy=ent,
+                          ref_logp=None if ref is None else ref_logp[r])  # fmt: skip
                 metrics |= rl.router_aux(actor)  # DEVIATION(5): a MoE router's balancing loss, logged, not added
                 meter.add_loss("loss/policy", rl.backward(actor, loss, step, world, real, last))
                 meter.add(metrics, mb["loss_mask"].sum().item() if real else 0.0)
@@ -292,10 +296,13 @@ def train(args: Args, engines: rollout.RolloutEngines | None, groups: dict | Non
         kept = keep.nonzero().flatten().tolist()
         stats = rl.rollout_stats(ro, rewards, truncated, keep)
 
-        # 4. policy update on the kept samples (none kept: nothing trains, rl.end_step warns)
+        # 4. policy update on the kept samples (none kept: nothing trains, rl.end_step warns), a few of them traced
+        trace = samples.Trace(samples.watch(keep, G, args.logger.samples), kept, args.algo.kl_estimator)
         with timer(perf, "perf/train_s"):
             seqs = rl.sequences([ro.episodes[i] for i in kept], tokenizer.pad_token_id, device, args.train.packing)
-            stats.update(update(actor, ref, seqs, adv[kept].to(device), args, run, step, kl_ctl.value) if kept else {})
+            stats.update(update(actor, ref, seqs, adv[kept].to(device), args, run, step, kl_ctl.value, trace=trace)
+                         if kept else {})  # fmt: skip
+        samples.log(run, args, step, ro, rewards, keep, trace, adv)  # -> samples.jsonl, a panel every show-every steps
         if "loss/kl" in stats:  # β for the next rollout
             kl_ctl.update(stats["loss/kl"], len(kept))
 

@@ -50,7 +50,7 @@ import torch
 import tyro
 
 from core import engine as ds_engine
-from core import models, rl, rl_math, rollout
+from core import models, rl, rl_math, rollout, samples
 from core.config import (
     ActorArgs,
     CkptConfig,
@@ -214,9 +214,10 @@ def policy_loss(logp, old_logp, adv, mask, *, clip_low=0.2, clip_high=0.2, dual_
 
 
 def update(actor, ref, teacher, seqs: dict, task_adv: torch.Tensor | None, args: Args, run: rl.Run, step: int,
-           kl_coef: float) -> dict:  # fmt: skip
+           kl_coef: float, trace: samples.Trace = samples.NO_TRACE) -> dict:  # fmt: skip
     """Minibatches of the loss over one rollout: old, teacher and reference log-probs, the token advantages from them,
-    then `--train.epochs` passes of `--train.minibatches` optimizer steps. seqs: (B, L) batch; task_adv: (B,) | None."""
+    then `--train.epochs` passes of `--train.minibatches` optimizer steps; `trace` keeps what the loss saw of a few
+    samples (samples.jsonl). seqs: (B, L) batch; task_adv: (B,) | None."""
     mask, temp, world, a = seqs["loss_mask"], args.rollout.temperature, run.world, args.actor
     batches = rl.minibatches(seqs, args, step, run.rank, world)
     mine = [m for _, micro in batches for m in micro]  # this rank's rows
@@ -243,6 +244,8 @@ def update(actor, ref, teacher, seqs: dict, task_adv: torch.Tensor | None, args:
                 logp, ent = rl.forward_logp(actor, mb, temp, a.entropy_coef > 0)
                 loss, metrics = loss_fn(logp, old_logp[r], adv_tok[r], mb["loss_mask"], rollout_logp=mb["rollout_logp"],
                                         ent=ent, ref_logp=None if ref is None else ref_logp[r], **norm)  # fmt: skip
+                trace.add(r, mb["loss_mask"], logp=logp, old_logp=old_logp[r], adv=adv_tok[r], entropy=ent,
+                          ref_logp=None if ref is None else ref_logp[r], teacher_logp=teacher_logp[r])  # fmt: skip
                 metrics |= rl.router_aux(actor)  # DEVIATION(5): a MoE router's balancing loss, logged, not added
                 meter.add_loss("loss/policy", rl.backward(actor, loss, step, world, real, last))
                 meter.add(metrics, mb["loss_mask"].sum().item() if real else 0.0)
@@ -290,10 +293,14 @@ def main(args: Args, engines: rollout.RolloutEngines | None = None, groups: dict
         task_adv = group_advantages(rewards, G).to(device) if args.algo.reward_coef != 0 else None
         stats = rl.rollout_stats(ro, rewards, truncated, torch.ones(len(ro.episodes), dtype=torch.bool))
 
-        # 4. policy update on every sample (DEVIATION(3): no filter)
+        # 4. policy update on every sample (DEVIATION(3): no filter), a few of them traced
+        everyone = torch.ones(len(ro.episodes), dtype=torch.bool)
+        trace = samples.Trace(samples.watch(everyone, G, args.logger.samples), list(range(len(everyone))),
+                              args.algo.kl_estimator)  # fmt: skip
         with timer(perf, "perf/train_s"):
             seqs = rl.sequences(ro.episodes, tokenizer.pad_token_id, device, args.train.packing)
-            stats.update(update(actor, ref, teacher, seqs, task_adv, args, run, step, kl_ctl.value))
+            stats.update(update(actor, ref, teacher, seqs, task_adv, args, run, step, kl_ctl.value, trace=trace))
+        samples.log(run, args, step, ro, rewards, everyone, trace)  # -> samples.jsonl, a panel every show-every steps
         if "loss/kl" in stats:  # β for the next rollout
             kl_ctl.update(stats["loss/kl"], len(ro.episodes))
 

@@ -59,7 +59,7 @@ import torch
 import tyro
 
 from core import engine as ds_engine
-from core import models, rl, rl_math, rollout, sequence_parallel
+from core import models, rl, rl_math, rollout, samples, sequence_parallel
 from core.config import (
     ActorArgs,
     CkptConfig,
@@ -287,11 +287,13 @@ def policy_loss(logp, old_logp, adv, mask, *, clip_low=0.2, clip_high=0.2, dual_
     return loss, metrics
 
 
-def update(actor, critic, ref, seqs: dict, rewards: torch.Tensor, args: Args, run: rl.Run, step: int, kl_coef: float):
+def update(actor, critic, ref, seqs: dict, rewards: torch.Tensor, args: Args, run: rl.Run, step: int, kl_coef: float,
+           trace: samples.Trace = samples.NO_TRACE):  # fmt: skip
     """Both updates over one rollout: old log-probs, V_old and reference log-probs of every row first (GAE and the
     whitening are global, so every rank gets every row), the advantages and the critic's targets, then the critic's
     `--train.epochs` passes of `--train.minibatches` steps and, after the critic warm-up (step ≥
-    --critic.warmup-steps), the actor's. seqs: (B, L) batch; rewards: (B,) -> metrics."""
+    --critic.warmup-steps), the actor's; `trace` keeps what the loss saw of a few samples (samples.jsonl).
+    seqs: (B, L) batch; rewards: (B,) -> metrics."""
     mask, temp, world, a = seqs["loss_mask"], args.rollout.temperature, run.world, args.actor
     batches = rl.minibatches(seqs, args, step, run.rank, world)
     mine = [m for _, micro in batches for m in micro]  # this rank's rows
@@ -323,6 +325,8 @@ def update(actor, critic, ref, seqs: dict, rewards: torch.Tensor, args: Args, ru
                 logp, ent = rl.forward_logp(actor, mb, temp, a.entropy_coef > 0)
                 loss, metrics = loss_fn(logp, old_logp[r], adv[r], mb["loss_mask"], rollout_logp=mb["rollout_logp"],
                                         ent=ent, **norm)  # fmt: skip
+                trace.add(r, mb["loss_mask"], logp=logp, old_logp=old_logp[r], adv=adv[r], entropy=ent,
+                          ref_logp=None if ref is None else ref_logp[r], value=old_values[r])  # fmt: skip
                 metrics |= rl.router_aux(actor)  # DEVIATION(6): a MoE router's balancing loss, logged, not added
                 meter.add_loss("loss/policy", rl.backward(actor, loss, step, world, real, last, "actor loss"))
                 meter.add(metrics, mb["loss_mask"].sum().item() if real else 0.0)
@@ -378,9 +382,12 @@ def main(args: Args, engines: rollout.RolloutEngines | None = None, groups: dict
 
         # 4. critic and policy update: GAE, then minibatches of the clipped value loss and (after the warm-up) the
         # PPO-clipped loss; the loss mask is the episodes' action mask (multi-turn feedback: 0, GAE carries through)
+        trace = samples.Trace(samples.watch(keep, args.rollout.n_samples, args.logger.samples), list(range(len(keep))),
+                              args.algo.kl_estimator)  # a few samples traced through the update  # fmt: skip
         with timer(perf, "perf/train_s"):
             seqs = rl.sequences(ro.episodes, tokenizer.pad_token_id, device, args.train.packing)
-            stats.update(update(actor, critic, ref, seqs, rewards, args, run, step, kl_ctl.value))
+            stats.update(update(actor, critic, ref, seqs, rewards, args, run, step, kl_ctl.value, trace=trace))
+        samples.log(run, args, step, ro, rewards, keep, trace)  # -> samples.jsonl, a panel every show-every steps
         if "loss/kl" in stats:  # β for the next rollout
             kl_ctl.update(stats["loss/kl"], len(ro.episodes))
 

@@ -171,6 +171,13 @@ class LoggerConfig:
     """`offline` writes W&B runs locally (sync later with `wandb sync`)."""
     quiet: bool = False
     """no progress bar or summary table (used when a run is nested in another, e.g. the warm-start build)."""
+    samples: int = 8
+    """samples of each step kept in `<run>/samples.jsonl` with their per-token log-probs, ratios and advantages
+    (whole prompt groups, the trained ones first; core/samples.py); dpo/rm: preference pairs per eval. 0: none."""
+    eval_samples: int = 4
+    """greedy eval answers kept in samples.jsonl at every eval, with whether each was right. 0: none."""
+    show_every: int = 10
+    """show one sample (prompt, response, reward) in a panel on the console every K steps; 0: never."""
 
 
 # ------------------------------------------------------------------------------------ RL sections (algos/grpo.py ...)

@@ -46,8 +46,8 @@ other flag (model, data, optimizer, algorithm, batch sizes, ZeRO stage, vLLM sam
 run."""
 
 ABSENT = "<absent>"
-RUN_FILES = ("metrics.jsonl", "config.json", "config_changes.jsonl", "summary.json", "tb", "wandb", "wandb_id",
-             "learning_curve.png", "checkpoints", "hf", "best")  # fmt: skip
+RUN_FILES = ("metrics.jsonl", "samples.jsonl", "config.json", "config_changes.jsonl", "summary.json", "tb", "wandb",
+             "wandb_id", "learning_curve.png", "report.html", "checkpoints", "hf", "best")  # fmt: skip
 """What the scripts write into a run folder: moved aside together when a new run starts in the folder."""
 
 
@@ -265,6 +265,15 @@ def _read_rows(path: Path) -> list[dict]:
     return rows
 
 
+def _truncate_rows(path: Path, last_step: int) -> list[dict]:
+    """Keep the rows of `path` (JSON lines) up to step `last_step`, dropping torn lines; returns them."""
+    rows = [r for r in _read_rows(path) if r.get("step", 0) <= last_step]
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    os.replace(tmp, path)
+    return rows
+
+
 class RunLogger:
     def __init__(self, cfg: LoggerConfig, run_dir: str | Path, args, total_steps: int, enabled: bool = True,
                  resume_step: int = 0):  # fmt: skip
@@ -281,10 +290,9 @@ class RunLogger:
         if resume_step > 0:
             self._record_changes(check_config(self.run_dir, args), resume_step)
             if metrics_file.exists():  # keep what the checkpoint covers; the killed run's later rows are redone
-                self.history = [r for r in _read_rows(metrics_file) if r.get("step", 0) <= resume_step]
-                tmp = self.run_dir / ".metrics.jsonl.tmp"
-                tmp.write_text("".join(json.dumps(r) + "\n" for r in self.history))
-                os.replace(tmp, metrics_file)
+                self.history = _truncate_rows(metrics_file, resume_step)
+            if (self.run_dir / "samples.jsonl").exists():  # likewise the samples of those steps
+                _truncate_rows(self.run_dir / "samples.jsonl", resume_step)
         else:
             self._move_previous_run()
         if not (self.run_dir / "config.json").exists():  # never overwritten: it holds the flags the run started with
@@ -352,11 +360,33 @@ class RunLogger:
             text = "  ".join(f"{k.split('/')[-1]}={metrics[k]:.4g}" for k in shown if k in metrics)
             self.progress.update(self.task, completed=step, **({"shown": text} if text else {}))
 
-    def print(self, *msg) -> None:
-        if self.enabled and not self.cfg.quiet:
-            from rich import print as rprint
+    def log_samples(self, rows: list[dict], step: int) -> None:
+        """Append samples (core/samples.py rows) to samples.jsonl, and show them in TensorBoard (text, a markdown
+        table per kind) and W&B (a Table per kind) when those are on."""
+        if not self.enabled or not rows:
+            return
+        with open(self.run_dir / "samples.jsonl", "a") as f:
+            f.writelines(json.dumps(r, ensure_ascii=False) + "\n" for r in rows)
+        columns = ("index", "prompt", "response", "reward", "advantage", "kept", "truncated", "correct")
+        for kind in sorted({r["kind"] for r in rows}):
+            table = [[r.get(c) for c in columns] for r in rows if r["kind"] == kind]
+            if self.tb:
+                cell = lambda v: str(v).replace("|", "\\|").replace("\n", " ")[:300]  # noqa: E731
+                lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+                lines += ["| " + " | ".join(cell(v) for v in row) + " |" for row in table]
+                self.tb.add_text(f"samples/{kind}", "\n".join(lines), step)
+            if self.wandb:
+                import wandb
 
-            (self.progress.console.print if self.progress else rprint)(*msg)
+                self.wandb.log({f"samples/{kind}": wandb.Table(columns=list(columns), data=table)}, step=step)
+
+    def print(self, *msg) -> None:
+        """Print above the progress bar (rank 0, not `--logger.quiet`). Text is printed as it is: a `[grpo]` prefix or
+        a bracket in a sample is not read as rich markup (which would drop it)."""
+        if self.enabled and not self.cfg.quiet:
+            from rich.console import Console
+
+            (self.progress.console if self.progress else Console()).print(*msg, markup=False)
 
     def latest(self, key: str, default=float("nan")) -> float:
         """Most recent value logged under `key`."""

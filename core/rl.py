@@ -11,6 +11,7 @@ Plain functions over plain values, no trainer class: a script's `main` reads top
         ro = rl.collect_rollout(run, args, train_set, step, keep, max_rounds)  # 2. rollout (the filter is the script's)
         rewards, truncated = rl.shape_rewards(ro, ...the script's shaping)  # 3. rewards -> the script's advantages
         ... the script's update: rl.minibatches, rl.micro_batches, rl.forward_logp, its loss, rl.backward, optimizer_step
+        samples.log(run, args, step, ro, rewards, keep, trace)             # samples.jsonl (core/samples.py)
         stats.update(rl.sync_weights(run, args, actor))                     # 5. sync, eval, log, checkpoint
         if rl.end_step(run, args, step, stats, state):                      # True: --train.halt-after stops here
             return rl.finish(run, args, actor, tokenizer, halted_at=step)
@@ -41,7 +42,19 @@ import torch
 
 from agents.executor import Episode, MultiTurnExecutor, Rollout, SingleTurnExecutor, load_env_factory
 from agents.openai_agent import OpenAIAgentExecutor
-from core import checkpoint, data, embedded, models, packing, placement, rl_math, rollout, sequence_parallel, vision
+from core import (
+    checkpoint,
+    data,
+    embedded,
+    models,
+    packing,
+    placement,
+    rl_math,
+    rollout,
+    samples,
+    sequence_parallel,
+    vision,
+)
 from core import engine as ds_engine
 from core.config import ModelConfig
 from core.logger import RunLogger, lock_run_dir, run_name
@@ -347,7 +360,7 @@ def start(args, engine_models: dict, engines, tokenizer, eval_set: list[dict], r
               client, first_eval={}, best=client.get("best", -math.inf), name=name, own_engines=own_engines,
               idle_steps=client.get("idle_steps", 0))  # fmt: skip
     if args.eval.every:  # --eval.every 0: no eval at all, the first one included (first_eval stays {})
-        run.first_eval = client.get("first_eval") or all_ranks(evaluate(run, args) if rank == 0 else None, world)
+        run.first_eval = client.get("first_eval") or all_ranks(evaluate(run, args, 0) if rank == 0 else None, world)
         if start_step == 0:  # a resumed run logged it when it started
             logger.log(run.first_eval, 0, shown=("eval/pass@1",))
     first = run.first_eval.get("eval/pass@1")
@@ -372,11 +385,13 @@ def refuse_finished(run_dir: Path, ckpt_dir: Path, max_steps: int, resume: bool 
 
 
 @torch.no_grad()
-def evaluate(run: Run, args) -> dict:
+def evaluate(run: Run, args, step: int) -> dict:
     """pass@1 (greedy) and pass@k (k samples at the rollout temperature), overall and per data source; an answer is
-    correct when its reward is above 0.5."""
+    correct when its reward is above 0.5. The first `--logger.eval-samples` greedy answers go to samples.jsonl under
+    `step` (the metrics row the eval belongs to)."""
     eval_set = run.eval_set
     greedy = run.executor.run(eval_set, n=1, seed=None, step=-1, temperature=0.0)
+    run.logger.log_samples(samples.eval_rows(run.executor.tokenizer, greedy, step, args.logger.eval_samples), step)
     sampled = run.executor.run(eval_set, n=args.eval.k, seed=12345, step=-1)
     p1 = (greedy.rewards > 0.5).float()
     pk = (sampled.rewards > 0.5).float().view(len(eval_set), args.eval.k).max(dim=1).values
@@ -712,7 +727,7 @@ def end_step(run: Run, args, step: int, stats: dict, state: dict | None = None, 
             run.logger.print(f"[{run.name}] warning: step {step + 1} trained nothing: every group was filtered out "
                              f"(rollout/kept_frac 0), {run.idle_steps} such step(s) so far")  # fmt: skip
     if args.eval.every and ((step + 1) % args.eval.every == 0 or last):
-        stats.update(all_ranks(evaluate(run, args) if run.rank == 0 else None, run.world))
+        stats.update(all_ranks(evaluate(run, args, step + 1) if run.rank == 0 else None, run.world))
         if args.eval.best_metric and stats.get(args.eval.best_metric, -math.inf) > run.best:
             run.best = stats[args.eval.best_metric]
             ds_engine.export_hf(run.models["actor"], run.executor.tokenizer, run.run_dir / "best")

@@ -198,10 +198,12 @@ def _one_per_query(values, name: str, source: str, step: int, n: int) -> torch.T
 
 
 def score(reward_func, source: str, queries, prompts, labels,
-          step: int) -> tuple[torch.Tensor, dict, torch.Tensor]:  # fmt: skip
+          step: int) -> tuple[torch.Tensor, dict, torch.Tensor, list[dict]]:  # fmt: skip
     """Call the reward function and check what it returned: one finite reward per query (see `_one_per_query` for
-    what counts), and likewise the optional `scores`. Returns (rewards, logs, scores): `scores` are the function's
-    optional 0-1 scores (for dynamic filtering), else the rewards."""
+    what counts), and likewise the optional `scores`. Returns (rewards, logs, scores, extras): `scores` are the
+    function's optional 0-1 scores (for dynamic filtering), else the rewards; `logs` the batch means of its
+    `extra_logs`; `extras` one dict per query of the `extra_logs` entries that hold one number per query (kept with
+    the samples, core/samples.py)."""
     try:
         out = reward_func(queries=queries, prompts=prompts, labels=labels)
     except RewardTimeout as e:
@@ -211,10 +213,14 @@ def score(reward_func, source: str, queries, prompts, labels,
     if isinstance(out, dict) and "rewards" not in out:
         raise _not_one_per_query(source, f"a dict without 'rewards' (keys {sorted(map(str, out))})", step, len(queries))
     rewards = _one_per_query(out["rewards"] if isinstance(out, dict) else out, "rewards", source, step, len(queries))
-    logs = {}
+    logs, extras = {}, [{} for _ in queries]
     for k, v in (out.get("extra_logs") or {} if isinstance(out, dict) else {}).items():
         try:
-            logs[f"rollout/{k}"] = torch.as_tensor(v, dtype=torch.float32).mean().item()
+            values = torch.as_tensor(v, dtype=torch.float32)
+            logs[f"rollout/{k}"] = values.mean().item()
+            if values.ndim == 1 and len(values) == len(queries):
+                for extra, x in zip(extras, values.tolist()):
+                    extra[k] = x
             if math.isnan(logs[f"rollout/{k}"]) and (source, k) not in _NAN_LOGGED:
                 _NAN_LOGGED.add((source, k))
                 warnings.warn(f"reward function {source}: extra_logs[{k!r}] holds NaN on {_batch(step)}; it is logged "
@@ -224,4 +230,4 @@ def score(reward_func, source: str, queries, prompts, labels,
                              f"{_batch(step)}: {type(e).__name__}: {e}") from None  # fmt: skip
     scores = out.get("scores") if isinstance(out, dict) else None
     scores = rewards if scores is None else _one_per_query(scores, "scores", source, step, len(queries))
-    return rewards, logs, scores
+    return rewards, logs, scores, extras

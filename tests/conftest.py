@@ -6,6 +6,7 @@ and repeated runs build them once.
 """
 
 import contextlib
+import math
 import os
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -127,7 +128,32 @@ def ranks_2_vs_1(args_cls, main, tmp_path, configure=None, summaries: dict | Non
             if ranks == 2:
                 ray.shutdown()
         rows[ranks] = [json.loads(line) for line in open(tmp_path / f"r{ranks}" / "metrics.jsonl") if "loss/" in line]
+    assert_samples_agree(tmp_path / "r2", tmp_path / "r1")
     return rows
+
+
+def assert_samples_agree(run_a, run_b) -> None:
+    """The first step's kept samples (samples.jsonl) of two runs that sampled alike: the same samples, and what the
+    loss saw of each token (gathered from the ranks that trained it) the same up to float32 reordering."""
+    import json
+
+    def first_step(run):
+        rows = [json.loads(line) for line in open(run / "samples.jsonl")]
+        return {r["index"]: r for r in rows if r["kind"] == "train" and r["step"] == 1}
+
+    a, b = first_step(run_a), first_step(run_b)
+    assert a.keys() == b.keys() and a, (sorted(a), sorted(b))
+    for i, row in a.items():
+        assert row["response"] == b[i]["response"] and row["reward"] == b[i]["reward"]
+        if not row["kept"]:
+            continue
+        assert row["tokens"].keys() == b[i]["tokens"].keys(), i
+        for key in ("trainer_logp", "ratio", "advantage", "kl", "value", "teacher_logp"):
+            if key in row["tokens"]:
+                got, want = (
+                    [math.nan if x is None else x for x in r["tokens"][key]] for r in (row, b[i])
+                )  # fmt: skip
+                assert got == pytest.approx(want, rel=1e-4, abs=1e-4, nan_ok=True), (i, key)
 
 
 def zero3_other_reference(args, ranks: int) -> None:

@@ -74,6 +74,12 @@ def test_copies_with_renamed_algo_fields_run_and_log_the_same_names(tmp_path, on
         assert summary["steps"] == 1 and summary["steps_without_update"] == 0, summary
         (row,) = [json.loads(line) for line in open(tmp_path / script / "metrics.jsonl") if '"step": 1' in line]
         names[script] = set(row)
+        # every script keeps its samples with what the loss saw of each token (the KL where the loss has it)
+        kept = [r for r in map(json.loads, open(tmp_path / script / "samples.jsonl")) if r["kind"] == "train"]
+        assert len(kept) == 8 and all(r["kept"] for r in kept), (script, len(kept))
+        saw = {"trainer_logp", "ratio", "advantage", "entropy"} | ({"kl"} if script != "reinforce_pp" else set())
+        saw |= {"value"} if script == "ppo" else set()
+        assert all(saw <= set(r["tokens"]) for r in kept), (script, sorted(kept[0]["tokens"]))
     for script, logged in names.items():
         assert SHARED <= logged, (script, sorted(SHARED - logged))
 

@@ -87,9 +87,10 @@ def test_groups_inside_keeps_groups_neither_all_solved_nor_all_failed():
 
 def test_embedded_reward_scores_exact_match():
     fn, src = load_reward_func(RewardConfig())
-    r, logs, scores = score(fn, src, ["1+2=3", "1+2=4", "1+2=x"], ["1+2="] * 3, ["3", "3", "3"], step=0)
+    r, logs, scores, extras = score(fn, src, ["1+2=3", "1+2=4", "1+2=x"], ["1+2="] * 3, ["3", "3", "3"], step=0)
     assert r.tolist() == [1.0, 0.0, 0.0] and scores.tolist() == r.tolist()  # no `scores` returned: the rewards
     assert logs["rollout/format_ok"] == pytest.approx(2 / 3)
+    assert [e["format_ok"] for e in extras] == [1.0, 1.0, 0.0]  # per sample, kept with the samples (samples.jsonl)
 
 
 def test_import_has_no_side_effects_and_defaults():

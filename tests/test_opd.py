@@ -3,6 +3,8 @@ CLI, and a short learning run from the warm start with the embedded GRPO teacher
 
 from __future__ import annotations
 
+import json
+import math
 import subprocess
 import sys
 from pathlib import Path
@@ -105,6 +107,14 @@ def test_opd_raises_eval_pass_at_1_from_the_warm_start(tmp_path):
     assert summary["eval_pass@1_last"] >= summary["eval_pass@1_first"] + 0.1, summary
     kl = [r["opd/reverse_kl"] for r in rows if "opd/reverse_kl" in r]
     assert len(kl) == 20 and kl[0] > 0 and sum(kl[-5:]) / 5 < kl[0], kl
+    # samples.jsonl shows each token's advantage as the teacher's log-prob minus the sampling policy's (the trainer's
+    # log-prob over the ratio): the per-token columns line up with the tokens the loss saw
+    traced = [json.loads(line) for line in open(tmp_path / "run" / "samples.jsonl") if '"kind": "train"' in line]
+    assert len(traced) == 20 * 8
+    for r in traced:
+        t = r["tokens"]
+        old = [lp - math.log(ratio) for lp, ratio in zip(t["trainer_logp"], t["ratio"])]
+        assert t["advantage"] == pytest.approx([te - o for te, o in zip(t["teacher_logp"], old)], abs=1e-3), r
     assert (tmp_path / "run" / "hf" / "config.json").exists()
 
 

@@ -206,10 +206,10 @@ def test_tokens_are_tagged_with_the_weights_that_sampled_them_across_a_sync(tmp_
             calls.append(([list(p) for p in prompt_token_ids], kw, out))
         return out
 
-    def record_update(actor, ref, seqs, adv, args, run, step, kl_coef):
+    def record_update(actor, ref, seqs, adv, args, run, step, kl_coef, **kw):
         tables.append((step, {k: v.clone() for k, v in seqs.items() if k in ("input_ids", "loss_mask", "rollout_logp",
                                                                              "versions")}))  # fmt: skip
-        return update(actor, ref, seqs, adv, args, run, step, kl_coef)
+        return update(actor, ref, seqs, adv, args, run, step, kl_coef, **kw)
 
     monkeypatch.setattr(core_rollout.RolloutEngines, "generate", record_generate)
     monkeypatch.setattr(grpo_async, "update", record_update)

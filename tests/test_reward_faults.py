@@ -95,7 +95,7 @@ GOOD_RESULTS = {
 
 @pytest.mark.parametrize("body", GOOD_RESULTS.values(), ids=GOOD_RESULTS.keys())
 def test_numbers_in_any_common_form_are_accepted(tmp_path, body):
-    rewards, logs, scores = run_score(reward_file(tmp_path, body))
+    rewards, logs, scores, _ = run_score(reward_file(tmp_path, body))
     assert rewards.dtype == scores.dtype == torch.float32
     assert rewards.tolist() == scores.tolist() == [1.0, 0.0, 1.0]
 
@@ -115,7 +115,7 @@ def test_a_reward_function_that_never_returns_times_out_naming_file_batch_and_fl
 
 def test_the_timeout_leaves_results_and_errors_as_they_were(tmp_path):
     fn, src = load_reward_func(RewardConfig(timeout_s=5))  # the embedded rule, timed
-    rewards, logs, _ = score(fn, src, QUERIES, PROMPTS, LABELS, step=0)
+    rewards, logs, _, _ = score(fn, src, QUERIES, PROMPTS, LABELS, step=0)
     assert rewards.tolist() == [1.0, 0.0, 1.0] and logs["rollout/format_ok"] == 1.0
     path = reward_file(tmp_path, "raise KeyError('label')", name="raising_reward.py")
     with pytest.raises(ValueError, match=r"raising_reward\.py raised on batch 2: KeyError: 'label'"):
@@ -162,7 +162,7 @@ def test_an_eval_call_is_named_as_such_and_a_nan_extra_log_warns_once(tmp_path):
         return {"rewards": [1.0] * len(queries), "extra_logs": {"acc": [float("nan")] * len(queries)}}
 
     with pytest.warns(UserWarning, match=r"extra_logs\['acc'\] holds NaN on batch 3"):
-        _, logs, _ = score(nan_log, "nan_reward.py", ["a"], ["a"], ["1"], step=3)
+        _, logs, _, _ = score(nan_log, "nan_reward.py", ["a"], ["a"], ["1"], step=3)
     assert math.isnan(logs["rollout/acc"])
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the second time: logged, no second warning

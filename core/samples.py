@@ -1,0 +1,174 @@
+"""What the model wrote: a few samples of every step in `<run>/samples.jsonl`, with what the loss saw per token.
+
+Every RL script keeps `--logger.samples N` samples of each step's rollout (whole prompt groups, the kept ones
+first): prompt and response text, reward and the reward function's per-sample extra fields, advantage, kept or
+filtered, truncated, length, and per response token its text, the engine's log-prob and, for a trained sample, the
+trainer's log-prob, the ratio π_θ/π_old, the advantage, the entropy and the KL to the reference where the update
+computes them (the first pass of the update over the sample). Every eval adds `--logger.eval-samples` greedy answers
+with whether they were right. The rows go to samples.jsonl (`RunLogger.log_samples`, which also sends them to
+TensorBoard and W&B), and every `--logger.show-every` steps one sample is shown in a panel on the console.
+
+The scripts call three things, in this order:
+    trace = samples.Trace(samples.watch(keep, G, args.logger.samples), kept)   # before the update
+    trace.add(r, mb["loss_mask"], logp=..., old_logp=..., adv=..., ...)       # in the update, per micro-batch
+    samples.log(run, args, step, ro, rewards, keep, truncated, trace, adv)     # after it, on every rank
+
+One row of samples.jsonl (`kind` "train"; eval rows carry `correct`/`label` and no trainer quantities):
+    {"step", "kind", "index", "group", "prompt", "response", "reward", "extra", "advantage", "kept", "truncated",
+     "length", "tokens": {"text", "engine_logp", "trained", "trainer_logp", "ratio", "advantage", "entropy", "kl",
+     "value"}}
+with one entry per response token in every token list (null where a quantity was not computed: an environment's
+token, a filtered sample). `core.report` reads it.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from core import rl_math
+
+TOKEN_KEYS = ("trainer_logp", "ratio", "advantage", "entropy", "kl", "value")
+"""Per-token quantities of the update a row may hold, beside the engine's log-prob and the token text."""
+
+
+def watch(keep: torch.Tensor, group_size: int, n: int) -> list[int]:
+    """Which samples of a step's rollout to keep: whole groups of `group_size` (so a group's advantages can be read
+    together), the groups the update trains on first, in rollout order, until `n` samples. keep: (B,) bool."""
+    if n <= 0:
+        return []
+    groups = range(len(keep) // group_size)
+    order = [g for g in groups if keep[g * group_size]] + [g for g in groups if not keep[g * group_size]]
+    return [g * group_size + j for g in order for j in range(group_size)][:n]
+
+
+class Trace:
+    """The update's per-token quantities for the watched samples, recorded the first time each passes through a
+    micro-batch (the first minibatch pass: the ratio before that sample's own optimizer step moved the policy, 1
+    when the update is on-policy)."""
+
+    def __init__(self, watched: list[int], rows: list[int], kl_estimator: str = "k3"):
+        """watched: rollout indices (`watch`); rows: the rollout index of each row of the update's table (the kept
+        samples). `kl_estimator`: the KL the script's loss uses (rl_math.approx_kl)."""
+        row_of = {i: n for n, i in enumerate(rows)}
+        self.watched = list(watched)
+        self.index_of_row = {row_of[i]: i for i in watched if i in row_of}
+        self.kl_estimator = kl_estimator
+        self.tokens: dict[int, dict[str, list]] = {}  # rollout index -> {quantity: values over the whole row}
+
+    @torch.no_grad()
+    def add(self, r: list[int], mask: torch.Tensor, *, logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor,
+            entropy: torch.Tensor | None = None, ref_logp: torch.Tensor | None = None, **more: torch.Tensor) -> None:
+        """One micro-batch of rows `r` (indices into the update's table), all tensors (b, L) in its layout: the
+        trainer's log-probs, the old log-probs, the per-token advantage; optional entropy, reference log-probs (the
+        KL is computed here with the script's estimator) and `more` (e.g. `value=` a critic's V)."""
+        if not any(row in self.index_of_row for row in r):
+            return
+        found = {"trainer_logp": logp, "ratio": (logp - old_logp).clamp(max=20.0).exp(), "advantage": adv,
+                 "entropy": entropy, **more}  # fmt: skip
+        if ref_logp is not None:
+            found["kl"] = rl_math.approx_kl(logp, ref_logp, self.kl_estimator, mask=mask)
+        for j, row in enumerate(r):
+            i = self.index_of_row.get(row)
+            if i is None or i in self.tokens:
+                continue
+            on = mask[j].bool()
+            self.tokens[i] = {k: torch.where(on, v[j].float(), float("nan")).tolist() for k, v in found.items()
+                              if v is not None}  # fmt: skip
+
+    def gather(self, world: int) -> dict[int, dict[str, list]]:
+        """Every rank's recorded rows (each rank saw its own micro-batches): one all-gather."""
+        if world == 1:
+            return self.tokens
+        parts = [None] * world
+        torch.distributed.all_gather_object(parts, self.tokens)
+        return {i: t for part in parts for i, t in part.items()}
+
+
+NO_TRACE = Trace([], [])
+"""A trace that records nothing: the default of the scripts' `update(..., trace=)` (a direct call, e.g. in a test)."""
+
+
+def _num(x: float) -> float | None:
+    """A JSON-safe number: NaN/inf (a position the loss did not see) become null; 6 significant digits."""
+    return None if x is None or not math.isfinite(x) else float(f"{x:.6g}")
+
+
+def _token_texts(tokenizer, ids: list[int]) -> list[str]:
+    """Each token's own text (special tokens included, so an eos shows)."""
+    return tokenizer.batch_decode([[t] for t in ids], skip_special_tokens=False)
+
+
+def episode_row(tokenizer, episode, step: int, kind: str, index: int, reward: float) -> dict:
+    """The part of a samples.jsonl row every kind of sample has: texts, reward, extra fields, length, the tokens
+    with the engine's log-probs."""
+    return {"step": step, "kind": kind, "index": index, "prompt": str(episode.example.get("prompt", "")),
+            "response": tokenizer.decode(episode.token_ids, skip_special_tokens=False), "reward": _num(reward),
+            "extra": {k: _num(float(v)) for k, v in getattr(episode, "extra", {}).items()},
+            "truncated": bool(episode.truncated), "length": len(episode.token_ids),
+            "tokens": {"text": _token_texts(tokenizer, episode.token_ids),
+                       "engine_logp": [_num(x) for x in episode.logprobs], "trained": list(episode.action_mask)}}  # fmt: skip
+
+
+def train_rows(tokenizer, ro, step: int, group_size: int, rewards: torch.Tensor, keep: torch.Tensor,
+               trace: Trace, traced: dict, adv: torch.Tensor | None = None) -> list[dict]:  # fmt: skip
+    """samples.jsonl rows of step `step`'s watched samples. adv: (B,) a per-sample advantage when the script has
+    one (GRPO's, RLOO's); else the mean of the traced per-token advantages."""
+    rows = []
+    for i in sorted(trace.watched):
+        ep = ro.episodes[i]
+        row = episode_row(tokenizer, ep, step, "train", i, rewards[i].item())
+        start = len(ep.prompt_ids)  # the table's row: prompt + response; response token k sits at start + k
+        tokens = {k: [_num(x) for x in v[start : start + len(ep.token_ids)]] for k, v in traced.get(i, {}).items()}
+        row["tokens"].update(tokens)
+        if adv is not None:
+            advantage = _num(adv[i].item())
+        else:  # a per-token advantage (PPO's GAE, distillation's log-ratio): its mean over the trained tokens
+            seen = [x for x in tokens.get("advantage", []) if x is not None]
+            advantage = _num(sum(seen) / len(seen)) if seen else None
+        rows.append(row | {"group": i // group_size, "advantage": advantage, "kept": bool(keep[i])})
+    return rows
+
+
+def panel(row: dict):
+    """A rich panel of one sample for the console: prompt, response, reward (markup in the texts is not read)."""
+    from rich.panel import Panel
+    from rich.text import Text
+
+    body = Text()
+    body.append("prompt   ", style="bold cyan").append(row["prompt"][-400:] + "\n")
+    body.append("response ", style="bold green").append(row["response"][:800] + "\n")
+    extra = "  ".join(f"{k}={v:.3g}" for k, v in row["extra"].items() if v is not None)
+    adv = row.get("advantage")
+    body.append(f"reward {row['reward']}" + (f"   advantage {adv:.3g}" if adv is not None else "")
+                + ("   truncated" if row["truncated"] else "") + (f"   {extra}" if extra else ""), style="bold")  # fmt: skip
+    return Panel(body, title=f"step {row['step']}: sample {row['index']} (group {row.get('group')})", expand=False)
+
+
+def log(run, args, step: int, ro, rewards: torch.Tensor, keep: torch.Tensor, trace: Trace,
+        adv: torch.Tensor | None = None) -> None:  # fmt: skip
+    """After step `step`'s update, on every rank (the trace is gathered from all): rank 0 writes the watched
+    samples to samples.jsonl under the step's metrics row (`step + 1`) and, every `--logger.show-every` steps,
+    shows one of them (the first trained one) on the console."""
+    if not trace.watched:
+        return
+    traced = trace.gather(run.world)
+    if run.rank != 0:
+        return
+    rows = train_rows(run.executor.tokenizer, ro, step + 1, args.rollout.n_samples, rewards, keep, trace, traced, adv)
+    run.logger.log_samples(rows, step + 1)
+    every = args.logger.show_every
+    if every and (step + 1) % every == 0 and rows:
+        run.logger.print(panel(rows[0]))
+
+
+def eval_rows(tokenizer, greedy, step: int, n: int) -> list[dict]:
+    """The first `n` greedy answers of an eval at `step` (its rollout `greedy`), with whether each was right (reward
+    above 0.5, as pass@1 counts it) and the label."""
+    rows = []
+    for i, ep in enumerate(greedy.episodes[:n]):
+        reward = greedy.rewards[i].item()
+        row = episode_row(tokenizer, ep, step, "eval", i, reward)
+        rows.append(row | {"correct": reward > 0.5, "label": str(ep.example.get("label", ""))})
+    return rows

@@ -1,0 +1,145 @@
+"""What the model wrote, kept with the run: `<run>/samples.jsonl` (core/samples.py) checked against the step's metrics
+and against what the loss saw, across a halt and a resume, and the console panel."""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import Counter
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from core import samples
+
+
+# --------------------------------------------------------------------------------------------------- units
+def test_watch_takes_whole_groups_the_trained_ones_first():
+    keep = torch.tensor([False] * 4 + [True] * 4 + [False] * 4 + [True] * 4)  # groups of 4: 1 and 3 trained
+    assert samples.watch(keep, 4, 8) == [4, 5, 6, 7, 12, 13, 14, 15]
+    assert samples.watch(keep, 4, 10) == [4, 5, 6, 7, 12, 13, 14, 15, 0, 1]  # then the filtered ones, in order
+    assert samples.watch(keep, 4, 0) == [] and samples.watch(keep, 4, 100) == list(range(4, 8)) + list(
+        range(12, 16)) + list(range(0, 4)) + list(range(8, 12))  # fmt: skip
+
+
+def test_trace_records_each_watched_row_once_where_the_loss_looks():
+    """Rows of the update's table map back to rollout indices (the kept samples only); a row is recorded the first
+    time it passes (the first minibatch pass), off-mask positions are NaN (null in the file), the ratio is
+    exp(logp − old) and the KL is the script's estimator."""
+    trace = samples.Trace(watched=[3, 5, 6], rows=[1, 3, 6], kl_estimator="k1")  # 5 was filtered: no row
+    mask = torch.tensor([[0, 1, 1, 0], [0, 0, 1, 1]])
+    logp = torch.tensor([[0.0, -1.0, -2.0, 0.0], [0.0, 0.0, -0.5, -0.25]])
+    old = logp - torch.tensor([[0.0, 0.1, -0.2, 0.0], [0.0, 0.0, 0.3, 0.0]])
+    ref = logp - 0.5
+    trace.add([1, 2], mask, logp=logp, old_logp=old, adv=torch.full((2, 4), 0.7), ref_logp=ref)
+    trace.add([1], mask[:1], logp=logp[:1] * 0, old_logp=old[:1], adv=torch.zeros(1, 4))  # a later pass: ignored
+    got = trace.gather(1)
+    assert sorted(got) == [3, 6]
+    nan = float("nan")
+    assert got[3]["ratio"][1:3] == pytest.approx([math.exp(0.1), math.exp(-0.2)])
+    assert math.isnan(got[3]["ratio"][0]) and math.isnan(got[3]["trainer_logp"][3])
+    assert got[6]["kl"][2:] == pytest.approx([0.5, 0.5]) and math.isnan(got[6]["kl"][1])
+    assert got[6]["advantage"][2:] == pytest.approx([0.7, 0.7])
+    assert "entropy" not in got[3]  # not computed: absent, not zeros
+    assert samples._num(nan) is None and samples._num(float("inf")) is None
+
+
+def test_train_rows_align_tokens_with_the_response_and_advantage_falls_back_to_the_token_mean(tokenizer):
+    ids = tokenizer("12+3=", add_special_tokens=False)["input_ids"]
+    resp = tokenizer("015", add_special_tokens=False)["input_ids"] + [tokenizer.eos_token_id]
+    ep = SimpleNamespace(example={"prompt": "12+3="}, prompt_ids=ids, token_ids=resp, logprobs=[-0.5] * len(resp),
+                         action_mask=[1] * len(resp), truncated=False, extra={"format_ok": 1.0})  # fmt: skip
+    ro = SimpleNamespace(episodes=[ep, ep])
+    trace = samples.Trace([0], [0])
+    L = len(ids) + len(resp)
+    mask = torch.zeros(1, L + 2, dtype=torch.long)  # a padded table: the response right after the prompt
+    mask[0, len(ids) : L] = 1
+    adv = torch.where(mask.bool(), torch.arange(L + 2.0), 0.0)
+    trace.add([0], mask, logp=torch.zeros(1, L + 2), old_logp=torch.zeros(1, L + 2), adv=adv)
+    (row,) = samples.train_rows(tokenizer, ro, 1, 2, torch.tensor([1.0, 0.0]), torch.tensor([True, True]), trace,
+                                trace.gather(1))  # fmt: skip
+    t = row["tokens"]
+    assert len(t["text"]) == len(t["engine_logp"]) == len(t["ratio"]) == row["length"] == len(resp)
+    assert "".join(t["text"][:-1]) == "015" and t["text"][-1] == tokenizer.eos_token
+    assert t["advantage"] == [float(len(ids) + k) for k in range(len(resp))]  # position len(prompt) + k
+    assert row["advantage"] == pytest.approx(sum(t["advantage"]) / len(resp)) and row["extra"] == {"format_ok": 1.0}
+    assert row["group"] == 0 and row["kept"] and row["reward"] == 1.0
+
+
+# --------------------------------------------------------------------------------------- a real grpo.py run
+def _rows(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.mark.slow
+def test_grpo_samples_agree_with_the_metrics_survive_a_resume_and_show_on_the_console(tmp_path, one_thread, capsys):
+    """grpo.py keeping every sample (`--logger.samples` = the batch) and every eval answer, on-policy (one
+    minibatch): each step's rows average to its `rollout/reward_mean` and `kept_frac`, a trained group's advantages
+    sum to 0, the trainer's log-probs equal the engine's with ratio 1, the filtered samples carry no trainer
+    quantities, the eval rows' share of right answers is `eval/pass@1`. Halted after 2 steps, with a killed run's
+    later rows and a torn line appended, the resumed run keeps every (kind, step) exactly once. A panel shows a sample
+    every step."""
+    from algos import grpo
+
+    def args_():
+        args = grpo.Args()
+        args.train.max_steps, args.rollout.batch_size, args.rollout.n_samples = 3, 8, 4
+        args.train.minibatches, args.ckpt.every = 1, 1
+        args.eval.every, args.eval.max_samples = 2, 16
+        args.logger.samples, args.logger.eval_samples, args.logger.show_every = 32, 16, 1
+        args.logger.tensorboard = False
+        args.run_dir = str(tmp_path / "run")
+        return args
+
+    args = args_()
+    args.train.halt_after = 2
+    assert grpo.main(args)["halted"]
+    path = tmp_path / "run" / "samples.jsonl"
+    fake = {**_rows(path)[-1], "step": 3, "response": "from the killed run"}  # past the checkpoint of step 2
+    with open(path, "a") as f:
+        f.write(json.dumps(fake) + "\n" + '{"step": 3, "kind": "tr')  # and a line torn by the kill
+    summary = grpo.main(args_())
+    assert summary["steps"] == 3
+
+    rows, metrics = _rows(path), {r["step"]: r for r in _rows(tmp_path / "run" / "metrics.jsonl")}
+    assert not any(r["response"] == "from the killed run" for r in rows)
+    counts = Counter((r["kind"], r["step"], r["index"]) for r in rows)
+    assert set(counts.values()) == {1}, [k for k, c in counts.items() if c > 1]
+    assert sorted({(r["kind"], r["step"]) for r in rows}) == [("eval", 0), ("eval", 2), ("eval", 3), ("train", 1),
+                                                             ("train", 2), ("train", 3)]  # fmt: skip
+    for step in (1, 2, 3):
+        train = [r for r in rows if r["kind"] == "train" and r["step"] == step]
+        assert len(train) == 32
+        m = metrics[step]
+        assert sum(r["reward"] for r in train) / 32 == pytest.approx(m["rollout/reward_mean"], abs=1e-6)
+        assert sum(r["kept"] for r in train) / 32 == pytest.approx(m["rollout/kept_frac"])
+        for g in {r["group"] for r in train}:
+            group = [r for r in train if r["group"] == g]
+            assert len(group) == 4 and len({r["kept"] for r in group}) == 1  # whole groups, kept or filtered as one
+            if group[0]["kept"]:
+                assert abs(sum(r["advantage"] for r in group)) < 1e-4, group
+        for r in train:
+            t = r["tokens"]
+            assert len(t["text"]) == len(t["engine_logp"]) == r["length"] > 0
+            if not r["kept"]:
+                assert "trainer_logp" not in t and "ratio" not in t
+                continue
+            assert t["ratio"] == pytest.approx([1.0] * r["length"])  # on-policy: old = live, detached
+            assert t["trainer_logp"] == pytest.approx(t["engine_logp"], abs=2e-3)  # the --debug check's closeness
+            assert t["advantage"] == pytest.approx([r["advantage"]] * r["length"], abs=1e-5)
+    for step in (0, 2, 3):
+        ev = [r for r in rows if r["kind"] == "eval" and r["step"] == step]
+        assert len(ev) == 16 and all("ratio" not in r["tokens"] for r in ev)
+        assert sum(r["correct"] for r in ev) / 16 == pytest.approx(metrics[step]["eval/pass@1"])
+    out = capsys.readouterr().out
+    assert "step 3: sample" in out and "response" in out and "[grpo] 16 eval prompts" in out, out[-3000:]
+
+
+def test_no_samples_kept_with_zero(tmp_path):
+    """`--logger.samples 0` and `--logger.eval-samples 0`: no file, and no trace work in the update."""
+    trace = samples.Trace(samples.watch(torch.ones(8, dtype=torch.bool), 4, 0), list(range(8)))
+    assert trace.watched == [] and trace.index_of_row == {}
+    run = SimpleNamespace(world=1, rank=0)
+    args = SimpleNamespace(logger=SimpleNamespace(show_every=1), rollout=SimpleNamespace(n_samples=4))
+    samples.log(run, args, 0, None, None, None, trace)  # returns before touching anything
