@@ -291,16 +291,16 @@ def main(args: Args, engines: rollout.RolloutEngines | None = None, groups: dict
                                               args.rollout.max_new_tokens, rw.clip)  # fmt: skip
         # ALGO LOGIC: the task term, GRPO's advantage (B,); `update` adds the teacher's term, which needs log-probs
         task_adv = group_advantages(rewards, G).to(device) if args.algo.reward_coef != 0 else None
-        stats = rl.rollout_stats(ro, rewards, truncated, torch.ones(len(ro.episodes), dtype=torch.bool))
+        keep = torch.ones(len(ro.episodes), dtype=torch.bool)  # DEVIATION(3): no filter
+        kept = keep.nonzero().flatten().tolist()
+        stats = rl.rollout_stats(ro, rewards, truncated, keep)
 
-        # 4. policy update on every sample (DEVIATION(3): no filter), a few of them traced
-        everyone = torch.ones(len(ro.episodes), dtype=torch.bool)
-        trace = samples.Trace(samples.watch(everyone, G, args.logger.samples), list(range(len(everyone))),
-                              args.algo.kl_estimator)  # fmt: skip
+        # 4. policy update on every sample, a few of them traced
+        trace = samples.Trace(samples.watch(keep, G, args.logger.samples), kept, args.algo.kl_estimator)
         with timer(perf, "perf/train_s"):
             seqs = rl.sequences(ro.episodes, tokenizer.pad_token_id, device, args.train.packing)
             stats.update(update(actor, ref, teacher, seqs, task_adv, args, run, step, kl_ctl.value, trace=trace))
-        samples.log(run, args, step, ro, rewards, everyone, trace)  # -> samples.jsonl, a panel every show-every steps
+        samples.log(run, args, step, ro, rewards, keep, trace)  # -> samples.jsonl, a panel every show-every steps
         if "loss/kl" in stats:  # β for the next rollout
             kl_ctl.update(stats["loss/kl"], len(ro.episodes))
 

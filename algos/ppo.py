@@ -382,8 +382,7 @@ def main(args: Args, engines: rollout.RolloutEngines | None = None, groups: dict
 
         # 4. critic and policy update: GAE, then minibatches of the clipped value loss and (after the warm-up) the
         # PPO-clipped loss; the loss mask is the episodes' action mask (multi-turn feedback: 0, GAE carries through)
-        trace = samples.Trace(samples.watch(keep, args.rollout.n_samples, args.logger.samples), list(range(len(keep))),
-                              args.algo.kl_estimator)  # a few samples traced through the update  # fmt: skip
+        trace = samples.Trace(samples.watch(keep, G, args.logger.samples), list(range(len(keep))), args.algo.kl_estimator)
         with timer(perf, "perf/train_s"):
             seqs = rl.sequences(ro.episodes, tokenizer.pad_token_id, device, args.train.packing)
             stats.update(update(actor, critic, ref, seqs, rewards, args, run, step, kl_ctl.value, trace=trace))

@@ -45,8 +45,9 @@ def watch(keep: torch.Tensor, group_size: int, n: int) -> list[int]:
 
 class Trace:
     """The update's per-token quantities for the watched samples, recorded the first time each passes through a
-    micro-batch (the first minibatch pass: the ratio before that sample's own optimizer step moved the policy, 1
-    when the update is on-policy)."""
+    micro-batch: what the loss used for it in the update's first pass. Its ratio π_θ/π_old is 1 with one minibatch
+    per rollout; a sample of a later minibatch shows how far the optimizer steps of the earlier ones moved the
+    policy on its tokens."""
 
     def __init__(self, watched: list[int], rows: list[int], kl_estimator: str = "k3"):
         """watched: rollout indices (`watch`); rows: the rollout index of each row of the update's table (the kept
@@ -170,5 +171,6 @@ def eval_rows(tokenizer, greedy, step: int, n: int) -> list[dict]:
     for i, ep in enumerate(greedy.episodes[:n]):
         reward = greedy.rewards[i].item()
         row = episode_row(tokenizer, ep, step, "eval", i, reward)
+        row["tokens"]["trained"] = [0] * len(ep.token_ids)  # an eval answer: no loss sees it
         rows.append(row | {"correct": reward > 0.5, "label": str(ep.example.get("label", ""))})
     return rows

@@ -132,6 +132,8 @@ def test_grpo_samples_agree_with_the_metrics_survive_a_resume_and_show_on_the_co
         ev = [r for r in rows if r["kind"] == "eval" and r["step"] == step]
         assert len(ev) == 16 and all("ratio" not in r["tokens"] for r in ev)
         assert sum(r["correct"] for r in ev) / 16 == pytest.approx(metrics[step]["eval/pass@1"])
+    report = (tmp_path / "run" / "report.html").read_text()  # written at the end, beside learning_curve.png
+    assert "samples.jsonl" in report and "from the killed run" not in report
     out = capsys.readouterr().out
     assert "step 3: sample" in out and "response" in out and "[grpo] 16 eval prompts" in out, out[-3000:]
 
