@@ -145,3 +145,26 @@ def test_no_samples_kept_with_zero(tmp_path):
     run = SimpleNamespace(world=1, rank=0)
     args = SimpleNamespace(logger=SimpleNamespace(show_every=1), rollout=SimpleNamespace(n_samples=4))
     samples.log(run, args, 0, None, None, None, trace)  # returns before touching anything
+
+
+def test_samples_reach_tensorboard_as_text_and_wandb_as_a_table(tmp_path):
+    """`RunLogger.log_samples`: the rows go to samples.jsonl, to TensorBoard as a markdown table per kind (text
+    plugin) and to W&B (offline mode, no network) as a Table per kind."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from core.config import LoggerConfig
+    from core.logger import RunLogger
+
+    cfg = LoggerConfig(quiet=True, tensorboard=True, wandb=True, wandb_mode="offline")
+    logger = RunLogger(cfg, tmp_path / "run", {"x": 1}, total_steps=1)
+    rows = [{"step": 1, "kind": "train", "index": i, "prompt": "1+2=", "response": f"00{i}|</s>", "reward": 0.5 * i,
+             "advantage": i - 0.5, "kept": True, "truncated": False, "tokens": {}} for i in range(2)]  # fmt: skip
+    logger.log_samples(rows + [{**rows[0], "kind": "eval", "correct": True}], step=1)
+    logger.close({})
+    assert [json.loads(line)["kind"] for line in open(tmp_path / "run" / "samples.jsonl")] == ["train"] * 2 + ["eval"]
+    events = EventAccumulator(str(tmp_path / "run" / "tb"), size_guidance={"tensors": 0}).Reload()
+    assert {"samples/train/text_summary", "samples/eval/text_summary"} <= set(events.Tags()["tensors"])
+    text = events.Tensors("samples/train/text_summary")[0].tensor_proto.string_val[0].decode()
+    assert "001\\|</s>" in text and "| 0.5 |" in text  # a `|` inside a cell is escaped, not a column
+    tables = list((tmp_path / "run" / "wandb").rglob("samples/train_*.table.json"))
+    assert tables and json.loads(tables[0].read_text())["data"][1][2] == "001|</s>", tables
