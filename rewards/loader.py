@@ -24,6 +24,7 @@ from typing import Literal
 
 import torch
 
+from rewards.judge import JudgeReward
 from rewards.remote import GroupReward, ModelReward, RemoteReward
 
 
@@ -39,6 +40,16 @@ class RewardConfig:
     remote_url: list[str] = field(default_factory=list)
     """reward server URL(s) (`python -m rewards.server`, or OpenRLHF's remote RM contract); several URLs split each
     batch between them; instead of `func`."""
+    judge_url: str | None = None
+    """a judge as the reward: base URL of an OpenAI-compatible chat endpoint (e.g. `http://host:8000/v1`, a vLLM
+    server or `python -m agents.openai_server --model <run>/hf`) that scores each response with `judge-prompt`
+    (rewards/judge.py: a fraction, a number or a yes/no verdict is read from its answer); instead of `func`."""
+    judge_prompt: str | None = None
+    """with `judge-url`: the judge's message, a text file with {prompt}, {response} and {label} placeholders."""
+    judge_model: str | None = None
+    """with `judge-url`: the model name to ask for (default: the endpoint's first model)."""
+    judge_concurrency: int = 8
+    """with `judge-url`: requests in flight at once."""
     normalize: bool = False
     """with `model`: score (r − reward_mean) / reward_std using the statistics `algos/rm.py` saved."""
     ranks: int | None = None
@@ -73,13 +84,20 @@ def load_reward_func(cfg: RewardConfig, group=None):
     """(reward_func, its name for messages): a remote server, a reward model (in this process, or in `group`, the Ray
     group of replicas that `--reward.ranks` starts), the user's python file, or the embedded task's rule reward. All
     follow OpenRLHF's contract `reward_func(queries, prompts, labels)`."""
-    chosen = [name for name, on in (("func", cfg.func), ("model", cfg.model), ("remote-url", cfg.remote_url)) if on]
+    chosen = [name for name, on in (("func", cfg.func), ("model", cfg.model), ("remote-url", cfg.remote_url),
+                                    ("judge-url", cfg.judge_url)) if on]  # fmt: skip
     if len(chosen) > 1:
         raise ValueError(f"--reward.{chosen[0]} and --reward.{chosen[1]}: give one reward source")
     if cfg.ranks is not None and not cfg.model:
         raise ValueError(f"--reward.ranks {cfg.ranks}: only for a reward model (--reward.model PATH)")
     if cfg.timeout_s < 0:
         raise ValueError(f"--reward.timeout-s {cfg.timeout_s}: must be >= 0 (0: no limit)")
+    if bool(cfg.judge_url) != bool(cfg.judge_prompt):
+        raise ValueError("--reward.judge-url and --reward.judge-prompt go together: the endpoint and the prompt file")
+    if cfg.judge_url:
+        judge = JudgeReward(cfg.judge_url, cfg.judge_prompt, cfg.judge_model, cfg.timeout_s or None, cfg.retries,
+                            cfg.judge_concurrency)  # fmt: skip
+        return judge, f"judge {cfg.judge_url}"
     if cfg.remote_url:
         return RemoteReward(cfg.remote_url, cfg.timeout_s or None, cfg.retries), ", ".join(cfg.remote_url)
     if cfg.model:
