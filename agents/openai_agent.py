@@ -12,17 +12,26 @@ The agent file defines
 row (prompt, prompt_ids, label, datasource, ...). The returned number is the episode's reward (its 0-1 score for the
 DAPO filter: the reward clipped to [0, 1]). The trained trajectory is rebuilt from the recorded calls
 (`openai_server.build_trajectory`): the model's tokens exactly as sampled, with action mask 1 and the engine's
-log-probs, everything else in between with mask 0. Up to `--rollout.agent-concurrency` episodes run at once on one
-asyncio loop, and their concurrent requests are batched into the engines.
+log-probs, everything else in between with mask 0. Up to `--rollout.agent-concurrency` episodes run at once, and
+their concurrent requests are batched into the engines.
+
+Each episode's agent runs on an event loop of its own in a thread of its own (idle ones are reused), so an agent that
+blocks its loop (a synchronous `time.sleep`, `requests.get` or a CPU loop inside
+`async def agent`) stalls only its own episode: the executor's loop still ends it at `--rollout.agent-timeout-s`, and
+the other episodes go on. Loop-bound objects (asyncio locks, HTTP clients) therefore belong inside the agent function;
+state shared between episodes at module level needs a `threading.Lock`.
 
 A failed episode ends without stopping the run: the agent raised (`raised`; an HTTP 4xx it did not catch:
-`bad_request`), did not return within `--rollout.agent-timeout-s` (`timeout`; it is cancelled), returned something
-that is not a finite number (`bad_reward`), or made no model call (`no_calls`: nothing to train on). Such an episode
-gets reward 0 (it counts as a failure in its group's baseline and in rollout/reward_mean), a single masked token
-(action mask 0: nothing of it is trained on) and `finish_reason` `agent_<kind>`; the step logs one warning line with
-the counts and the first error, and the metrics `rollout/agent_errors` (failed episodes), `rollout/agent_timeouts`,
-`rollout/agent_bad_requests` (requests answered 4xx, caught or not), `rollout/agent_calls_mean` and
-`rollout/agent_dropped_calls` (calls outside the trained chain). A batch where every episode fails raises
+`bad_request`), did not return within `--rollout.agent-timeout-s` (`timeout`; it is cancelled, and a thread still
+running its Python code a second later gets `AgentAbandoned` raised inside it; the message says where in the agent
+file it was blocking), returned something that is not a finite number (`bad_reward`), or made no model call
+(`no_calls`: nothing to train on). Such an episode gets reward 0 (it counts as a failure in its group's baseline and
+in rollout/reward_mean), a single masked token (action mask 0: nothing of it is trained on) and `finish_reason`
+`agent_<kind>`; the step logs one warning line with the counts and the first error, and the metrics
+`rollout/agent_errors` (failed episodes), `rollout/agent_timeouts`, `rollout/agent_bad_requests` (requests answered
+4xx, caught or not), `rollout/agent_calls_mean`, `rollout/agent_dropped_calls` (calls outside the trained chain),
+`rollout/agent_tool_calls_mean` (tool calls parsed per episode) and `rollout/tool_parse_errors_mean` (answers whose
+tool-call markup did not parse, per episode; the first is logged). A batch where every episode fails raises
 `AgentError` naming the agent file and the first error. An engine failure is not the agent's: it is raised as is.
 
 Every trainer process that rolls out runs its own server (with `--train.ranks N`, each rank for its share).
@@ -31,18 +40,25 @@ Every trainer process that rolls out runs its own server (with `--train.ranks N`
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import ctypes
 import importlib.util
 import inspect
 import logging
 import math
 import ssl
+import sys
+import threading
+import traceback
 from collections import Counter
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 
 import torch
 
 from agents.executor import Episode, Rollout
-from agents.openai_server import OpenAIServer, build_trajectory
+from agents.openai_server import MAX_REQUEST_BYTES, OpenAIServer, build_trajectory
 
 log = logging.getLogger(__name__)
 
@@ -51,19 +67,138 @@ class AgentError(RuntimeError):
     """Every episode of a batch failed: the agent file is broken, not one episode unlucky."""
 
 
+class AgentAbandoned(BaseException):
+    """Raised inside the thread of an agent that was still running its code a second after its timeout (a blocked
+    event loop). A BaseException, so the agent's own `except Exception` does not swallow it."""
+
+
 def load_agent(path: str):
     """`agent` from a Python file (`--rollout.agent-file`): `async def agent(client, example) -> float`. Errors name
-    the file."""
+    the file, and for a syntax error or an exception while importing it, the line."""
     file = Path(path).expanduser()
     if not file.is_file():
         raise FileNotFoundError(f"--rollout.agent-file {path}: no such file")
     spec = importlib.util.spec_from_file_location(f"cleanrlhf_agent_{file.stem}", file)
     module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
-    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    try:
+        spec.loader.exec_module(module)  # type: ignore[union-attr]
+    except SyntaxError as e:
+        where = f"line {e.lineno}" + (f", column {e.offset}" if e.offset else "")
+        code = f": {e.text.strip()!r}" if e.text and e.text.strip() else ""
+        raise ValueError(f"--rollout.agent-file {path}, {where}: {e.msg}{code}") from e
+    except Exception as e:  # an import, a name or a call at the top of the file failed
+        lines = [
+            f.lineno for f in traceback.extract_tb(e.__traceback__) if Path(f.filename).resolve() == file.resolve()
+        ]
+        where = f", line {lines[-1]}" if lines else ""
+        raise ValueError(f"--rollout.agent-file {path}{where}: importing it raised {type(e).__name__}: {e}") from e
     fn = getattr(module, "agent", None)
     if not inspect.iscoroutinefunction(fn):
         raise AttributeError(f"--rollout.agent-file {path}: defines no `async def agent(client, example) -> float`")
     return fn
+
+
+class _AgentLoop:
+    """A daemon thread running an event loop of its own, for one episode's agent at a time (the executor reuses idle
+    ones across episodes and steps, saving the ~0.3 ms of CPU a new thread and loop cost here).
+
+    `asyncio.wait_for` on one shared loop cannot end an agent that blocks that loop (nothing runs until it yields,
+    the timeout included), so each running agent has a loop and a thread to itself, and the executor's loop keeps the
+    time. A loop whose agent timed out is retired, never reused: its task is cancelled, the loop stops when the task
+    ends, and if the thread still runs a second later (the loop is blocked, so the cancel cannot run) `AgentAbandoned`
+    is raised inside it."""
+
+    def __init__(self):
+        self.loop = asyncio.new_event_loop()
+        self.task: asyncio.Task | None = None
+        self.thread = threading.Thread(target=self._serve, name=f"agent-loop-{id(self):x}", daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        try:
+            self.loop.run_forever()
+        except BaseException:  # AgentAbandoned raised outside the agent's task: the loop is done either way
+            pass
+        finally:
+            self.loop.close()
+
+    def start(self, main: Callable) -> asyncio.Future:
+        """Run the coroutine `main()` on this loop; returns a future of the calling (executor's) loop that gets its
+        result or exception."""
+        executor_loop = asyncio.get_running_loop()
+        done: asyncio.Future = executor_loop.create_future()
+
+        async def body():
+            self.task = asyncio.current_task()
+            try:
+                return await main()
+            finally:  # tasks the agent left running end with it, as `asyncio.run` would end them
+                for task in asyncio.all_tasks():
+                    if task is not self.task:
+                        task.cancel()
+                self.task = None  # an idle loop holds nothing of the episode
+
+        def settle(f: concurrent.futures.Future) -> None:  # in this thread: hand the outcome to the executor's loop
+            def put() -> None:
+                if done.done():  # timed out and cancelled meanwhile
+                    return
+                if f.cancelled():  # only a retired loop's task is cancelled, and nobody waits for that one
+                    done.set_exception(RuntimeError("the agent's task was cancelled"))
+                elif f.exception() is not None:
+                    done.set_exception(f.exception())
+                else:
+                    done.set_result(f.result())
+
+            try:
+                executor_loop.call_soon_threadsafe(put)
+            except RuntimeError:  # the executor's loop is closed: this episode timed out long ago, nobody waits
+                pass
+
+        asyncio.run_coroutine_threadsafe(body(), self.loop).add_done_callback(settle)
+        return done
+
+    def blocked_at(self, file: Path) -> str | None:
+        """`line N (function)` of `file` where the thread runs now: the agent holds its loop there (a coroutine that
+        awaits is not on the thread's stack); None when it is not running the file's code."""
+        frame = sys._current_frames().get(self.thread.ident)
+        while frame is not None:
+            if Path(frame.f_code.co_filename).resolve() == file:
+                return f"line {frame.f_lineno} ({frame.f_code.co_name})"
+            frame = frame.f_back
+        return None
+
+    def retire(self, grace_s: float = 1.0) -> None:
+        """Cancel the agent's task and stop the loop once it has ended; raise `AgentAbandoned` in the thread if it
+        still runs after `grace_s`. That ends Python code (a CPU loop) at once and a blocking call (`time.sleep`) when
+        it returns; either way the episode is already over and its server URL answers 404."""
+
+        def cancel() -> None:  # on this loop, when it gets to run
+            if self.task is None or self.task.done():
+                self.loop.stop()
+            else:
+                self.task.add_done_callback(lambda _: self.loop.stop())
+                self.task.cancel()
+
+        try:
+            self.loop.call_soon_threadsafe(cancel)
+        except RuntimeError:  # already closed
+            return
+        timer = threading.Timer(grace_s, self._interrupt)
+        timer.daemon = True
+        timer.start()
+
+    def stop(self) -> None:
+        """End an idle loop's thread."""
+        try:
+            self.loop.call_soon_threadsafe(self.loop.stop)
+        except RuntimeError:
+            pass
+
+    def _interrupt(self) -> None:
+        if self.thread.is_alive():
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.thread.ident),
+                                                       ctypes.py_object(AgentAbandoned))  # fmt: skip
 
 
 class OpenAIAgentExecutor:
@@ -72,16 +207,22 @@ class OpenAIAgentExecutor:
 
     def __init__(self, engines, tokenizer, agent_file: str, model_name: str, max_new_tokens: int, max_context: int,
                  temperature: float = 1.0, top_p: float = 1.0, concurrency: int = 128,
-                 timeout_s: float = 300.0):  # fmt: skip
+                 timeout_s: float = 300.0, tool_parser: str | Callable = "hermes",
+                 max_request_bytes: int = MAX_REQUEST_BYTES):  # fmt: skip
         self.agent_file, self.agent = agent_file, load_agent(agent_file)
+        self._agent_path = Path(agent_file).expanduser().resolve()
         self.tokenizer, self.temperature = tokenizer, temperature
         self.concurrency, self.timeout_s = concurrency, timeout_s
-        self.server = OpenAIServer(engines, tokenizer, model_name, max_new_tokens, max_context, top_p)
+        self.server = OpenAIServer(engines, tokenizer, model_name, max_new_tokens, max_context, top_p, tool_parser,
+                                   max_request_bytes)  # fmt: skip
         self.server.start()
         self._ssl = ssl.create_default_context()  # made once: httpx builds one per client otherwise (~17 ms each here)
+        self._idle: list[_AgentLoop] = []  # agent loops free for the next episode
 
     def close(self) -> None:
         self.server.close()
+        while self._idle:
+            self._idle.pop().stop()
 
     def run(self, batch: list[dict], n: int, seed: int | list[int] | None, step: int,
             temperature: float | None = None) -> Rollout:  # fmt: skip
@@ -96,10 +237,14 @@ class OpenAIAgentExecutor:
         if self.server.engine_error is not None:
             raise self.server.engine_error
         episodes, rewards, errors = [], [], []
-        calls = dropped = bad = 0
+        calls = dropped = bad = tool_calls = parse_errors = 0
+        parse_error = None
         for i, (example, (reward, error, record)) in enumerate(zip(rows, results)):
             bad += record.bad_requests
             calls += len(record.calls)
+            tool_calls += record.tool_calls
+            parse_errors += record.tool_parse_errors
+            parse_error = parse_error or record.tool_parse_error
             if error is None and not record.calls:
                 error = ("no_calls", "the agent made no model call: there is nothing to train on")
             if error is None:
@@ -117,11 +262,17 @@ class OpenAIAgentExecutor:
             rewards.append(0.0)
         if errors:
             self._report(errors, rows, step)
+        if parse_errors:
+            where = "the eval" if step < 0 else f"step {step}"
+            log.warning(f"[agents] {self.agent_file}: {parse_errors} answers of {where} wrote tool calls that do not "
+                        f"parse (returned as text); the first: {parse_error}")  # fmt: skip
         kinds = Counter(kind for _, kind, _ in errors)
         r = torch.tensor(rewards, dtype=torch.float32)
+        per = max(len(rows), 1)
         logs = {"rollout/agent_errors": float(len(errors)), "rollout/agent_timeouts": float(kinds["timeout"]),
-                "rollout/agent_bad_requests": float(bad), "rollout/agent_calls_mean": calls / max(len(rows), 1),
-                "rollout/agent_dropped_calls": float(dropped)}  # fmt: skip
+                "rollout/agent_bad_requests": float(bad), "rollout/agent_calls_mean": calls / per,
+                "rollout/agent_dropped_calls": float(dropped), "rollout/agent_tool_calls_mean": tool_calls / per,
+                "rollout/tool_parse_errors_mean": parse_errors / per}  # fmt: skip
         return Rollout(episodes, r, r.clamp(0, 1), logs)
 
     def _report(self, errors: list[tuple[int, str, str]], rows: list[dict], step: int) -> None:
@@ -141,35 +292,55 @@ class OpenAIAgentExecutor:
 
     async def _episode(self, gate: asyncio.Semaphore, example: dict, seed: int | None, temperature: float):
         """(reward, error (kind, message) or None, the server's record) of one episode."""
-        import httpx
-        import openai
-
         async with gate:
             eid = self.server.open_episode(temperature, seed)
-            # One HTTP connection pool per episode: httpcore's pool checks every connection on each request, which
-            # cost ~20 ms a request with one pool shared by 64 episodes here. trust_env=False: no proxy for 127.0.0.1.
-            # max_retries=0: a retried request would be a second generation.
             try:
-                async with httpx.AsyncClient(timeout=self.timeout_s, trust_env=False, verify=self._ssl) as http:
-                    client = openai.AsyncOpenAI(base_url=self.server.episode_url(eid), api_key="cleanrlhf",
-                                                http_client=http, max_retries=0)  # fmt: skip
-                    reward, error = await self._play(client, example)
+                reward, error = await self._play(eid, example)
             finally:
                 record = self.server.close_episode(eid)
             return reward, error, record
 
-    async def _play(self, client, example: dict) -> tuple[float, tuple[str, str] | None]:
-        """Run the agent on one example: (reward, None), or (0.0, (kind, message)) when it failed."""
+    async def _agent_main(self, eid: str, example: dict):
+        """The agent's coroutine as its thread runs it, with a client of its own."""
+        import httpx
         import openai
 
+        # One HTTP connection pool per episode: httpcore's pool checks every connection on each request, which cost
+        # ~20 ms a request with one pool shared by 64 episodes here. trust_env=False: no proxy for 127.0.0.1.
+        # max_retries=0: a retried request would be a second generation.
+        async with httpx.AsyncClient(timeout=self.timeout_s, trust_env=False, verify=self._ssl) as http:
+            client = openai.AsyncOpenAI(base_url=self.server.episode_url(eid), api_key="cleanrlhf", http_client=http,
+                                        max_retries=0)  # fmt: skip
+            return await self.agent(client, example)
+
+    async def _play(self, eid: str, example: dict) -> tuple[float, tuple[str, str] | None]:
+        """Run the agent on one example in a thread of its own: (reward, None), or (0.0, (kind, message)) when it
+        failed."""
+        import openai
+
+        worker = None
+        while self._idle and worker is None:
+            worker = self._idle.pop()
+            worker = worker if worker.thread.is_alive() else None  # an agent that stopped its own loop
+        worker = worker or _AgentLoop()
         try:
-            value = await asyncio.wait_for(self.agent(client, dict(example)), self.timeout_s)
+            value = await asyncio.wait_for(worker.start(partial(self._agent_main, eid, dict(example))), self.timeout_s)
         except TimeoutError:
-            return 0.0, ("timeout", f"did not return within {self.timeout_s:g} s (--rollout.agent-timeout-s)")
+            blocked = worker.blocked_at(self._agent_path)
+            worker.retire()
+            message = f"did not return within {self.timeout_s:g} s (--rollout.agent-timeout-s)"
+            if blocked:
+                message += (f"; it was blocking its event loop at {self.agent_file} {blocked}: a synchronous call "
+                            "inside `async def agent` (use `await asyncio.sleep`, `await asyncio.to_thread(f, ...)` "
+                            "or an async client)")  # fmt: skip
+            return 0.0, ("timeout", message)
         except openai.APIStatusError as e:
+            self._idle.append(worker)
             return 0.0, ("bad_request" if 400 <= e.status_code < 500 else "raised", f"{type(e).__name__}: {e}")
         except Exception as e:  # the agent's own bug or an unreachable tool: this episode fails, the run goes on
+            self._idle.append(worker)
             return 0.0, ("raised", f"{type(e).__name__}: {e}")
+        self._idle.append(worker)
         if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
             return 0.0, ("bad_reward", f"returned {value!r}; the agent must return a finite number (the reward)")
         return float(value), None

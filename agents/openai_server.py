@@ -12,70 +12,101 @@ Endpoints, under `/episodes/<episode id>/v1` (the episode id is a path prefix, s
 URL tags its requests, whatever api key it sends; `/v1/models` also answers without a prefix):
 - `POST .../chat/completions`: `messages` rendered with the tokenizer's chat template (generation prompt added, no BOS
   added: the template writes its own special tokens). A tokenizer without a template gets the plain fallback
-  `role: content\\n` per message followed by `assistant: `.
+  `role: content\\n` per message followed by `assistant: `. `tools` go to the template (`apply_chat_template(...,
+  tools=...)`); a template that does not render them gets them in the Hermes layout instead (`hermes_tools_prompt`
+  in the system message, tool calls as `<tool_call>` blocks, tool results as `<tool_response>` blocks in a user turn).
+  The answer is parsed into `message.tool_calls` by `tool_parser` (Hermes / Qwen `<tool_call>{json}</tool_call>`).
 - `POST .../completions`: `prompt` as text (tokenized with the tokenizer's special tokens, e.g. BOS, as the RL
   scripts tokenize a dataset prompt) or as a list of token ids (used as they are).
 - `GET .../models`: the served model, listed under the actor's `--actor.model.name-or-path`; requests may name it or
   the alias `policy`.
 
-Generation: every request is one sample (`n` 1) of at most `--rollout.max-new-tokens` tokens (`max_tokens` /
+Generation: `n` samples (choices) of at most `--rollout.max-new-tokens` tokens each (`max_tokens` /
 `max_completion_tokens` may ask for fewer), sampled at the temperature and top-p of the rollout (the episode's
-temperature; 0 in the greedy eval): a request's own `temperature` / `top_p` are ignored, because the trainer's
+temperature; 0 in the greedy eval): a request's own `temperature` / `top_p` / `seed` are ignored, because the trainer's
 log-probs assume the rollout's. Concurrent requests are batched into one `engines.generate` call (token ids in, ids +
-log-probs out); the batcher waits (at most 50 ms) until every open episode has a request in flight. Each call of an
-episode gets its own sampling seed (episode seed + 7919 · call number), so a sample does not depend on how requests
-happen to be batched.
+log-probs out); the batcher waits (at most 50 ms) until every open episode has a request in flight. Each sample of an
+episode gets its own sampling seed (episode seed + 7919 · sample number, counting the choices of every request), so a
+sample does not depend on how requests happen to be batched. `stop` strings cut a sample after the token that
+completes the first of them (the engine generates whole and the server cuts: the tokens kept are exactly those the
+engine sampled, as vLLM's own `stop` keeps them); the returned text ends before the stop string, as OpenAI's does.
+`stream: true` answers the same recorded call as server-sent events: the generation is whole, then sent in chunks.
 
 Refused with HTTP 4xx and a message saying why (`{"error": {"message": ...}}`, as OpenAI answers): an unknown or
-finished episode (404), an unknown model (404), a body that is not a JSON object, missing or malformed `messages` /
-`prompt`, `n` other than 1, `stream`, `stop` sequences, `tools` (no tool-call parsing), several prompts in one request,
-a prompt that leaves no room to generate in the context (`--vllm.max-model-len` or the model's
-max_position_embeddings): 400.
+finished episode (404), an unknown model (404), a body over `max_request_bytes` (413, before it is parsed), a body that
+is not a JSON object, missing or malformed `messages` / `prompt` / `tools` / `tool_choice` / `stop` / `n`, legacy
+`functions`, several prompts in one request, a prompt that leaves no room to generate in the context
+(`--vllm.max-model-len` or the model's max_position_embeddings): 400. A request body over 64 KiB is parsed, rendered
+and tokenized in a worker thread, so a huge prompt does not stall the other episodes' requests.
 
 The trajectory is exactly the generated tokens. A later call continues an earlier one of its episode when its prompt
 starts with that call's prompt and generated text: the prompt's ids are then that call's prompt ids + its generated
-ids + the tokens of the new text only, so the model's turns are never re-tokenized. A generated stop token that is
-not part of the returned text (eos, `<|im_end|>`) is kept when the new text goes on with it (a chat template closing
-the assistant turn) and dropped from the trajectory when it does not (a completions prompt that appends other text).
-A prompt given as token ids continues a call whose prompt + generated ids (with or without that stop token) it
-starts with. Each call thus has a parent (the call it continues, the longest one when several match) or starts a new
-chain; `build_trajectory` follows the parents back from the episode's last call: that chain is the Episode (model
+ids + the tokens of the new text only, so the model's turns are never re-tokenized. An assistant message that carries
+tool calls this server issued is rendered as the model's own text (whatever content the agent put there), so a tool
+conversation continues its calls too. Generated text the returned text leaves out (a stop token such as eos or
+`<|im_end|>`; a stop string and what its last token carried) is kept when the new prompt goes on with it (a chat
+template closing the assistant turn with `<|im_end|>`) and dropped from the trajectory when it does not (a completions
+prompt that appends other text; a chat turn cut at a stop string). A prompt given as token ids continues a call whose
+prompt + generated ids (or the ids of its returned text) it starts with. Each call thus has a parent (the call it
+continues, the longest one when several match) or starts a new chain; `build_trajectory` follows the parents back from
+the episode's last call (the first choice when the last request asked for several): that chain is the Episode (model
 tokens: action mask 1, engine log-probs; every other token between calls, environment or tool text and template
 tokens: mask 0, log-prob 0). Calls outside that chain (a conversation the agent restarted, rewrote (e.g. a template
-that drops earlier reasoning) or branched) are not trained on and are counted (`n_dropped`).
+that drops earlier reasoning), branched, or the choices it did not continue) are not trained on and are counted
+(`n_dropped`).
 """
 
 import asyncio
 import concurrent.futures
+import json
 import queue
 import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 MODEL_ALIAS = "policy"
-SEED_STRIDE = 7_919  # call k of an episode samples with seed + k · SEED_STRIDE
+SEED_STRIDE = 7_919  # sample k of an episode samples with seed + k · SEED_STRIDE
+MAX_CHOICES = 128  # `n` at most (OpenAI's limit)
+MAX_REQUEST_BYTES = 8 << 20  # a request body larger than this is refused (413) before it is parsed
+INLINE_BYTES = 1 << 16  # bodies up to this are parsed and tokenized on the event loop (~1 ms); larger ones off it
+STREAM_CHUNK_TOKENS = 8  # tokens per streamed chunk (more when a character spans the boundary)
 
 
 @dataclass
 class Call:
-    """One recorded generation of an episode. `prompt_ids` are exactly the ids the engine was given, `token_ids` and
-    `logprobs` (same length) exactly what it returned."""
+    """One recorded generation (one choice of a request) of an episode. `prompt_ids` are exactly the ids the engine
+    was given, `token_ids` and `logprobs` (same length) exactly what it returned, cut after a stop string."""
 
     prompt_ids: list[int]
     token_ids: list[int]
     logprobs: list[float]
     finish_reason: str
-    """`stop` (eos or end-of-turn token, the last of `token_ids`) or `length` (cut at the token limit)."""
+    """`stop` (eos or end-of-turn token, the last of `token_ids`; or a stop string) or `length` (the token limit)."""
     parent: int | None
     """index of the call of the same episode this one continues; None: it starts a new chain."""
     prompt_text: str | None = None
     """the prompt as text (rendered messages or the completions prompt); None for a prompt given as token ids."""
     text: str = ""
-    """the returned text: `token_ids` decoded without special tokens."""
+    """the returned text: `token_ids` decoded without special tokens, ending before a stop string."""
     stop_text: str | None = None
-    """the text of the last generated token when it is a special token left out of `text` (eos, `<|im_end|>`)."""
+    """the generated text after `text`: a special stop token (eos, `<|im_end|>`) or a stop string and whatever its
+    last token carried after it; None when `text` is all of it."""
+    text_tokens: int | None = None
+    """how many of `token_ids` a later prompt keeps when it carries `text` but not `stop_text`: the tokens whose text
+    lies within `text` (a stop string cut); None: all but the last (a special stop token)."""
+    request: int = 0
+    """the episode's sample number of the request's first choice (its seed is episode seed + 7919 · this + choice)."""
+    choice: int = 0
+    """which of the request's `n` choices this is."""
+    content: str | None = ""
+    """`message.content` as answered: `text`, or the text before the first tool call (None when there is none)."""
+    tool_calls: list[dict] = field(default_factory=list)
+    """`message.tool_calls` as answered (OpenAI's shape: id, type "function", function {name, arguments})."""
+    tool_parse_error: str | None = None
+    """why the tool-call markup of `text` did not parse (it was answered as plain content); None: it did, or none."""
 
 
 @dataclass
@@ -86,9 +117,17 @@ class EpisodeLog:
     seed: int | None
     calls: list[Call] = field(default_factory=list)
     requests: int = 0
-    """calls sent to the engine so far (numbers the calls' seeds)."""
+    """samples sent to the engine so far (numbers the samples' seeds)."""
     bad_requests: int = 0
     """requests of this episode answered with HTTP 4xx."""
+    tool_calls: int = 0
+    """tool calls parsed from the model's answers."""
+    tool_parse_errors: int = 0
+    """answers to a request with tools whose tool-call markup did not parse (returned as plain text)."""
+    tool_parse_error: str | None = None
+    """the first of those errors."""
+    issued: dict[str, int] = field(default_factory=dict)
+    """tool call id -> index in `calls` of the call that made it."""
     finished: bool = False
 
 
@@ -100,35 +139,122 @@ class RequestError(Exception):
         self.status, self.message = status, message
 
 
-def render_chat(tokenizer, messages: list[dict]) -> str:
-    """The prompt text of a chat request: the tokenizer's chat template with the generation prompt, or, for a
-    tokenizer without one, `role: content\\n` per message followed by `assistant: `."""
+# -- tool calls: the Hermes / Qwen layout -------------------------------------------------------------------------
+class ToolParseError(ValueError):
+    """The model wrote tool-call markup that does not parse; the message says where and why."""
+
+
+TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
+
+
+def parse_hermes_tool_calls(text: str) -> tuple[str | None, list[tuple[str, dict]]]:
+    """(content, [(name, arguments), ...]) of a Hermes-format answer: each call is `<tool_call>` + a JSON object
+    `{"name": str, "arguments": object}` + `</tool_call>` (the closing tag may be missing at the very end, e.g. when
+    the model stopped right after the JSON). `content` is the text before the first call, right-stripped (None when
+    empty); text between and after calls is dropped (as vLLM's Hermes parser drops it). Text without `<tool_call>` is
+    all content. Raises `ToolParseError` when a call is not such an object (`arguments` may also be a JSON string of
+    an object, as some models write it)."""
+    start = text.find(TOOL_OPEN)
+    if start < 0:
+        return text, []
+    content, calls, pos = text[:start].rstrip() or None, [], start
+    while pos >= 0:
+        body_at = pos + len(TOOL_OPEN)
+        end = text.find(TOOL_CLOSE, body_at)
+        body = text[body_at:] if end < 0 else text[body_at:end]
+        where = f"tool call {len(calls)} ({body.strip()[:60]!r})"
+        try:
+            obj = json.loads(body)
+        except json.JSONDecodeError as e:
+            raise ToolParseError(f"{where}: not JSON: {e.msg} at character {e.pos}") from None
+        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
+            raise ToolParseError(f'{where}: not an object with a "name" string')
+        args = obj.get("arguments", obj.get("parameters", {}))
+        if isinstance(args, str):
+            try:
+                args = json.loads(args)
+            except json.JSONDecodeError:
+                raise ToolParseError(f'{where}: "arguments" is a string that is not JSON') from None
+        if not isinstance(args, dict):
+            raise ToolParseError(f'{where}: "arguments" is not an object')
+        calls.append((obj["name"], args))
+        pos = -1 if end < 0 else text.find(TOOL_OPEN, end + len(TOOL_CLOSE))
+    return content, calls
+
+
+TOOL_PARSERS: dict[str, Callable[[str], tuple[str | None, list[tuple[str, dict]]]]] = {
+    "hermes": parse_hermes_tool_calls,  # Hermes 2 Pro, Qwen2.5 / Qwen3 instruct models
+}
+
+
+def hermes_tools_prompt(tools: list[dict]) -> str:
+    """The tool list in the Hermes layout, for templates that do not render `tools` themselves: the function
+    signatures as one JSON object per line inside `<tools></tools>`, and how to call one."""
+    signatures = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
+    return (f"# Tools\n\nYou may call one or more of these functions. Their signatures are inside <tools></tools>:\n"
+            f"<tools>\n{signatures}\n</tools>\n\nTo call a function, write a JSON object with its name and arguments "
+            f"inside <tool_call></tool_call>:\n<tool_call>\n{{\"name\": <function name>, \"arguments\": <arguments as "
+            f"a JSON object>}}\n</tool_call>")  # fmt: skip
+
+
+def hermes_call_text(name: str, arguments: dict | str) -> str:
+    """One tool call as the Hermes layout writes it in an assistant turn."""
+    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments}, ensure_ascii=False)}\n</tool_call>"
+
+
+def template_renders_tools(tokenizer) -> bool:
+    """Whether the tokenizer's chat template writes a `tools` list into the prompt (Qwen2.5, Llama 3.1, ... do;
+    `cleanrlhf/tiny-chat` and many older templates ignore it)."""
+    if not getattr(tokenizer, "chat_template", None):
+        return False
+    probe = {"type": "function", "function": {"name": "cleanrlhf_probe_tool", "description": "probe",
+                                              "parameters": {"type": "object", "properties": {}}}}  # fmt: skip
+    try:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tools=[probe], tokenize=False,
+                                             add_generation_prompt=True)  # fmt: skip
+    except Exception:  # a template that raises on tools does not render them
+        return False
+    return "cleanrlhf_probe_tool" in text
+
+
+def render_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> str:
+    """The prompt text of a chat request: the tokenizer's chat template with the generation prompt (and `tools`, when
+    given), or, for a tokenizer without one, `role: content\\n` per message followed by `assistant: `."""
     if getattr(tokenizer, "chat_template", None):
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        extra = {"tools": tools} if tools else {}
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
     return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
 
 
+# -- trajectories -------------------------------------------------------------------------------------------------
 def _extends(ids: list[int], call: Call) -> int:
     """How many of `call`'s generated ids `ids` carries after `call.prompt_ids` + those ids as its prefix: all of them,
-    all but a trailing special stop token, or -1 when `ids` does not continue `call`."""
+    those of its returned text (all but a trailing special stop token, or those before a stop string), or -1 when
+    `ids` does not continue `call`."""
     n, gen = len(call.prompt_ids), call.token_ids
     if ids[:n] != call.prompt_ids:
         return -1
     if ids[n : n + len(gen)] == gen:
         return len(gen)
-    if call.stop_text is not None and ids[n : n + len(gen) - 1] == gen[:-1]:
-        return len(gen) - 1
+    if call.stop_text is not None:
+        k = len(gen) - 1 if call.text_tokens is None else call.text_tokens
+        if ids[n : n + k] == gen[:k]:
+            return k
     return -1
 
 
 def build_trajectory(calls: list[Call]) -> tuple[list[int], list[int], list[float], list[int], int]:
-    """The trained trajectory of an episode from its recorded calls: the chain of parents ending at the last call.
+    """The trained trajectory of an episode from its recorded calls: the chain of parents ending at the last call
+    (choice 0 of the last request when it asked for several choices).
 
     Returns (prompt_ids, token_ids, logprobs, action_mask, n_dropped): `prompt_ids` the chain's first prompt;
     `token_ids` everything after it, len R, with `logprobs` (R,) the engine's on generated tokens and 0.0 elsewhere,
     `action_mask` (R,) 1 on generated tokens and 0 on the tokens the prompts added between calls; `n_dropped` the
     calls outside the chain. Pure; `calls` must be non-empty."""
-    chain = [len(calls) - 1]
+    end = len(calls) - 1
+    while calls[end].choice > 0:  # a request's choices are recorded together, in order
+        end -= 1
+    chain = [end]
     while calls[chain[-1]].parent is not None:
         chain.append(calls[chain[-1]].parent)
     chain.reverse()
@@ -224,17 +350,53 @@ class _Batcher:
                 return
 
 
+@dataclass
+class _Params:
+    """What a request asks for besides its prompt (checked by `OpenAIServer._params`)."""
+
+    limit: int  # max new tokens
+    n: int = 1
+    stops: list[str] = field(default_factory=list)
+    stream: bool = False
+    usage_chunk: bool = False  # stream_options.include_usage
+    logprobs: bool = False
+    tools: list[dict] | None = None
+    tool_choice: str | dict = "auto"
+
+    @property
+    def parse_tools(self) -> bool:
+        return bool(self.tools) and self.tool_choice != "none"
+
+
+def _byte_decoder() -> dict[str, int]:
+    """The inverse of the byte-level BPE alphabet (GPT-2's): the character a token string uses for each byte."""
+    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    moved = [b for b in range(256) if b not in kept]
+    return {chr(b): b for b in kept} | {chr(256 + i): b for i, b in enumerate(moved)}
+
+
 class OpenAIServer:
     """The HTTP server (FastAPI app served by uvicorn in a daemon thread of this process) and its episode records.
 
     `engines`: a `core.rollout.RolloutEngines` (or anything with its `generate`); `model_name`: the name `/v1/models`
     lists; `max_new_tokens`: the per-call token limit; `max_context`: prompt + generation at most (the engine's
-    max_model_len); `top_p`: the rollout's nucleus sampling."""
+    max_model_len); `top_p`: the rollout's nucleus sampling; `tool_parser`: how the model writes tool calls (a name in
+    `TOOL_PARSERS`, or a function `text -> (content, [(name, arguments)])` raising `ToolParseError`);
+    `max_request_bytes`: the largest request body served (413 above)."""
 
-    def __init__(self, engines, tokenizer, model_name: str, max_new_tokens: int, max_context: int, top_p: float = 1.0):
+    def __init__(self, engines, tokenizer, model_name: str, max_new_tokens: int, max_context: int, top_p: float = 1.0,
+                 tool_parser: str | Callable = "hermes", max_request_bytes: int = MAX_REQUEST_BYTES):  # fmt: skip
         self.engines, self.tokenizer, self.model_name = engines, tokenizer, model_name
         self.max_new_tokens, self.max_context, self.top_p = max_new_tokens, max_context, top_p
+        if isinstance(tool_parser, str) and tool_parser not in TOOL_PARSERS:
+            raise ValueError(f"tool_parser {tool_parser!r}: one of {sorted(TOOL_PARSERS)} or a function")
+        self.tool_parser = TOOL_PARSERS[tool_parser] if isinstance(tool_parser, str) else tool_parser
+        self.max_request_bytes = max_request_bytes
         self.special_ids = set(tokenizer.all_special_ids)
+        self.native_tools = template_renders_tools(tokenizer)
+        decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
+        self._bytes_of = _byte_decoder() if "ByteLevel" in repr(decoder) else None
+        self._encode("warm-up", False)  # settles the fast tokenizer's truncation/padding state before threads share it
         self.episodes: dict[str, EpisodeLog] = {}
         self.lock = threading.Lock()
         self.url = ""
@@ -296,7 +458,7 @@ class OpenAIServer:
             log.finished = True
         return log
 
-    # -- request handling ---------------------------------------------------------------------------------------
+    # -- request checks -----------------------------------------------------------------------------------------
     def _episode(self, eid: str) -> EpisodeLog:
         with self.lock:
             log = self.episodes.get(eid)
@@ -305,33 +467,92 @@ class OpenAIServer:
                                     "timed out, or the URL was not the one given to the agent")  # fmt: skip
         return log
 
-    def _check_common(self, body) -> int:
-        """The request fields both endpoints share; returns the call's token limit."""
+    async def _body(self, request) -> tuple[object, int]:
+        """The parsed JSON body and its size in bytes. A body over `max_request_bytes` is refused (413) before it is
+        parsed (it is still read to its end, so the client gets the answer instead of a reset connection); a large
+        body is parsed in a worker thread."""
+        limit = self.max_request_bytes
+        declared = request.headers.get("content-length", "")
+        too_big = declared.isdigit() and int(declared) > limit
+        size, chunks = 0, []
+        async for chunk in request.stream():
+            size += len(chunk)
+            too_big = too_big or size > limit
+            if not too_big:
+                chunks.append(chunk)
+        if too_big:
+            raise RequestError(413, f"the request body has {max(size, int(declared or 0))} bytes, over the server's "
+                                    f"limit of {limit} (max_request_bytes): send a shorter prompt")  # fmt: skip
+        raw = b"".join(chunks)
+        try:
+            return (json.loads(raw) if size <= INLINE_BYTES else await asyncio.to_thread(json.loads, raw)), size
+        except ValueError:
+            raise RequestError(400, "the request body is not valid JSON") from None
+
+    def _params(self, body, chat_request: bool) -> _Params:
+        """The request fields besides the prompt, checked."""
         if not isinstance(body, dict):
             raise RequestError(400, "the request body must be a JSON object")
         model = body.get("model")
         if model not in (self.model_name, MODEL_ALIAS):
             raise RequestError(404, f"the model {model!r} does not exist: this server serves {self.model_name!r} "
                                     f"(alias {MODEL_ALIAS!r})")  # fmt: skip
-        if body.get("n", 1) not in (1, None):
-            raise RequestError(400, f"n={body['n']}: one sample per request (make several requests for several)")
-        if body.get("stream"):
-            raise RequestError(400, "stream=true is not supported: the server answers whole completions")
-        if body.get("stop"):
-            raise RequestError(400, "stop sequences are not supported: generation stops at the model's end-of-turn or "
-                                    "eos token, so the trained trajectory is exactly the generated tokens")  # fmt: skip
-        if body.get("tools") or body.get("functions"):
-            raise RequestError(400, "tools are not supported: tool calls are not parsed; describe the tools in the "
-                                    "messages and parse the model's text in the agent")  # fmt: skip
         limit = body.get("max_completion_tokens", body.get("max_tokens"))
-        if limit is None:
-            return self.max_new_tokens
-        if isinstance(limit, bool) or not isinstance(limit, int) or limit < 1:
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
             raise RequestError(400, f"max_tokens={limit!r}: must be a positive integer")
-        return min(limit, self.max_new_tokens)
+        p = _Params(self.max_new_tokens if limit is None else min(limit, self.max_new_tokens))
+        n = body.get("n") if body.get("n") is not None else 1
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_CHOICES:
+            raise RequestError(400, f"n={n!r}: the number of choices must be an integer from 1 to {MAX_CHOICES}")
+        p.n = n
+        stop = body.get("stop")
+        stops = [stop] if isinstance(stop, str) else stop if stop is not None else []
+        if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
+            raise RequestError(400, f"stop={stop!r}: must be a non-empty string or a list of them")
+        p.stops = stops
+        p.stream = body.get("stream") is True
+        options = body.get("stream_options") or {}
+        p.usage_chunk = isinstance(options, dict) and options.get("include_usage") is True
+        p.logprobs = bool(body.get("logprobs")) if chat_request else body.get("logprobs") is not None
+        top = body.get("top_logprobs")
+        if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= 20):
+            raise RequestError(400, f"top_logprobs={top!r}: must be an integer from 0 to 20")
+        if body.get("functions") or body.get("function_call"):
+            raise RequestError(400, "`functions` / `function_call` (OpenAI's legacy API) are not supported: give "
+                                    "`tools` and `tool_choice`")  # fmt: skip
+        tools, choice = body.get("tools"), body.get("tool_choice")
+        if tools is not None and not chat_request:
+            raise RequestError(400, "tools are for chat completions (/v1/chat/completions)")
+        if tools is not None:
+            if not isinstance(tools, list) or not all(
+                isinstance(t, dict) and t.get("type") == "function" and isinstance(t.get("function"), dict)
+                and isinstance(t["function"].get("name"), str) and t["function"]["name"] for t in tools
+            ):  # fmt: skip
+                raise RequestError(400, "'tools' must be a list of {\"type\": \"function\", \"function\": {\"name\": "
+                                        "..., \"description\": ..., \"parameters\": {...}}}")  # fmt: skip
+            p.tools = tools or None
+        names = [t["function"]["name"] for t in p.tools or []]
+        if choice is None:
+            choice = "auto"
+        if isinstance(choice, dict):
+            function = choice.get("function") if choice.get("type") == "function" else None
+            name = function.get("name") if isinstance(function, dict) else None
+            if name is None or name not in names:
+                raise RequestError(400, f"tool_choice={choice!r}: names no function of 'tools' ({names})")
+        elif choice not in ("auto", "none", "required"):
+            raise RequestError(400, f"tool_choice={choice!r}: must be 'auto', 'none', 'required' or "
+                                    "{\"type\": \"function\", \"function\": {\"name\": ...}}")  # fmt: skip
+        elif choice == "required" and not names:
+            raise RequestError(400, "tool_choice='required' needs 'tools'")
+        p.tool_choice = choice
+        return p
 
+    # -- prompts ------------------------------------------------------------------------------------------------
     def _encode(self, text: str, special: bool) -> list[int]:
         return self.tokenizer(text, add_special_tokens=special)["input_ids"] if text else []
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
     def _prompt_from_text(self, log: EpisodeLog, text: str, special: bool) -> tuple[list[int], int | None]:
         """The ids of a text prompt and the call it continues: the longest recorded call whose prompt text + returned
@@ -348,8 +569,11 @@ class OpenAIServer:
         if c.stop_text is not None:
             if rest.startswith(c.stop_text):
                 rest = rest[len(c.stop_text) :]  # the template closes the turn with the token the model generated
-            else:
-                model = model[:-1]  # the prompt goes on without it: so does the trajectory
+            elif c.text_tokens is None:
+                model = model[:-1]  # the prompt goes on without the stop token: so does the trajectory
+            else:  # cut at a stop string: keep the tokens within the text; re-tokenize what the last kept one missed
+                model = model[: c.text_tokens]
+                rest = c.text[len(self._decode(model)) :] + rest
         return c.prompt_ids + model + self._encode(rest, False), best
 
     @staticmethod
@@ -357,29 +581,86 @@ class OpenAIServer:
         matches = [(len(c.prompt_ids) + n, k) for k, c in enumerate(log.calls) if (n := _extends(ids, c)) >= 0]
         return max(matches)[1] if matches else None
 
-    def chat_prompt(self, log: EpisodeLog, body: dict) -> tuple[list[int], int | None, str]:
-        messages = body.get("messages")
+    def _messages(self, log: EpisodeLog, messages, p: _Params) -> list[dict]:
+        """The request's messages as the template gets them: text content; an assistant turn with tool calls this
+        server issued as the model's own text; other tool calls and tool results as the template takes them, or in
+        the Hermes layout for a template that does not render tools."""
         if not isinstance(messages, list) or not messages:
             raise RequestError(400, "'messages' must be a non-empty list of {role, content} messages")
-        normal = []
+        hermes = bool(p.tools) and not self.native_tools
+        out: list[dict] = []
         for k, m in enumerate(messages):
-            content = m.get("content") if isinstance(m, dict) else None
+            if not isinstance(m, dict) or not isinstance(m.get("role"), str):
+                raise RequestError(400, f"message {k} must be a {{role, content}} object, got {m!r}")
+            role, content, calls = m["role"], m.get("content"), m.get("tool_calls")
             if isinstance(content, list):  # OpenAI content parts: text parts only
-                if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-                           for p in content):  # fmt: skip
+                if not all(isinstance(q, dict) and q.get("type") == "text" and isinstance(q.get("text"), str)
+                           for q in content):  # fmt: skip
                     raise RequestError(400, f"message {k}: only text content parts are supported")
-                content = "".join(p["text"] for p in content)
-            if not isinstance(m, dict) or not isinstance(m.get("role"), str) or not isinstance(content, str):
+                content = "".join(q["text"] for q in content)
+            if role == "assistant" and calls:
+                out.append(self._assistant_with_calls(log, k, content, calls))
+                continue
+            if not isinstance(content, str):
                 raise RequestError(400, f"message {k} must be a {{role, content}} object with text content, got {m!r}")
-            normal.append({"role": m["role"], "content": content})
+            if role == "tool" and hermes:  # Qwen2.5's layout: results in a user turn, consecutive ones merged
+                block = f"<tool_response>\n{content}\n</tool_response>"
+                if out and out[-1].get("tool_results"):
+                    out[-1]["content"] += "\n" + block
+                else:
+                    out.append({"role": "user", "content": block, "tool_results": True})
+                continue
+            extra = {key: m[key] for key in ("tool_call_id", "name") if role == "tool" and isinstance(m.get(key), str)}
+            out.append({"role": role, "content": content, **extra})
+        for m in out:
+            m.pop("tool_results", None)
+        if hermes and p.tool_choice != "none":
+            block = hermes_tools_prompt(p.tools)
+            if out[0]["role"] == "system":
+                out[0] = {**out[0], "content": out[0]["content"] + "\n\n" + block}
+            else:
+                out.insert(0, {"role": "system", "content": block})
+        return out
+
+    def _assistant_with_calls(self, log: EpisodeLog, k: int, content, calls) -> dict:
+        if not isinstance(calls, list) or not all(
+            isinstance(c, dict) and isinstance(c.get("function"), dict) and isinstance(c["function"].get("name"), str)
+            for c in calls
+        ):  # fmt: skip
+            raise RequestError(400, f"message {k}: 'tool_calls' must be a list of {{id, type, function: {{name, "
+                                    "arguments}}}}")  # fmt: skip
+        owners = {log.issued.get(c.get("id")) for c in calls}
+        if len(owners) == 1 and None not in owners:  # the model's own turn: its text, so its tokens are reused
+            return {"role": "assistant", "content": log.calls[owners.pop()].text}
+        parsed = []
+        for c in calls:
+            args = c["function"].get("arguments", {})
+            if isinstance(args, str):
+                try:
+                    args = json.loads(args) if args.strip() else {}
+                except json.JSONDecodeError:
+                    raise RequestError(400, f"message {k}: tool call arguments {args[:60]!r} are not JSON") from None
+            parsed.append({"id": c.get("id"), "type": "function", "function": {"name": c["function"]["name"],
+                                                                                "arguments": args}})  # fmt: skip
+        text = content if isinstance(content, str) else ""
+        if not self.native_tools:
+            blocks = [hermes_call_text(c["function"]["name"], c["function"]["arguments"]) for c in parsed]
+            return {"role": "assistant", "content": "\n".join(([text] if text else []) + blocks)}
+        return {"role": "assistant", "content": text, "tool_calls": parsed}
+
+    def chat_prompt(self, log: EpisodeLog, body: dict, p: _Params | None = None) -> tuple[list[int], int | None, str]:
+        p = p or _Params(self.max_new_tokens)
+        messages = self._messages(log, body.get("messages"), p)
+        tools = p.tools if self.native_tools and p.tool_choice != "none" else None
         try:
-            text = render_chat(self.tokenizer, normal)
+            text = render_chat(self.tokenizer, messages, tools)
         except Exception as e:  # jinja2 TemplateError, or a template's raise_exception for an unsupported layout
             raise RequestError(400, f"the chat template refused the messages: {e}") from None
         ids, parent = self._prompt_from_text(log, text, special=False)
         return ids, parent, text
 
-    def completion_prompt(self, log: EpisodeLog, body: dict) -> tuple[list[int], int | None, str | None]:
+    def completion_prompt(self, log: EpisodeLog, body: dict,
+                          p: _Params | None = None) -> tuple[list[int], int | None, str | None]:  # fmt: skip
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
             prompt = prompt[0]  # a batch of one prompt
@@ -395,12 +676,66 @@ class OpenAIServer:
             raise RequestError(400, f"{len(prompt)} prompts in one request: send one prompt per request")
         raise RequestError(400, "'prompt' must be a non-empty string or a non-empty list of token ids")
 
-    async def generate(self, eid: str, body, chat_request: bool) -> tuple[Call, EpisodeLog]:
-        """Validate, build the prompt ids, generate (batched with concurrent requests) and record the call."""
+    # -- generation ---------------------------------------------------------------------------------------------
+    def _cut_at_stop(self, gen: list[int], stops: list[str]) -> tuple[int, int] | None:
+        """(m, start): the first m of `gen` are the fewest tokens whose text holds a stop string, which starts at
+        character `start` of it (the one completing first, ties by list order: vLLM's rule); None when no stop string
+        appears. A binary search over prefixes: holding a stop string is monotone in the prefix length."""
+
+        def first(m: int) -> tuple[int, int, int] | None:  # (end, list position, start) of the earliest stop string
+            text = self._decode(gen[:m])
+            found = [(i + len(s), j, i) for j, s in enumerate(stops) if (i := text.find(s)) >= 0]
+            return min(found) if found else None
+
+        if not gen or first(len(gen)) is None:
+            return None
+        lo, hi = 1, len(gen)
+        while lo < hi:
+            mid = (lo + hi) // 2
+            lo, hi = (mid + 1, hi) if first(mid) is None else (lo, mid)
+        return lo, first(lo)[2]
+
+    def _record(self, sample, ids: list[int], parent: int | None, prompt_text: str | None, p: _Params, request: int,
+                choice: int) -> Call:  # fmt: skip
+        """The Call of one sample: cut at a stop string, decoded, and its tool calls parsed."""
+        gen, logprobs, reason = list(sample.token_ids), list(sample.logprobs), sample.finish_reason
+        stop_text = text_tokens = None
+        cut = self._cut_at_stop(gen, p.stops) if p.stops else None
+        if cut is not None:
+            m, start = cut
+            gen, logprobs, reason = gen[:m], logprobs[:m], "stop"
+            whole = self._decode(gen)
+            text, stop_text = whole[:start], whole[start:]
+            text_tokens = next(k for k in range(m - 1, -1, -1) if text.startswith(self._decode(gen[:k])))
+        else:
+            text = self._decode(gen)
+            if gen and gen[-1] in self.special_ids:
+                stop_text = self.tokenizer.decode(gen[-1:], skip_special_tokens=False,
+                                                  clean_up_tokenization_spaces=False)  # fmt: skip
+        content, tool_calls, error = text, [], None
+        if p.parse_tools:
+            try:
+                content, parsed = self.tool_parser(text)
+            except ToolParseError as e:  # answered as plain text, counted; the agent decides what to do
+                parsed, error = [], str(e)
+            tool_calls = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
+                           "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)}}
+                          for name, args in parsed]  # fmt: skip
+        return Call(ids, gen, logprobs, reason, parent, prompt_text, text, stop_text, text_tokens, request, choice,
+                    content, tool_calls, error)  # fmt: skip
+
+    async def generate(self, eid: str, request, chat_request: bool) -> tuple[list[Call], _Params]:
+        """Read and check the request, build the prompt ids (off the event loop for a large body), generate its
+        choices (batched with concurrent requests) and record them."""
         log = self._episode(eid)
         try:
-            limit = self._check_common(body)
-            ids, parent, text = (self.chat_prompt if chat_request else self.completion_prompt)(log, body)
+            body, size = await self._body(request)
+            p = self._params(body, chat_request)
+            prompt = self.chat_prompt if chat_request else self.completion_prompt
+            if size <= INLINE_BYTES:
+                ids, parent, text = prompt(log, body, p)
+            else:  # rendering and tokenizing megabytes takes seconds: the other episodes' requests go on meanwhile
+                ids, parent, text = await asyncio.to_thread(prompt, log, body, p)
             room = self.max_context - len(ids)
             if room < 1:
                 raise RequestError(400, f"the prompt has {len(ids)} tokens and the context holds {self.max_context} "
@@ -409,26 +744,138 @@ class OpenAIServer:
         except RequestError:
             log.bad_requests += 1
             raise
-        seed = None if log.seed is None else log.seed + SEED_STRIDE * log.requests
-        log.requests += 1
-        fut = self._batcher.submit(ids, min(limit, room), log.temperature, self.top_p, seed)
-        sample = await asyncio.wrap_future(fut)
-        gen = list(sample.token_ids)
-        out = self.tokenizer.decode(gen, skip_special_tokens=True, clean_up_tokenization_spaces=False)
-        stop_text = None
-        if gen and gen[-1] in self.special_ids:
-            stop_text = self.tokenizer.decode(gen[-1:], skip_special_tokens=False, clean_up_tokenization_spaces=False)
-        call = Call(ids, gen, list(sample.logprobs), sample.finish_reason, parent, text, out, stop_text)
+        first = log.requests
+        log.requests += p.n
+        seeds = [None if log.seed is None else log.seed + SEED_STRIDE * (first + j) for j in range(p.n)]
+        futures = [self._batcher.submit(ids, min(p.limit, room), log.temperature, self.top_p, s) for s in seeds]
+        samples = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
+        calls = [self._record(s, ids, parent, text, p, first, j) for j, s in enumerate(samples)]
         with self.lock:
             if not log.finished:  # an episode that timed out meanwhile keeps what it had
-                log.calls.append(call)
-        return call, log
+                for c in calls:
+                    log.issued.update((t["id"], len(log.calls)) for t in c.tool_calls)
+                    log.tool_calls += len(c.tool_calls)
+                    log.tool_parse_errors += c.tool_parse_error is not None
+                    log.tool_parse_error = log.tool_parse_error or c.tool_parse_error
+                    log.calls.append(c)
+        return calls, p
+
+    # -- responses ----------------------------------------------------------------------------------------------
+    def _token_bytes(self, token_id: int, text: str) -> list[int]:
+        """A token's UTF-8 bytes: exact for byte-level BPE (a token may hold part of a character), else its text's."""
+        piece = self.tokenizer.convert_ids_to_tokens(token_id)
+        if self._bytes_of is not None and token_id not in self.special_ids and all(ch in self._bytes_of
+                                                                                   for ch in piece):  # fmt: skip
+            return [self._bytes_of[ch] for ch in piece]
+        return list(text.encode("utf-8"))
+
+    def _chat_logprobs(self, call: Call, a: int, b: int) -> dict:
+        """OpenAI's `choices[i].logprobs` for generated tokens a..b: the sampled token's log-prob and bytes.
+        `top_logprobs` stays empty: the engines return only the sampled token's log-prob."""
+        ids = call.token_ids[a:b]
+        texts = [self.tokenizer.decode([t], skip_special_tokens=False, clean_up_tokenization_spaces=False) for t in ids]
+        return {"content": [{"token": s, "logprob": lp, "bytes": self._token_bytes(t, s), "top_logprobs": []}
+                            for t, s, lp in zip(ids, texts, call.logprobs[a:b])]}  # fmt: skip
+
+    def _completion_logprobs(self, call: Call, a: int, b: int) -> dict:
+        return {"tokens": self.tokenizer.convert_ids_to_tokens(call.token_ids[a:b]),
+                "token_logprobs": call.logprobs[a:b], "top_logprobs": None, "text_offset": None}  # fmt: skip
+
+    @staticmethod
+    def _usage(calls: list[Call]) -> dict:
+        n, m = len(calls[0].prompt_ids), sum(len(c.token_ids) for c in calls)
+        return {"prompt_tokens": n, "completion_tokens": m, "total_tokens": n + m}
+
+    @staticmethod
+    def _finish(call: Call) -> str:
+        return "tool_calls" if call.tool_calls else call.finish_reason
+
+    def chat_response(self, calls: list[Call], p: _Params) -> dict:
+        choices = []
+        for i, c in enumerate(calls):
+            message = {"role": "assistant", "content": c.content}
+            if c.tool_calls:
+                message["tool_calls"] = c.tool_calls
+            logprobs = self._chat_logprobs(c, 0, len(c.token_ids)) if p.logprobs else None
+            choices.append({"index": i, "message": message, "finish_reason": self._finish(c), "logprobs": logprobs,
+                            "token_ids": c.token_ids})  # fmt: skip
+        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
+                "model": self.model_name, "choices": choices, "usage": self._usage(calls),
+                "prompt_token_ids": calls[0].prompt_ids}  # fmt: skip
+
+    def completion_response(self, calls: list[Call], p: _Params) -> dict:
+        choices = [{"index": i, "text": c.text, "finish_reason": c.finish_reason, "token_ids": c.token_ids,
+                    "logprobs": self._completion_logprobs(c, 0, len(c.token_ids)) if p.logprobs else None}
+                   for i, c in enumerate(calls)]  # fmt: skip
+        return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+                "model": self.model_name, "choices": choices, "usage": self._usage(calls),
+                "prompt_token_ids": calls[0].prompt_ids}  # fmt: skip
+
+    def _pieces(self, gen: list[int], visible: str) -> list[tuple[int, int, str]]:
+        """`visible` (a prefix of the text of `gen`) in streamed pieces: (first token, end token, text) per chunk of
+        about `STREAM_CHUNK_TOKENS` tokens, until the text is out; the tokens after the last piece go with the final
+        chunk. Each window is decoded with a few tokens of context before it, as vLLM's incremental detokenizer does,
+        and the pieces are cut from `visible` itself, so they join to exactly the non-streamed text."""
+        out, a, e, done = [], 0, 0, 0
+        while done < len(visible) and e < len(gen):
+            e = min(e + STREAM_CHUNK_TOKENS, len(gen))
+            ctx = max(0, a - 4)
+            before, upto = self._decode(gen[ctx:a]), self._decode(gen[ctx:e])
+            if upto.endswith("\ufffd") and e < len(gen):
+                continue  # a character split across tokens: wait for its last byte
+            piece = visible[done : done + max(0, len(upto) - len(before))]
+            if piece:
+                out.append((a, e, piece))
+                done, a = done + len(piece), e
+        if done < len(visible):
+            out.append((a, a, visible[done:]))
+        return out
+
+    def _stream(self, calls: list[Call], p: _Params, chat: bool):
+        """The server-sent events of a streamed answer (`data: {chunk}\\n\\n` ... `data: [DONE]\\n\\n`): per choice a
+        role chunk (chat), content pieces with their tokens' ids and log-probs, and a final chunk with the tool calls,
+        the remaining tokens and the finish reason; then the usage chunk when `stream_options.include_usage`."""
+        head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
+                "object": "chat.completion.chunk" if chat else "text_completion", "model": self.model_name}  # fmt: skip
+
+        def event(choice: dict | None, **extra) -> str:
+            return f"data: {json.dumps({**head, 'choices': [choice] if choice else [], **extra})}\n\n"
+
+        def logprobs(c: Call, a: int, b: int) -> dict | None:
+            if not p.logprobs:
+                return None
+            return self._chat_logprobs(c, a, b) if chat else self._completion_logprobs(c, a, b)
+
+        for i, c in enumerate(calls):
+            extra = {"prompt_token_ids": c.prompt_ids} if i == 0 else {}
+            if chat:
+                role = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                        "finish_reason": None}  # fmt: skip
+                yield event(role, **extra)
+                extra = {}
+            end = 0
+            for a, b, piece in self._pieces(c.token_ids, (c.content or "") if chat else c.text):
+                delta = {"delta": {"content": piece}} if chat else {"text": piece}
+                yield event({"index": i, **delta, "logprobs": logprobs(c, a, b), "finish_reason": None,
+                             "token_ids": c.token_ids[a:b]}, **extra)  # fmt: skip
+                extra, end = {}, b
+            if chat:
+                calls_delta = [{"index": j, **t} for j, t in enumerate(c.tool_calls)]
+                delta = {"delta": {"tool_calls": calls_delta} if calls_delta else {}}
+            else:
+                delta = {"text": ""}
+            yield event({"index": i, **delta, "logprobs": logprobs(c, end, len(c.token_ids)),
+                         "finish_reason": self._finish(c) if chat else c.finish_reason,
+                         "token_ids": c.token_ids[end:]}, **extra)  # fmt: skip
+        if p.usage_chunk:
+            yield event(None, usage=self._usage(calls))
+        yield "data: [DONE]\n\n"
 
     def app(self):
         """The FastAPI app: the three endpoints under `/episodes/{eid}/v1`, and `/v1/models`."""
         from fastapi import FastAPI, Request
         from fastapi.exceptions import RequestValidationError
-        from fastapi.responses import JSONResponse
+        from fastapi.responses import JSONResponse, StreamingResponse
 
         app = FastAPI(title="CleanRLHF agent server")
 
@@ -449,44 +896,18 @@ class OpenAIServer:
         app.get("/v1/models")(models)
         app.get("/episodes/{eid}/v1/models")(models)
 
-        async def body_of(request: Request):
-            try:
-                return await request.json()
-            except ValueError:
-                raise RequestError(400, "the request body is not valid JSON") from None
-
-        def usage(call: Call) -> dict:
-            n, m = len(call.prompt_ids), len(call.token_ids)
-            return {"prompt_tokens": n, "completion_tokens": m, "total_tokens": n + m}
+        async def answer(eid: str, request: Request, chat: bool):
+            calls, p = await self.generate(eid, request, chat_request=chat)
+            if p.stream:  # a sync generator: Starlette iterates it in a worker thread, decoding off the event loop
+                return StreamingResponse(self._stream(calls, p, chat), media_type="text/event-stream")
+            return JSONResponse(self.chat_response(calls, p) if chat else self.completion_response(calls, p))
 
         @app.post("/episodes/{eid}/v1/chat/completions")
-        async def chat_completions(eid: str, request: Request) -> dict:
-            body = await body_of(request)
-            call, _ = await self.generate(eid, body, chat_request=True)
-            logprobs = None
-            if isinstance(body, dict) and body.get("logprobs"):
-                tokens = self.tokenizer.convert_ids_to_tokens(call.token_ids)
-                logprobs = {"content": [{"token": t, "logprob": lp, "bytes": None, "top_logprobs": []}
-                                        for t, lp in zip(tokens, call.logprobs)]}  # fmt: skip
-            choice = {"index": 0, "message": {"role": "assistant", "content": call.text},
-                      "finish_reason": call.finish_reason, "logprobs": logprobs,
-                      "token_ids": call.token_ids}  # fmt: skip
-            return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-                    "model": self.model_name, "choices": [choice], "usage": usage(call),
-                    "prompt_token_ids": call.prompt_ids}  # fmt: skip
+        async def chat_completions(eid: str, request: Request):
+            return await answer(eid, request, chat=True)
 
         @app.post("/episodes/{eid}/v1/completions")
-        async def completions(eid: str, request: Request) -> dict:
-            body = await body_of(request)
-            call, _ = await self.generate(eid, body, chat_request=False)
-            logprobs = None
-            if isinstance(body, dict) and body.get("logprobs") is not None:
-                logprobs = {"tokens": self.tokenizer.convert_ids_to_tokens(call.token_ids),
-                            "token_logprobs": call.logprobs, "top_logprobs": None, "text_offset": None}  # fmt: skip
-            choice = {"index": 0, "text": call.text, "finish_reason": call.finish_reason, "logprobs": logprobs,
-                      "token_ids": call.token_ids}  # fmt: skip
-            return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-                    "model": self.model_name, "choices": [choice], "usage": usage(call),
-                    "prompt_token_ids": call.prompt_ids}  # fmt: skip
+        async def completions(eid: str, request: Request):
+            return await answer(eid, request, chat=False)
 
         return app

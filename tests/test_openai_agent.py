@@ -119,8 +119,9 @@ def test_malformed_requests_are_4xx_with_a_clear_message(server):
     eid = server.open_episode(1.0, 0)
     cases = [
         (dict(model="gpt-4", prompt="1+1="), 404, "does not exist"),
-        (dict(model=NAME, prompt="1+1=", n=2), 400, "one sample per request"),
-        (dict(model=NAME, prompt="1+1=", stop=["\n"]), 400, "stop sequences"),
+        (dict(model=NAME, prompt="1+1=", n=0), 400, "number of choices"),
+        (dict(model=NAME, prompt="1+1=", stop=[""]), 400, "non-empty string"),
+        (dict(model=NAME, prompt="1+1=", extra_body={"tools": []}), 400, "tools are for chat completions"),
         (dict(model=NAME, prompt="1+1=", max_tokens=0), 400, "max_tokens"),
         (dict(model=NAME, prompt=""), 400, "'prompt' must be"),
         (dict(model=NAME, prompt="9" * 70), 400, "no room to generate"),
@@ -245,15 +246,18 @@ def test_example_agent_runs_through_the_executor(engines, tok):
 
 def test_episodes_run_concurrently_and_their_requests_are_batched(engines, tok, tmp_path):
     path = agent_file(tmp_path, "sleepy", (
-        "import asyncio\n"
+        "import asyncio, threading\n"
         "running = peak = 0\n"
+        "lock = threading.Lock()  # each episode runs in a thread of its own\n"
         "async def agent(client, example):\n"
         "    global running, peak\n"
-        "    running += 1\n"
-        "    peak = max(peak, running)\n"
+        "    with lock:\n"
+        "        running += 1\n"
+        "        peak = max(peak, running)\n"
         "    await asyncio.sleep(0.5)\n"
         "    await client.completions.create(model='policy', prompt=example['prompt'])\n"
-        "    running -= 1\n"
+        "    with lock:\n"
+        "        running -= 1\n"
         "    return 1.0\n"
     ))  # fmt: skip
     ex = OpenAIAgentExecutor(engines, tok, path, NAME, 8, 64, concurrency=8)
@@ -288,7 +292,7 @@ async def agent(client, example):
     if kind == "hang":
         await asyncio.sleep(60)
     if kind == "malformed":
-        await client.completions.create(model="policy", prompt=example["prompt"], n=3)
+        await client.completions.create(model="policy", prompt=example["prompt"], n=0)
     if kind == "nan":
         await client.completions.create(model="policy", prompt=example["prompt"])
         return math.nan
