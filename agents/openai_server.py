@@ -21,6 +21,10 @@ URL tags its requests, whatever api key it sends; `/v1/models` also answers with
 - `GET .../models`: the served model, listed under the actor's `--actor.model.name-or-path`; requests may name it or
   the alias `policy`.
 
+Serving a checkpoint for evaluation (`serve`): `python -m agents.openai_server --model <run>/hf [--port 8000]` answers
+the same endpoints under `/v1` without an episode id: each request is an episode of its own, sampled at its own
+temperature / top_p / seed and recorded nowhere (docs/agents.md, "Serving a checkpoint").
+
 Generation: `n` samples (choices) of at most `--rollout.max-new-tokens` tokens each (`max_tokens` /
 `max_completion_tokens` may ask for fewer), sampled at the temperature and top-p of the rollout (the episode's
 temperature; 0 in the greedy eval): a request's own `temperature` / `top_p` / `seed` are ignored, because the trainer's
@@ -28,8 +32,10 @@ log-probs assume the rollout's. Concurrent requests are batched into one `engine
 log-probs out); the batcher waits (at most 50 ms) until every open episode has a request in flight. Each sample of an
 episode gets its own sampling seed (episode seed + 7919 · sample number, counting the choices of every request), so a
 sample does not depend on how requests happen to be batched. `stop` strings cut a sample after the token that
-completes the first of them (the engine generates whole and the server cuts: the tokens kept are exactly those the
-engine sampled, as vLLM's own `stop` keeps them); the returned text ends before the stop string, as OpenAI's does.
+completes the first of them (they go to the engine, which stops there instead of generating on, and the server cuts
+again, its own cut deciding what is recorded: the tokens kept are exactly those the engine sampled, as vLLM's own
+`stop` keeps them); the returned text ends before the stop string, as OpenAI's does. `top_logprobs` (chat, with
+`logprobs`) / `logprobs: k` (completions) ask the engine for the k most likely tokens at each position.
 `stream: true` answers the same recorded call as server-sent events: the generation is whole, then sent in chunks.
 
 Refused with HTTP 4xx and a message saying why (`{"error": {"message": ...}}`, as OpenAI answers): an unknown or
@@ -58,6 +64,7 @@ that drops earlier reasoning), branched, or the choices it did not continue) are
 
 import asyncio
 import concurrent.futures
+import inspect
 import json
 import queue
 import socket
@@ -107,6 +114,8 @@ class Call:
     """`message.tool_calls` as answered (OpenAI's shape: id, type "function", function {name, arguments})."""
     tool_parse_error: str | None = None
     """why the tool-call markup of `text` did not parse (it was answered as plain content); None: it did, or none."""
+    top_logprobs: list[dict[int, float]] | None = None
+    """per token of `token_ids`, the engine's k most likely tokens {id: log-prob}; None unless the request asked."""
 
 
 @dataclass
@@ -281,10 +290,13 @@ class _Batcher:
     After a request arrives it waits for more while some open episode has none in flight (`open_episodes()` is
     larger than the requests submitted and not yet answered), at most `max_wait_s`: sequential agents then send full
     batches, and an agent busy with a slow tool delays the others by at most that. Each group of equal (max tokens,
-    temperature, top-p) is one engine call; results and errors go to each request's future."""
+    temperature, top-p, stop strings, top-k log-probs) is one engine call; results and errors go to each request's
+    future. Stop strings and top-k go to the engine only when asked for and when its `generate` takes them (a scripted
+    test engine may not: the server's own cut at a stop string decides what is kept either way)."""
 
     def __init__(self, engines, open_episodes, max_wait_s: float = 0.05):
         self.engines, self.open_episodes, self.max_wait_s = engines, open_episodes, max_wait_s
+        self.takes = set(inspect.signature(engines.generate).parameters) & {"stop", "top_logprobs"}
         self.queue: queue.Queue = queue.Queue()
         self.inflight = 0  # submitted and not yet answered
         self.lock = threading.Lock()
@@ -292,12 +304,12 @@ class _Batcher:
         self.thread = threading.Thread(target=self._loop, name="openai-server-batcher", daemon=True)
         self.thread.start()
 
-    def submit(self, prompt_ids: list[int], max_tokens: int, temperature: float, top_p: float,
-               seed: int | None) -> concurrent.futures.Future:  # fmt: skip
+    def submit(self, prompt_ids: list[int], max_tokens: int, temperature: float, top_p: float, seed: int | None,
+               stops: tuple[str, ...] = (), top_logprobs: int = 0) -> concurrent.futures.Future:  # fmt: skip
         fut: concurrent.futures.Future = concurrent.futures.Future()
         with self.lock:
             self.inflight += 1
-        self.queue.put(((max_tokens, temperature, top_p), prompt_ids, seed, fut))
+        self.queue.put(((max_tokens, temperature, top_p, tuple(stops), top_logprobs), prompt_ids, seed, fut))
         return fut
 
     def stop(self) -> None:
@@ -331,11 +343,14 @@ class _Batcher:
             for item in items:
                 if item is not None:
                     groups.setdefault(item[0], []).append(item)
-            for (max_tokens, temperature, top_p), group in groups.items():
+            for (max_tokens, temperature, top_p, stops, top_logprobs), group in groups.items():
+                extra = {"stop": list(stops)} if stops and "stop" in self.takes else {}
+                if top_logprobs > 0 and "top_logprobs" in self.takes:
+                    extra["top_logprobs"] = top_logprobs
                 try:
                     out = self.engines.generate([g[1] for g in group], n=1, max_new_tokens=max_tokens,
-                                                temperature=temperature, top_p=top_p,
-                                                seed=[g[2] for g in group])  # fmt: skip
+                                                temperature=temperature, top_p=top_p, seed=[g[2] for g in group],
+                                                **extra)  # fmt: skip
                 except Exception as e:  # the engine failed: every request of the batch fails; the executor re-raises
                     self.error = self.error or e
                     out = None
@@ -360,6 +375,7 @@ class _Params:
     stream: bool = False
     usage_chunk: bool = False  # stream_options.include_usage
     logprobs: bool = False
+    top_logprobs: int = 0  # chat: `top_logprobs` (with `logprobs`); completions: the `logprobs` number
     tools: list[dict] | None = None
     tool_choice: str | dict = "auto"
 
@@ -403,15 +419,17 @@ class OpenAIServer:
         self._server = self._thread = self._batcher = None
 
     # -- lifecycle ----------------------------------------------------------------------------------------------
-    def start(self, timeout_s: float = 30.0) -> str:
-        """Serve on 127.0.0.1 at a free port (the socket is bound here, so there is no race for it); returns the
-        root URL once uvicorn accepts connections."""
+    def start(self, timeout_s: float = 30.0, sock: socket.socket | None = None) -> str:
+        """Serve on 127.0.0.1 at a free port (the socket is bound here, so there is no race for it), or on `sock`
+        (bound by the caller: `serve` binds `--host`/`--port` before it loads the model); returns the root URL once
+        uvicorn accepts connections."""
         import uvicorn
 
         self._batcher = _Batcher(self.engines, lambda: len(self.episodes))
-        sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind(("127.0.0.1", 0))
+        if sock is None:
+            sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind(("127.0.0.1", 0))
         config = uvicorn.Config(self.app(), log_level="warning", access_log=False, lifespan="off",
                                 timeout_keep_alive=60)  # fmt: skip
         self._server = uvicorn.Server(config)
@@ -423,7 +441,8 @@ class OpenAIServer:
             if not self._thread.is_alive() or time.monotonic() > deadline:
                 raise RuntimeError(f"the OpenAI-compatible agent server did not start within {timeout_s:.0f} s")
             time.sleep(0.01)
-        self.url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        host, port = sock.getsockname()[:2]
+        self.url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
         return self.url
 
     def close(self) -> None:
@@ -517,6 +536,13 @@ class OpenAIServer:
         top = body.get("top_logprobs")
         if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= 20):
             raise RequestError(400, f"top_logprobs={top!r}: must be an integer from 0 to 20")
+        k = body.get("logprobs")
+        if not chat_request and k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= 20):
+            raise RequestError(400, f"logprobs={k!r}: the number of top log-probs, an integer from 0 to 20")
+        if chat_request:
+            p.top_logprobs = (top or 0) if p.logprobs else 0
+        else:
+            p.top_logprobs = k or 0
         if body.get("functions") or body.get("function_call"):
             raise RequestError(400, "`functions` / `function_call` (OpenAI's legacy API) are not supported: give "
                                     "`tools` and `tool_choice`")  # fmt: skip
@@ -721,15 +747,40 @@ class OpenAIServer:
             tool_calls = [{"id": f"call_{uuid.uuid4().hex[:24]}", "type": "function",
                            "function": {"name": name, "arguments": json.dumps(args, ensure_ascii=False)}}
                           for name, args in parsed]  # fmt: skip
+        top = getattr(sample, "top_logprobs", None)
         return Call(ids, gen, logprobs, reason, parent, prompt_text, text, stop_text, text_tokens, request, choice,
-                    content, tool_calls, error)  # fmt: skip
+                    content, tool_calls, error, None if top is None else top[: len(gen)])  # fmt: skip
 
-    async def generate(self, eid: str, request, chat_request: bool) -> tuple[list[Call], _Params]:
+    @staticmethod
+    def _request_sampling(body) -> tuple[float, float, int | None]:
+        """A plain `/v1/...` request's own `temperature` (default 1, as OpenAI's), `top_p` (default 1) and `seed`,
+        checked: served for evaluation, nothing is trained on, so the request decides how it is sampled."""
+        if not isinstance(body, dict):
+            raise RequestError(400, "the request body must be a JSON object")
+        values = {"temperature": body.get("temperature"), "top_p": body.get("top_p")}
+        for name, v in values.items():
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0):
+                raise RequestError(400, f"{name}={v!r}: must be a non-negative number")
+        seed = body.get("seed")
+        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
+            raise RequestError(400, f"seed={seed!r}: must be an integer")
+        temperature, top_p = values["temperature"], values["top_p"]
+        top_p = 1.0 if top_p is None else float(top_p)
+        if not 0 < top_p <= 1:
+            raise RequestError(400, f"top_p={top_p!r}: must be in (0, 1]")
+        return 1.0 if temperature is None else float(temperature), top_p, seed
+
+    async def generate(self, eid: str, request, chat_request: bool,
+                       request_sampling: bool = False) -> tuple[list[Call], _Params]:  # fmt: skip
         """Read and check the request, build the prompt ids (off the event loop for a large body), generate its
-        choices (batched with concurrent requests) and record them."""
+        choices (batched with concurrent requests) and record them. `request_sampling` (the plain `/v1/...` routes):
+        the request's temperature / top-p / seed replace the episode's and the rollout's."""
         log = self._episode(eid)
+        top_p = self.top_p
         try:
             body, size = await self._body(request)
+            if request_sampling:
+                log.temperature, top_p, log.seed = self._request_sampling(body)
             p = self._params(body, chat_request)
             prompt = self.chat_prompt if chat_request else self.completion_prompt
             if size <= INLINE_BYTES:
@@ -747,7 +798,8 @@ class OpenAIServer:
         first = log.requests
         log.requests += p.n
         seeds = [None if log.seed is None else log.seed + SEED_STRIDE * (first + j) for j in range(p.n)]
-        futures = [self._batcher.submit(ids, min(p.limit, room), log.temperature, self.top_p, s) for s in seeds]
+        futures = [self._batcher.submit(ids, min(p.limit, room), log.temperature, top_p, s, tuple(p.stops),
+                                        p.top_logprobs) for s in seeds]  # fmt: skip
         samples = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
         calls = [self._record(s, ids, parent, text, p, first, j) for j, s in enumerate(samples)]
         with self.lock:
@@ -769,17 +821,32 @@ class OpenAIServer:
             return [self._bytes_of[ch] for ch in piece]
         return list(text.encode("utf-8"))
 
+    def _token_text(self, t: int) -> str:
+        return self.tokenizer.decode([t], skip_special_tokens=False, clean_up_tokenization_spaces=False)
+
     def _chat_logprobs(self, call: Call, a: int, b: int) -> dict:
-        """OpenAI's `choices[i].logprobs` for generated tokens a..b: the sampled token's log-prob and bytes.
-        `top_logprobs` stays empty: the engines return only the sampled token's log-prob."""
+        """OpenAI's `choices[i].logprobs` for generated tokens a..b: the sampled token's log-prob and bytes, and the
+        engine's top k of each position, most likely first (empty unless the request asked for `top_logprobs`)."""
         ids = call.token_ids[a:b]
-        texts = [self.tokenizer.decode([t], skip_special_tokens=False, clean_up_tokenization_spaces=False) for t in ids]
-        return {"content": [{"token": s, "logprob": lp, "bytes": self._token_bytes(t, s), "top_logprobs": []}
-                            for t, s, lp in zip(ids, texts, call.logprobs[a:b])]}  # fmt: skip
+        tops = call.top_logprobs[a:b] if call.top_logprobs is not None else [{}] * len(ids)
+
+        def entry(t: int, lp: float) -> dict:
+            s = self._token_text(t)
+            return {"token": s, "logprob": lp, "bytes": self._token_bytes(t, s)}
+
+        return {"content": [{**entry(t, lp), "top_logprobs": [entry(u, v) for u, v in
+                                                               sorted(top.items(), key=lambda kv: -kv[1])]}
+                            for t, lp, top in zip(ids, call.logprobs[a:b], tops)]}  # fmt: skip
 
     def _completion_logprobs(self, call: Call, a: int, b: int) -> dict:
+        """The legacy completions `logprobs`: tokens, their log-probs, and per token {token: log-prob} of the top k
+        (`logprobs: k` > 0 in the request; None otherwise)."""
+        top = None
+        if call.top_logprobs is not None:
+            top = [{self._token_text(u): v for u, v in sorted(d.items(), key=lambda kv: -kv[1])}
+                   for d in call.top_logprobs[a:b]]  # fmt: skip
         return {"tokens": self.tokenizer.convert_ids_to_tokens(call.token_ids[a:b]),
-                "token_logprobs": call.logprobs[a:b], "top_logprobs": None, "text_offset": None}  # fmt: skip
+                "token_logprobs": call.logprobs[a:b], "top_logprobs": top, "text_offset": None}  # fmt: skip
 
     @staticmethod
     def _usage(calls: list[Call]) -> dict:
@@ -872,7 +939,8 @@ class OpenAIServer:
         yield "data: [DONE]\n\n"
 
     def app(self):
-        """The FastAPI app: the three endpoints under `/episodes/{eid}/v1`, and `/v1/models`."""
+        """The FastAPI app: the three endpoints under `/episodes/{eid}/v1`, and the same under `/v1` (`serve`: each
+        request an episode of its own, recorded nowhere)."""
         from fastapi import FastAPI, Request
         from fastapi.exceptions import RequestValidationError
         from fastapi.responses import JSONResponse, StreamingResponse
@@ -910,4 +978,108 @@ class OpenAIServer:
         async def completions(eid: str, request: Request):
             return await answer(eid, request, chat=False)
 
+        async def plain(request: Request, chat: bool):
+            # `serve`: a request without an episode is an episode of its own, closed (and forgotten) once answered;
+            # it samples as it asks, not as a rollout would
+            eid = self.open_episode(temperature=1.0, seed=None)
+            try:
+                calls, p = await self.generate(eid, request, chat_request=chat, request_sampling=True)
+            finally:
+                self.close_episode(eid)
+            if p.stream:
+                return StreamingResponse(self._stream(calls, p, chat), media_type="text/event-stream")
+            return JSONResponse(self.chat_response(calls, p) if chat else self.completion_response(calls, p))
+
+        @app.post("/v1/chat/completions")
+        async def plain_chat_completions(request: Request):
+            return await plain(request, chat=True)
+
+        @app.post("/v1/completions")
+        async def plain_completions(request: Request):
+            return await plain(request, chat=False)
+
         return app
+
+
+# -- serving a checkpoint ---------------------------------------------------------------------------------------------
+def serve_parser():
+    """The flags of `python -m agents.openai_server` (see `serve`)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m agents.openai_server",
+                                     description="Serve an exported model (an HF folder, e.g. <run>/hf) with the "
+                                                 "OpenAI API the RL agents use, for evaluation: /v1/models, "
+                                                 "/v1/chat/completions, /v1/completions.")  # fmt: skip
+    parser.add_argument("--model", required=True, help="the model folder (config.json, weights, tokenizer), or an "
+                                                       "embedded name such as cleanrlhf/tiny-chat")  # fmt: skip
+    parser.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    parser.add_argument("--port", type=int, default=8000, help="port to listen on")
+    parser.add_argument("--engine", choices=["vllm", "hf"], default="vllm",
+                        help="vllm: vLLM in this process; hf: transformers' generate (slow)")  # fmt: skip
+    parser.add_argument("--max-new-tokens", type=int, default=512, help="tokens per answer at most (a request's "
+                                                                         "max_tokens may ask for fewer)")  # fmt: skip
+    parser.add_argument("--max-context", type=int, help="prompt + answer in tokens at most (default: the model's "
+                                                        "max_position_embeddings)")  # fmt: skip
+    parser.add_argument("--served-name", default=None,
+                        help="the name /v1/models lists and requests give as `model` (the alias `policy` works "
+                             "too); default --model")  # fmt: skip
+    return parser
+
+
+def serve(argv: list[str] | None = None) -> int:
+    """Serve `--model` until SIGINT / SIGTERM, then stop cleanly (exit 0). Each `/v1/...` request is its own
+    throwaway episode: sampled at its own temperature / top_p / seed (OpenAI's defaults: 1, 1, none), recorded
+    nowhere. User mistakes (a `--model` that is no model folder, a port in use) exit 2 with one line naming the flag,
+    before anything is loaded."""
+    import signal
+    import sys
+    from pathlib import Path
+
+    from core import embedded
+
+    parser = serve_parser()
+    args = parser.parse_args(argv)
+    path = embedded.resolve_model(args.model)
+    if not (Path(path).expanduser() / "config.json").is_file():
+        parser.error(f"--model {args.model}: not a model folder ({path} has no config.json); give the folder an "
+                     "export wrote, e.g. <run>/hf")  # fmt: skip
+    for flag, value in (("--max-new-tokens", args.max_new_tokens), ("--max-context", args.max_context)):
+        if value is not None and value < 1:
+            parser.error(f"{flag} {value}: must be a positive integer")
+    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((args.host, args.port))
+    except OSError as e:
+        sock.close()
+        parser.error(f"--host {args.host} --port {args.port}: cannot listen there ({e.strerror or e}); is another "
+                     "server running? Pick another --port")  # fmt: skip
+    from core import models, rollout  # torch and vLLM: imported once the flags are known to be good
+
+    try:
+        tokenizer = models.load_tokenizer(path, "--model")
+        max_context = args.max_context or models.max_positions(path, "--model")
+    except ValueError as e:
+        parser.error(str(e))
+    if max_context is None:
+        parser.error(f"--model {args.model}: its config names no context length: give --max-context")
+    cfg = rollout.VLLMConfig(engine=args.engine, max_model_len=max_context)
+    engines = rollout.create_engines(path, cfg, seed=0)
+    server = OpenAIServer(engines, tokenizer, args.served_name or args.model, args.max_new_tokens, max_context)
+    stop = threading.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, lambda *_: stop.set())
+    url = server.start(sock=sock)
+    print(f"serving {args.model} as {server.model_name!r} at {url}/v1 ({args.engine}; Ctrl-C stops)", flush=True)
+    while not stop.wait(0.5):
+        if server.engine_error is not None:
+            print(f"the engine failed: {server.engine_error!r}", file=sys.stderr, flush=True)
+            break
+    server.close()
+    engines.shutdown()
+    print("stopped", flush=True)
+    return 0 if server.engine_error is None else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(serve())

@@ -246,6 +246,12 @@ class RolloutArgs:
     an engine call of 512 seeded requests here ("CPU Generator does not use offset"; docs/agents.md)."""
     agent_timeout_s: float = 300.0
     """agent: an episode that has not returned after this many seconds is cancelled and counted as failed."""
+    agent_tool_parser: str = "hermes"
+    """agent: how the policy writes tool calls, read from its answers into `message.tool_calls` (a name in
+    agents/openai_server.py `TOOL_PARSERS`; hermes: Hermes / Qwen `<tool_call>{json}</tool_call>` blocks)."""
+    agent_max_request_bytes: int = 8 << 20
+    """agent: the largest request body (bytes) the agent server reads; a larger one is refused with HTTP 413 before it
+    is parsed, so a runaway agent cannot exhaust the trainer's memory. Default 8 MiB, the server's own."""
 
 
 @dataclass
@@ -303,8 +309,8 @@ class EvalArgs:
 # means "off" or "the default"), bools and strings are not numbers here.
 POSITIVE = frozenset({
     # sizes and counts: 0 trains nothing, divides by zero or gives NaN metrics
-    "batch_size", "n_samples", "micro_batch_size", "max_tokens_per_micro_batch", "max_tokens_per_micro",
-    "max_new_tokens", "minibatches",
+    "batch_size", "n_samples", "micro_batch_size", "max_tokens_per_micro", "max_new_tokens", "minibatches",
+    "agent_max_request_bytes",
     "epochs", "max_steps", "halt_after", "max_samples", "max_len", "pack_row_len", "max_turns", "max_total_tokens",
     "k", "ranks", "num_engines", "tensor_parallel_size", "max_model_len", "num_cpus", "lora_alpha",
     "dynamic_filter_max_rounds", "kl_horizon", "ref_pairs_per_forward", "ref_seqs_per_forward", "sleep_level",

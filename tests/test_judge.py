@@ -5,6 +5,7 @@ rambles on cue."""
 from __future__ import annotations
 
 import json
+import re
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -145,3 +146,35 @@ def test_an_answer_without_a_verdict_stops_the_run_naming_the_query(judge, promp
     with pytest.raises(ValueError, match=r"judge .* raised on batch 5: ValueError: judge .*query 0 of the batch holds "
                                          r"no number and no verdict word: 'Hard to say.'"):  # fmt: skip
         score(fn, name, QUERIES, PROMPTS, LABELS, step=5)
+
+
+@pytest.mark.slow
+def test_our_own_server_hosting_a_model_is_a_judge(tmp_path):
+    """The judge path end to end against this project's server (`python -m agents.openai_server --model
+    cleanrlhf/tiny-chat`, a real process), with a realistic prompt file: the model name comes from the server's
+    `/v1/models`, every query is asked at temperature 0, and what the judge reads is exactly the server's greedy
+    answer (the same request through the `openai` client gives the same text). What it does not show: a verdict that
+    parses. The embedded tiny-chat model is untrained on judging and answers this prompt with blank lines (measured,
+    greedy, so deterministic), which must stop the run with the documented error naming the query and the answer."""
+    import openai
+    from test_serve import MODEL, served
+
+    path = tmp_path / "judge.txt"
+    path.write_text("You grade arithmetic.\nQuestion: {prompt}\nReference answer: {label}\nStudent answer: {response}\n"
+                    "Is the student answer correct? Reply with one word: yes or no.")  # fmt: skip
+    with served(MODEL, tmp_path / "serve.log") as (_, url):
+        fn, name = load_reward_func(RewardConfig(judge_url=url, judge_prompt=str(path), judge_concurrency=2))
+        assert name == f"judge {url}" and fn.model == MODEL
+        client = openai.OpenAI(base_url=url, api_key="none")
+        answers = []
+        for q, p, lab in zip(QUERIES, PROMPTS, LABELS):
+            text = path.read_text().format(prompt=p, response=q[len(p):], label=lab)
+            answers.append(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": text}],
+                                                          temperature=0, max_tokens=fn.max_tokens)
+                           .choices[0].message.content)  # fmt: skip
+            assert fn.ask(text) == answers[-1]  # the judge reads the server's greedy answer, unchanged
+        assert all(parse_verdict(a) is None for a in answers), f"tiny-chat now answers with a verdict: {answers}"
+        with pytest.raises(ValueError, match=rf"judge .* raised on batch 2: ValueError: judge {re.escape(url)}: the "
+                                             r"answer for query 0 of the batch holds no number and no verdict word: "
+                                             + re.escape(repr(answers[0][:200]))):  # fmt: skip
+            score(fn, name, QUERIES, PROMPTS, LABELS, step=2)
