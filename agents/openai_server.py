@@ -391,6 +391,14 @@ def _byte_decoder() -> dict[str, int]:
     return {chr(b): b for b in kept} | {chr(256 + i): b for i, b in enumerate(moved)}
 
 
+
+async def _on_the_loop(events):
+    """A streamed answer's events (all built already: the whole answer is generated first) as an async iterator, so
+    Starlette sends them from the event loop; a plain generator would cost a worker-thread hop per chunk."""
+    for event in events:
+        yield event
+
+
 class OpenAIServer:
     """The HTTP server (FastAPI app served by uvicorn in a daemon thread of this process) and its episode records.
 
@@ -967,7 +975,7 @@ class OpenAIServer:
         async def answer(eid: str, request: Request, chat: bool):
             calls, p = await self.generate(eid, request, chat_request=chat)
             if p.stream:  # a sync generator: Starlette iterates it in a worker thread, decoding off the event loop
-                return StreamingResponse(self._stream(calls, p, chat), media_type="text/event-stream")
+                return StreamingResponse(_on_the_loop(self._stream(calls, p, chat)), media_type="text/event-stream")
             return JSONResponse(self.chat_response(calls, p) if chat else self.completion_response(calls, p))
 
         @app.post("/episodes/{eid}/v1/chat/completions")
@@ -987,7 +995,7 @@ class OpenAIServer:
             finally:
                 self.close_episode(eid)
             if p.stream:
-                return StreamingResponse(self._stream(calls, p, chat), media_type="text/event-stream")
+                return StreamingResponse(_on_the_loop(self._stream(calls, p, chat)), media_type="text/event-stream")
             return JSONResponse(self.chat_response(calls, p) if chat else self.completion_response(calls, p))
 
         @app.post("/v1/chat/completions")

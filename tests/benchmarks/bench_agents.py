@@ -4,6 +4,7 @@ cost per call against the engine called directly, on one in-process vLLM engine,
     .venv/bin/python tests/benchmarks/bench_agents.py                                  # N = 1 4 16 64, 5 repeats
     .venv/bin/python tests/benchmarks/bench_agents.py --episodes 8 --concurrency 1 4 --repeats 1   # a smoke run
     .venv/bin/python tests/benchmarks/bench_agents.py --model M --dtype bfloat16 --max-new-tokens 32 ...   # a larger model
+    .venv/bin/python tests/benchmarks/bench_agents.py --parts tools --episodes 128 --concurrency 1 16 --repeats 3  # (d) alone
 
 The model is the embedded warm start `cleanrlhf/tiny-sft` (built on first use), fp32, in an in-process engine
 (`core.rollout.create_engines`, as the tests make it); the prompts are the first `--episodes` training sums of the
@@ -39,6 +40,19 @@ the agents reach through the official `openai` client from the trainer's process
 
     floor(B) = t_client(B) / t_direct(B)        (overhead(B) >= floor(B) for every server)
 
+(d) Tools and streaming (`--parts tools`; `--parts abc` runs (a)-(c) alone). The example agent
+`agents/examples/calculator_tools_agent.py`: chat completions with a calculator in `tools` and `stream=True` through
+the `openai` client, a second streamed turn after a tool call, on `cleanrlhf/tiny-chat` (the embedded chat model, its
+Qwen-style template; a random ~0.1 M model in its own in-process engine, fp32), the same rows as the user message.
+tiny-chat's template ignores `tools`, so the server writes them in the Hermes layout into a system turn: the first
+prompt is ~490 tokens where the bare question is ~26. The random model practically never writes a well-formed
+`<tool_call>`, so nearly every episode is one streamed call (the JSON line counts the calls and tool calls): what this
+times is the server's path with tools rendered and the answer sent as server-sent events, not a tool loop. As (a):
+episodes/s at each N by wall time and by CPU seconds, and the speed-up at N over the first N by both (every N
+generates the same episodes: checked). Beside it, to tell apart what costs what, one chat call per episode with
+neither feature (`plain`), `stream` alone and `tools` alone through the same executor, and `engines.generate` direct
+on the agent's first prompts (tools rendered) in calls of N prompts.
+
 Timing: one warm-up of every side, then `--repeats` rounds, each round timing every side once in turn (so load from
 other jobs spreads over all of them); each number is the median of its repeats (the best is in the JSON line). Prints
 a summary and one JSON line.
@@ -49,6 +63,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import runpy
 import statistics
 import tempfile
 import time
@@ -56,6 +71,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLE = ROOT / "agents" / "examples" / "retry_agent.py"
+TOOLS_AGENT = ROOT / "agents" / "examples" / "calculator_tools_agent.py"
 ONE_CALL_AGENT = '''"""One completions call per episode: the server's cost per call, nothing else."""
 
 
@@ -63,7 +79,20 @@ async def agent(client, example):
     out = await client.completions.create(model="policy", prompt=example["prompt"])
     return float(bool(out.choices[0].text))
 '''
+ONE_CHAT_AGENT = '''"""One chat call per episode, tools TOOLS, stream STREAM: (d)'s agent with one of its features off."""
+import json
 
+CALCULATOR = json.loads(CALCULATOR_JSON)
+
+
+async def agent(client, example):
+    extra = {"tools": [CALCULATOR]} if TOOLS else {}
+    out = await client.chat.completions.create(model="policy", messages=[{"role": "user", "content": example["prompt"]}],
+                                               stream=STREAM, **extra)
+    if STREAM:
+        return float(bool("".join([c.choices[0].delta.content or "" async for c in out if c.choices])))
+    return float(bool(out.choices[0].message.content))
+'''
 
 CANNED_SERVER = r'''
 import asyncio, json, sys
@@ -133,19 +162,8 @@ def timed(fn) -> tuple[float, float, object]:
     return time.perf_counter() - t0, time.process_time() - c0, out
 
 
-def main(argv: list[str] | None = None) -> dict:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--episodes", type=int, default=128, help="episodes per timed run (one per prompt)")
-    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64], help="N (a) and B (b)")
-    ap.add_argument("--repeats", type=int, default=5)
-    ap.add_argument("--max-new-tokens", type=int, default=8)
-    ap.add_argument("--seed", type=int, default=1)
-    ap.add_argument("--threads", type=int, default=1, help="torch threads (the 2-core box is shared)")
-    ap.add_argument("--model", default=None, help="an HF folder with the embedded tokenizer instead of the warm start")
-    ap.add_argument("--dtype", default="float32", help="the engine's dtype (bfloat16 for a large --model)")
-    opts = ap.parse_args(argv)
-    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-
+def server_parts(opts) -> dict:
+    """(a), (b) and (c) on the embedded warm start: their numbers, the summary printed."""
     import subprocess
     import sys
 
@@ -264,6 +282,146 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"    batch {b:>3}: {r['client_ms_per_call']:6.2f} ms/call wall, {r['client_cpu_ms_per_call']:6.2f} ms CPU "
               f"= floor {100 * r['floor']:+6.1f} % of direct (CPU time {100 * r['floor_cpu']:+.1f} %): no server "
               f"reached through the openai client from this process costs less")  # fmt: skip
+    return result
+
+
+def tools_part(opts) -> dict:
+    """(d) on `cleanrlhf/tiny-chat`: episodes/s of the tools-and-streaming agent at each N, the plain chat call and
+    the engine direct beside it; the summary printed."""
+    import torch
+
+    from agents.openai_agent import OpenAIAgentExecutor
+    from core import embedded, models, rollout
+
+    torch.set_num_threads(opts.threads)
+    path = str(embedded.ensure_tiny_chat())
+    tokenizer = models.load_tokenizer(path)
+    train, _ = embedded.task_rows(2)
+    rows = [{"prompt": r["prompt"], "prompt_ids": tokenizer(r["prompt"])["input_ids"], "label": r["answer"],
+             "datasource": r["datasource"]} for r in train[: opts.episodes]]  # fmt: skip
+    t0 = time.perf_counter()
+    cfg = rollout.VLLMConfig(in_process=True, dtype=opts.dtype, kv_cache_gib=0.5, timeout_s=300)
+    engines = rollout.create_engines(path, cfg, seed=0)
+    start_s = time.perf_counter() - t0
+    T, E, S = opts.max_new_tokens, len(rows), opts.seed
+    max_context = models.max_positions(path, "model")
+    folder = Path(tempfile.mkdtemp(prefix="bench_agents_"))
+    calculator = json.dumps(runpy.run_path(str(TOOLS_AGENT))["CALCULATOR"])  # the same tool schema as the agent's
+    executors = {"tools": OpenAIAgentExecutor(engines, tokenizer, str(TOOLS_AGENT), "cleanrlhf/tiny-chat", T,
+                                              max_context)}  # fmt: skip
+    for kind, use_tools, stream in (("plain", False, False), ("stream", False, True), ("tools_only", True, False)):
+        file = folder / f"{kind}_chat_agent.py"
+        file.write_text(ONE_CHAT_AGENT.replace("TOOLS", str(use_tools)).replace("STREAM", str(stream))
+                        .replace("CALCULATOR_JSON", repr(calculator)))  # fmt: skip
+        executors[kind] = OpenAIAgentExecutor(engines, tokenizer, str(file), "cleanrlhf/tiny-chat", T, max_context)
+
+    def run_agents(executor, n: int):
+        executor.concurrency = n
+        return executor.run(rows, n=1, seed=S, step=0)
+
+    first_prompts: list[list[int]] = []  # the first call's prompt ids (tools rendered), from the warm-up
+
+    def direct(b: int):
+        out = []
+        for k in range(0, E, b):
+            out += engines.generate(first_prompts[k : k + b], n=1, max_new_tokens=T, temperature=1.0, seed=S + k)
+        return out
+
+    sides = {}
+    for n in opts.concurrency:
+        for kind, executor in executors.items():
+            sides[f"{kind}@{n}"] = lambda n=n, executor=executor: run_agents(executor, n)
+        sides[f"direct@{n}"] = lambda n=n: direct(n)
+    times: dict[str, list[tuple[float, float]]] = {k: [] for k in sides}
+    outputs = {}
+    try:
+        for k, fn in sides.items():  # warm-up, and the outputs the checks below compare
+            outputs[k] = fn()
+            if k.startswith("tools@") and not first_prompts:
+                first_prompts += [e.prompt_ids for e in outputs[k].episodes]
+        for _ in range(opts.repeats):
+            for k, fn in sides.items():
+                wall, cpu, _ = timed(fn)
+                times[k].append((wall, cpu))
+    finally:
+        for executor in executors.values():
+            executor.close()
+        engines.shutdown()
+
+    # the same episodes at every N; the tools were in the prompt (the Hermes layout: tiny-chat's template ignores them)
+    n0 = opts.concurrency[0]
+    first = outputs[f"tools@{n0}"]
+    assert "<tools>" in tokenizer.decode(first.episodes[0].prompt_ids), "the tools were not rendered into the prompt"
+    for n in opts.concurrency:
+        for kind in executors:
+            ro = outputs[f"{kind}@{n}"]
+            assert ro.logs["rollout/agent_errors"] == 0, (kind, n, ro.logs)
+            ref = outputs[f"{kind}@{n0}"]
+            same = [e.token_ids for e in ro.episodes] == [e.token_ids for e in ref.episodes]
+            assert same, f"{kind} N={n}: other episodes"
+
+    med = {k: statistics.median(w for w, _ in v) for k, v in times.items()}
+    best = {k: min(w for w, _ in v) for k, v in times.items()}
+    cpu = {k: statistics.median(c for _, c in v) for k, v in times.items()}
+    calls = round(first.logs["rollout/agent_calls_mean"] * E)
+    prompt_tokens = statistics.mean(len(p) for p in first_prompts)
+    plain_prompt_tokens = statistics.mean(len(e.prompt_ids) for e in outputs[f"plain@{n0}"].episodes)
+    throughput = {
+        n: {"episodes_per_s": E / med[f"tools@{n}"], "episodes_per_cpu_s": E / cpu[f"tools@{n}"],
+            "speedup": med[f"tools@{n0}"] / med[f"tools@{n}"], "speedup_best": best[f"tools@{n0}"] / best[f"tools@{n}"],
+            "speedup_cpu": cpu[f"tools@{n0}"] / cpu[f"tools@{n}"],
+            "ms_per_call": 1000 * med[f"tools@{n}"] / calls, "cpu_ms_per_call": 1000 * cpu[f"tools@{n}"] / calls,
+            **{f"{kind}_{key}": value for kind in ("plain", "stream", "tools_only") for key, value in (
+                ("episodes_per_s", E / med[f"{kind}@{n}"]), ("ms_per_call", 1000 * med[f"{kind}@{n}"] / E),
+                ("cpu_ms_per_call", 1000 * cpu[f"{kind}@{n}"] / E),
+                ("speedup", med[f"{kind}@{n0}"] / med[f"{kind}@{n}"]),
+                ("speedup_cpu", cpu[f"{kind}@{n0}"] / cpu[f"{kind}@{n}"]))},
+            "direct_ms_per_call": 1000 * med[f"direct@{n}"] / E, "direct_cpu_ms_per_call": 1000 * cpu[f"direct@{n}"] / E}
+        for n in opts.concurrency
+    }  # fmt: skip
+    result = {
+        "episodes": E, "calls": calls, "tool_calls_mean": first.logs["rollout/agent_tool_calls_mean"],
+        "tool_parse_errors_mean": first.logs["rollout/tool_parse_errors_mean"], "prompt_tokens_mean": prompt_tokens,
+        "plain_prompt_tokens_mean": plain_prompt_tokens, "engine_start_s": round(start_s, 1), "throughput": throughput,
+        "wall_s": {k: [round(w, 4) for w, _ in v] for k, v in times.items()},
+        "cpu_s": {k: [round(c, 4) for _, c in v] for k, v in times.items()},
+    }  # fmt: skip
+    print(f"(d) cleanrlhf/tiny-chat, in-process vLLM engine ({opts.dtype}, started in {start_s:.1f} s): the tools agent "
+          f"(calculator_tools_agent.py: `tools` + stream=True, {calls} calls = {calls / E:.2f} per episode, "
+          f"{result['tool_calls_mean']:.3f} tool calls per episode, prompts of {prompt_tokens:.0f} tokens with the tools "
+          f"rendered, {plain_prompt_tokens:.0f} without):")  # fmt: skip
+    for n, r in throughput.items():
+        print(f"    concurrency {n:>3}: {r['episodes_per_s']:7.1f} episodes/s ({r['episodes_per_cpu_s']:.1f} per CPU s), "
+              f"{r['ms_per_call']:6.2f} ms/call ({r['cpu_ms_per_call']:.2f} CPU), {r['speedup']:5.2f}x the sequential "
+              f"executor (best-of {r['speedup_best']:.2f}x, CPU time {r['speedup_cpu']:.2f}x)")  # fmt: skip
+    print("    one chat call per episode, ms/call wall / CPU (speed-up at N over N = 1, wall / CPU):")
+    for n, r in throughput.items():
+        cells = [f"{name} {r[f'{kind}_ms_per_call']:.2f} / {r[f'{kind}_cpu_ms_per_call']:.2f} "
+                 f"({r[f'{kind}_speedup']:.2f}x / {r[f'{kind}_speedup_cpu']:.2f}x)"
+                 for kind, name in (("plain", "plain"), ("stream", "stream"), ("tools_only", "tools"))]  # fmt: skip
+        print(f"    concurrency {n:>3}: {', '.join(cells)}; both (the agent) {r['ms_per_call']:.2f} / "
+              f"{r['cpu_ms_per_call']:.2f}; engine direct on the tools prompts {r['direct_ms_per_call']:.2f} / "
+              f"{r['direct_cpu_ms_per_call']:.2f}")  # fmt: skip
+    return result
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--episodes", type=int, default=128, help="episodes per timed run (one per prompt)")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16, 64], help="N (a) and B (b)")
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--max-new-tokens", type=int, default=8)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads (the 2-core box is shared)")
+    ap.add_argument("--model", default=None, help="an HF folder with the embedded tokenizer instead of the warm start")
+    ap.add_argument("--dtype", default="float32", help="the engine's dtype (bfloat16 for a large --model)")
+    ap.add_argument("--parts", nargs="+", choices=["abc", "tools"], default=["abc", "tools"],
+                    help="abc: (a)-(c) on the warm start; tools: (d) on tiny-chat")  # fmt: skip
+    opts = ap.parse_args(argv)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    result = server_parts(opts) if "abc" in opts.parts else {}
+    if "tools" in opts.parts:
+        result["tools"] = tools_part(opts)
     print(json.dumps({"bench": "agents", **result}))
     return result
 
