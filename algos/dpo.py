@@ -46,7 +46,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 import tyro
 
-from core import checkpoint, data, models, packing, sequence_parallel
+from core import checkpoint, data, models, packing, samples, sequence_parallel
 from core import engine as ds_engine
 from core.config import CkptConfig, DataConfig, DSConfig, LoggerConfig, ModelConfig, check_args
 from core.logger import RunLogger, lock_run_dir, run_name, timer
@@ -70,7 +70,7 @@ class TrainArgs:
     real models)."""
     batch_size: int = 128
     """global batch: preference pairs per optimizer step, summed over ranks."""
-    max_tokens_per_micro_batch: int = 4096
+    max_tokens_per_micro: int = 4096
     """packing budget: chosen + rejected tokens per forward/backward on one rank (gradient accumulation covers the rest)."""
     max_steps: int = 80
     """optimizer steps (80 x 128 pairs is about one epoch of the embedded train split)."""
@@ -102,7 +102,7 @@ class TrainArgs:
 @dataclass
 class EvalArgs:
     every: int = 20
-    """evaluate every N steps (and at the start and the end); 0 disables."""
+    """evaluate every N steps (and at the start and the end); 0 disables every eval, the start and end included."""
     max_samples: int = 500
     """held-out pairs used."""
 
@@ -214,11 +214,15 @@ def reference_logps(engine, ref_model, pairs: list[dict], device,
     return c, r
 
 
-def evaluate(model, pairs: list[dict], ref: torch.Tensor, args: Args, rank: int, world: int, device) -> dict:
-    """Held-out DPO loss and implicit-reward ranking. Ties (h = 0, e.g. before training) count as half right."""
+def evaluate(model, pairs: list[dict], ref: torch.Tensor, args: Args, rank: int, world: int, device, logger=None,
+             tokenizer=None, step: int = 0) -> dict:  # fmt: skip
+    """Held-out DPO loss and implicit-reward ranking. Ties (h = 0, e.g. before training) count as half right. With
+    `logger`: the first `--logger.samples` pairs and their implicit-reward margins go to samples.jsonl at `step`."""
     logps = all_pair_logps(model, pairs, args.train.ref_pairs_per_forward, rank, world, device, args.train.share_prompt)
     t = args.train
     loss, rc, rr = dpo_loss(logps[:, 0], logps[:, 1], ref[:, 0], ref[:, 1], t.beta, t.label_smoothing, t.ipo)
+    if logger is not None:
+        logger.log_samples(samples.pair_rows(tokenizer, pairs, rc, rr, step, args.logger.samples), step)
     return {
         "eval/loss": loss.item(),
         "eval/pref_accuracy": ((rc > rr).float() + 0.5 * (rc == rr).float()).mean().item(),
@@ -302,7 +306,10 @@ def main(args: Args) -> dict:
                 train_ref = torch.full((len(train_set), 2), float("nan"))  # NaN: a pair no batch uses
                 train_ref[used] = all_pair_logps(engine.module, [train_set[i] for i in used], chunk, rank, world,
                                                  device, args.train.share_prompt).cpu()  # fmt: skip
-    first_eval = client.get("first_eval") or evaluate(engine.module, eval_set, eval_ref, args, rank, world, device)
+    first_eval = {}  # --eval.every 0: no eval at all, the first one included
+    if args.eval.every:
+        first_eval = client.get("first_eval") or evaluate(engine.module, eval_set, eval_ref, args, rank, world, device,
+                                                          logger, tokenizer, 0)  # fmt: skip
     if start_step == 0:  # a resumed run logged it when it started
         logger.log({**first_eval, **perf}, 0)
     tokens_seen, t_train, step = 0, 0.0, start_step - 1
@@ -311,7 +318,7 @@ def main(args: Args) -> dict:
         # 3. batch: the global batch is a pure function of (seed, step); each SP group (each rank, without sequence
         # parallelism) takes every dp_world-th pair; sums over ranks count a pair once per rank of its group: / sp
         idx = data.batch_indices(len(train_set), args.train.batch_size, step, args.train.seed)[dp_rank::dp_world]
-        groups = micro_batches(idx, train_set, args.train.max_tokens_per_micro_batch)
+        groups = micro_batches(idx, train_set, args.train.max_tokens_per_micro)
         n_micro = int(ds_engine.all_reduce(len(groups), op="max"))  # ranks must run the same number of passes
         num_chosen = ds_engine.all_reduce(sum(sum(train_set[i]["chosen"]["loss_mask"]) for i in idx)) / sp
 
@@ -363,7 +370,8 @@ def main(args: Args) -> dict:
         last = step == args.train.max_steps - 1
         if args.eval.every and ((step + 1) % args.eval.every == 0 or last):
             with timer(metrics, "perf/eval_s"):
-                metrics.update(evaluate(engine.module, eval_set, eval_ref, args, rank, world, device))
+                metrics.update(evaluate(engine.module, eval_set, eval_ref, args, rank, world, device, logger, tokenizer,
+                                        step + 1))  # fmt: skip
         logger.log(metrics, step + 1, shown=("loss/dpo", "train/reward_accuracy", "eval/pref_accuracy"))
         halted = args.train.halt_after is not None and step + 1 - start_step >= args.train.halt_after and not last
         if halted or (args.ckpt.every and ((step + 1) % args.ckpt.every == 0 or last)):
@@ -380,11 +388,11 @@ def main(args: Args) -> dict:
     summary = {
         "steps": step + 1,
         "train_loss_last": logger.latest("loss/dpo"),
-        "eval_pref_accuracy_first": first_eval["eval/pref_accuracy"],
-        "eval_pref_accuracy_last": logger.latest("eval/pref_accuracy"),
-        "eval_logp_accuracy_first": first_eval["eval/logp_accuracy"],
-        "eval_logp_accuracy_last": logger.latest("eval/logp_accuracy"),
-        "eval_margin_last": logger.latest("eval/margin"),
+        "eval_pref_accuracy_first": first_eval.get("eval/pref_accuracy"),  # None: --eval.every 0
+        "eval_pref_accuracy_last": logger.latest("eval/pref_accuracy", None),
+        "eval_logp_accuracy_first": first_eval.get("eval/logp_accuracy"),
+        "eval_logp_accuracy_last": logger.latest("eval/logp_accuracy", None),
+        "eval_margin_last": logger.latest("eval/margin", None),
         "ref_s": perf["perf/ref_s"],
         "step_s": logger.latest("perf/step_s"),
         "tokens_per_s": logger.latest("perf/tokens_per_s"),

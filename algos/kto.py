@@ -66,7 +66,7 @@ class TrainArgs:
     fine-tuning of real models)."""
     batch_size: int = 128
     """global batch: examples per optimizer step, summed over ranks (the paper needs > 1 for the KL estimate)."""
-    max_tokens_per_micro_batch: int = 4096
+    max_tokens_per_micro: int = 4096
     """packing budget: tokens (examples and their mismatched pairs) per forward/backward on one rank (gradient accumulation covers the rest)."""
     max_steps: int = 80
     """optimizer steps (80 x 128 examples is about one epoch of the embedded train split)."""
@@ -90,7 +90,7 @@ class TrainArgs:
 @dataclass
 class EvalArgs:
     every: int = 20
-    """evaluate every N steps (and at the start and the end); 0 disables."""
+    """evaluate every N steps (and at the start and the end); 0 disables every eval, the start and end included."""
     max_samples: int = 1000
     """held-out examples used (the embedded test split holds both completions of each of 500 prompts)."""
 
@@ -273,7 +273,9 @@ def main(args: Args) -> dict:
             seqs = [train_set[i] for i in used] + [mismatched(train_set[i], train_set[partner[i]]) for i in used]
             train_ref = torch.full((len(train_set), 2), float("nan"))  # [completion, mismatched]; NaN: never used
             train_ref[used] = all_seq_logps(engine.module, seqs, chunk, rank, world, device).view(2, -1).T
-    first_eval = client.get("first_eval") or evaluate(engine.module, eval_set, eval_ref, args, rank, world, device)
+    first_eval = {}  # --eval.every 0: no eval at all, the first one included
+    if args.eval.every:
+        first_eval = client.get("first_eval") or evaluate(engine.module, eval_set, eval_ref, args, rank, world, device)
     if start_step == 0:  # a resumed run logged it when it started
         logger.log({**first_eval, **perf}, 0)
     tokens_seen, t_train, step = 0.0, 0.0, start_step - 1
@@ -281,7 +283,7 @@ def main(args: Args) -> dict:
     for step in range(start_step, args.train.max_steps):
         # 3. batch: the global batch is a pure function of (seed, step); each rank takes every world-th example
         idx = data.batch_indices(len(train_set), args.train.batch_size, step, args.train.seed)[rank::world]
-        groups = micro_batches(idx, train_set, args.train.max_tokens_per_micro_batch)
+        groups = micro_batches(idx, train_set, args.train.max_tokens_per_micro)
         n_micro = int(ds_engine.all_reduce(len(groups), op="max"))  # ranks must run the same number of passes
         t0 = time.perf_counter()
 
@@ -351,10 +353,10 @@ def main(args: Args) -> dict:
     summary = {
         "steps": step + 1,
         "train_loss_last": logger.latest("loss/kto"),
-        "eval_logp_gap_first": first_eval["eval/logp_gap"],
-        "eval_logp_gap_last": logger.latest("eval/logp_gap"),
-        "eval_pref_accuracy_first": first_eval.get("eval/pref_accuracy", float("nan")),
-        "eval_pref_accuracy_last": logger.latest("eval/pref_accuracy"),
+        "eval_logp_gap_first": first_eval.get("eval/logp_gap"),  # None: --eval.every 0
+        "eval_logp_gap_last": logger.latest("eval/logp_gap", None),
+        "eval_pref_accuracy_first": first_eval.get("eval/pref_accuracy"),  # also None: no prompt with both kinds
+        "eval_pref_accuracy_last": logger.latest("eval/pref_accuracy", None),
         "ref_s": perf["perf/ref_s"],
         "step_s": logger.latest("perf/step_s"),
         "tokens_per_s": logger.latest("perf/tokens_per_s"),

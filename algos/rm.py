@@ -42,7 +42,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 import tyro
 
-from core import checkpoint, data, models, packing
+from core import checkpoint, data, models, packing, samples
 from core import engine as ds_engine
 from core.config import CkptConfig, DataConfig, DSConfig, LoggerConfig, ModelConfig, check_args
 from core.logger import RunLogger, lock_run_dir, run_name, timer
@@ -56,7 +56,7 @@ class TrainArgs:
     """peak learning rate (3e-4 suits the ~1 M embedded model, 6e-4 is unstable; use ~9e-6 for real models)."""
     batch_size: int = 128
     """global batch: preference pairs per optimizer step, summed over ranks."""
-    max_tokens_per_micro_batch: int = 4096
+    max_tokens_per_micro: int = 4096
     """packing budget: chosen + rejected tokens per forward/backward on one rank."""
     max_steps: int = 150
     """optimizer steps."""
@@ -81,7 +81,8 @@ class TrainArgs:
 @dataclass
 class EvalArgs:
     every: int = 50
-    """evaluate every N steps (and at the start and the end); 0 disables."""
+    """evaluate every N steps (and at the start and the end); 0 disables every eval, the start and end included (the
+    held-out reward statistics the export saves for `--normalize` are still measured once after training)."""
     max_samples: int = 500
     """held-out pairs used (also the sample for the saved reward mean / std)."""
     batch_size: int = 128
@@ -175,16 +176,18 @@ def padded_scores(model, seqs: list[list[int]], pad_id: int, device) -> torch.Te
 
 
 @torch.no_grad()
-def evaluate(model, pairs: list[dict], args: Args, pad_id: int, rank: int, world: int, device) -> dict:
+def evaluate(model, pairs: list[dict], args: Args, pad_id: int, rank: int, world: int, device, logger=None,
+             tokenizer=None, step: int = 0) -> dict:  # fmt: skip
     """Held-out pair accuracy, loss, margin and the reward mean / std (chosen and rejected together). Each rank
-    scores an equal-sized slice (padded with repeats: ZeRO-3's collective forwards stay in step), summed over ranks."""
+    scores an equal-sized slice (padded with repeats: ZeRO-3's collective forwards stay in step), summed over ranks.
+    With `logger`: the first `--logger.samples` pairs and their scores go to samples.jsonl at `step`."""
     model.eval()
     n = len(pairs)
     per_rank = -(-n // world)
     scores = torch.zeros(n, 2, device=device, dtype=torch.float64)
-    step = max(1, args.eval.batch_size // 2)
-    for start in range(0, per_rank, step):
-        idx = [rank * per_rank + i for i in range(start, min(start + step, per_rank))]
+    chunk = max(1, args.eval.batch_size // 2)
+    for start in range(0, per_rank, chunk):
+        idx = [rank * per_rank + i for i in range(start, min(start + chunk, per_rank))]
         seqs = [pairs[i % n]["chosen"] for i in idx] + [pairs[i % n]["rejected"] for i in idx]
         r = padded_scores(model, seqs, pad_id, device).double()
         keep = torch.tensor([i < n for i in idx], device=device)
@@ -194,6 +197,8 @@ def evaluate(model, pairs: list[dict], args: Args, pad_id: int, rank: int, world
         dist.all_reduce(scores)
     model.train()
     rc, rr = scores[:, 0], scores[:, 1]
+    if logger is not None:
+        logger.log_samples(samples.pair_rows(tokenizer, pairs, rc, rr, step, args.logger.samples), step)
     margin = torch.tensor([p["margin"] for p in pairs], device=device, dtype=torch.float64)
     return {
         "eval/loss": reward_loss(rc, rr, margin if args.margin_key else None, args.train.loss).item(),
@@ -253,15 +258,18 @@ def main(args: Args) -> dict:
     logger = RunLogger(args.logger, run_dir, args, args.train.max_steps, enabled=rank == 0, resume_step=start_step)
     logger.print(f"[rm] {len(train_set)} train / {len(eval_set)} eval pairs, world size {world}, "
                  f"ZeRO-{engine.zero_optimization_stage()}, run dir {run_dir}")  # fmt: skip
-    first_eval = client.get("first_eval") or evaluate(model, eval_set, args, pad_id, rank, world, device)
-    if start_step == 0:  # a resumed run logged it when it started
-        logger.log(first_eval, 0)
+    first_eval = {}  # --eval.every 0: no eval at all, the first one included
+    if args.eval.every:
+        first_eval = client.get("first_eval") or evaluate(model, eval_set, args, pad_id, rank, world, device, logger,
+                                                          tokenizer, 0)  # fmt: skip
+        if start_step == 0:  # a resumed run logged it when it started
+            logger.log(first_eval, 0)
     tokens_seen, t_train, step = 0.0, 0.0, start_step - 1
 
     for step in range(start_step, args.train.max_steps):
         # 2. batch: the global batch is a pure function of (seed, step); each rank takes every world-th pair
         idx = data.batch_indices(len(train_set), args.train.batch_size, step, args.train.seed)[rank::world]
-        groups = micro_batches(idx, train_set, args.train.max_tokens_per_micro_batch)
+        groups = micro_batches(idx, train_set, args.train.max_tokens_per_micro)
         n_micro = int(ds_engine.all_reduce(len(groups), op="max"))  # ranks must run the same number of passes
 
         # 3. forward (chosen + rejected packed) / backward over micro-batches, one optimizer step
@@ -302,7 +310,7 @@ def main(args: Args) -> dict:
         last = step == args.train.max_steps - 1
         if args.eval.every and ((step + 1) % args.eval.every == 0 or last):
             with timer(metrics, "perf/eval_s"):
-                metrics.update(evaluate(model, eval_set, args, pad_id, rank, world, device))
+                metrics.update(evaluate(model, eval_set, args, pad_id, rank, world, device, logger, tokenizer, step + 1))
         logger.log(metrics, step + 1, shown=("loss/rm", "train/accuracy", "eval/accuracy"))
         halted = args.train.halt_after is not None and step + 1 - start_step >= args.train.halt_after and not last
         if halted or (args.ckpt.every and ((step + 1) % args.ckpt.every == 0 or last)):
@@ -324,9 +332,9 @@ def main(args: Args) -> dict:
     summary = {
         "steps": step + 1,
         "train_loss_last": logger.latest("loss/rm"),
-        "eval_accuracy_first": first_eval["eval/accuracy"],
-        "eval_accuracy_last": final["eval/accuracy"],
-        "eval_margin_last": final["eval/margin"],
+        "eval_accuracy_first": first_eval.get("eval/accuracy"),  # None: --eval.every 0
+        "eval_accuracy_last": final["eval/accuracy"] if args.eval.every else None,
+        "eval_margin_last": final["eval/margin"] if args.eval.every else None,
         "reward_mean": final["eval/reward_mean"],
         "reward_std": final["eval/reward_std"],
         "step_s": logger.latest("perf/step_s"),

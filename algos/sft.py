@@ -10,7 +10,7 @@ where m_t = 1 on the tokens we learn from: the response (+ eos) by default, ever
 global batch (all micro-batches, all ranks), so packing and data parallelism do not change the loss.
 
 Deviations from the paper:
-1. Samples are packed padding-free into micro-batches of at most `--train.max-tokens-per-micro-batch` tokens
+1. Samples are packed padding-free into micro-batches of at most `--train.max-tokens-per-micro` tokens
    (transformers' position-id packing); the loss is identical to the padded one (tests/test_packing.py).
 2. Optional early stop when greedy exact-match accuracy on the eval set reaches `--eval.stop-at-accuracy`:
    used to build the RL warm start `cleanrlhf/tiny-sft` at partial accuracy.
@@ -61,7 +61,7 @@ class TrainArgs:
     """peak learning rate (3e-3 suits the ~1 M embedded model; use ~1e-5 for real models)."""
     batch_size: int = 64
     """global batch: samples per optimizer step, summed over ranks."""
-    max_tokens_per_micro_batch: int = 4096
+    max_tokens_per_micro: int = 4096
     """packing budget: tokens per forward/backward on one rank (gradient accumulation covers the rest)."""
     packing: bool = True
     """pack samples padding-free; `--train.no-packing` uses right-padded micro-batches of `micro-batch-size`."""
@@ -101,7 +101,7 @@ class TrainArgs:
 @dataclass
 class EvalArgs:
     every: int = 50
-    """evaluate every N steps (and at the start and the end); 0 disables."""
+    """evaluate every N steps (and at the start and the end); 0 disables every eval, the start and end included."""
     max_samples: int = 500
     """eval examples used."""
     generate: bool = True
@@ -155,7 +155,7 @@ def micro_batches(examples: list[dict], args: Args, pad_id: int, device) -> list
         row_len = args.train.pack_row_len
         if row_len is None and not args.model.attn_implementation.startswith("flash"):
             row_len = 2 * max(len(ex["input_ids"]) for ex in examples)
-        groups = packing.pack(examples, args.train.max_tokens_per_micro_batch)
+        groups = packing.pack(examples, args.train.max_tokens_per_micro)
         return [packing.collate_packed(g, device, row_len) for g in groups]
     return [packing.collate_padded(examples[i : i + step], pad_id, device) for i in range(0, len(examples), step)]
 
@@ -248,9 +248,11 @@ def main(args: Args) -> dict:
     logger = RunLogger(args.logger, run_dir, args, args.train.max_steps, enabled=rank == 0, resume_step=start_step)
     logger.print(f"[sft] {len(train_set)} train / {len(eval_set)} eval examples, world size {world}, "
                  f"ZeRO-{engine.zero_optimization_stage()}, run dir {run_dir}")  # fmt: skip
-    first_eval = client.get("first_eval") or evaluate(engine, tokenizer, eval_set, args, rank, world, device)
-    if start_step == 0:  # a resumed run logged it when it started
-        logger.log(first_eval, 0)
+    first_eval = {}  # --eval.every 0: no eval at all, the first one included
+    if args.eval.every:
+        first_eval = client.get("first_eval") or evaluate(engine, tokenizer, eval_set, args, rank, world, device)
+        if start_step == 0:  # a resumed run logged it when it started
+            logger.log(first_eval, 0)
     perf: dict = {}
     tokens_seen, t_train, step = 0, 0.0, start_step - 1
 
@@ -323,10 +325,11 @@ def main(args: Args) -> dict:
     summary = {
         "steps": step + 1,
         "train_loss_last": logger.latest("loss/sft"),
-        "eval_loss_first": first_eval["eval/loss"],
-        "eval_loss_last": logger.latest("eval/loss"),
+        "eval_loss_first": first_eval.get("eval/loss"),  # None: --eval.every 0
+        "eval_loss_last": logger.latest("eval/loss", None),
         **(
-            {"eval_accuracy_first": first_eval["eval/accuracy"], "eval_accuracy_last": logger.latest("eval/accuracy")}
+            {"eval_accuracy_first": first_eval.get("eval/accuracy"),
+             "eval_accuracy_last": logger.latest("eval/accuracy", None)}
             if args.eval.generate
             else {}
         ),  # fmt: skip

@@ -45,6 +45,10 @@ where and how a run is logged, checkpointed, halted or placed, and how long it w
 other flag (model, data, optimizer, algorithm, batch sizes, ZeRO stage, vLLM sampling and memory mode, ...) alters the
 run."""
 
+RENAMED_FLAGS = {"train.max_tokens_per_micro_batch": "train.max_tokens_per_micro"}
+"""Flags (dotted config keys) renamed since runs were saved under the old name -> the new name: a saved run's
+config.json is read with the new names, so it resumes (and is compared) as if it had been saved today."""
+
 ABSENT = "<absent>"
 RUN_FILES = ("metrics.jsonl", "samples.jsonl", "config.json", "config_changes.jsonl", "summary.json", "tb", "wandb",
              "wandb_id", "learning_curve.png", "report.html", "checkpoints", "hf", "best")  # fmt: skip
@@ -92,6 +96,7 @@ def config_changes(saved: dict, now: dict, defaults: dict | None = None) -> list
     default (`defaults`, a `config_dict` of the script's default Args) is harmless: a new option's default keeps
     the behaviour the run started with."""
     old, new, default = _flat(saved), _flat(now), _flat(defaults or {})
+    old = {RENAMED_FLAGS.get(k, k): v for k, v in old.items()}
     old, new = ({k: _model_path(k, v) for k, v in d.items()} for d in (old, new))
     return [{"flag": flag_name(k), "saved": old.get(k, ABSENT), "now": new.get(k, ABSENT),
              "harmless": any(fnmatch.fnmatchcase(k, pat) for pat in HARMLESS_FLAGS)
@@ -416,6 +421,17 @@ class RunLogger:
         fig.savefig(path, dpi=100)
         plt.close(fig)
 
+    def write_report(self) -> None:
+        """<run>/report.html (core/report.py: the curves, the config and summary, the sample browser), written when
+        the run ends or halts. A fault in it is printed, not raised: the run's results are already saved."""
+        try:
+            from core import report
+
+            report.write_report(self.run_dir)
+        except Exception as e:  # noqa: BLE001
+            print(f"[logger] warning: the run report was not written: {type(e).__name__}: {e}; "
+                  f"`python -m core.report {self.run_dir}` tries again", file=sys.stderr, flush=True)  # fmt: skip
+
     def close(self, summary: dict | None = None) -> None:
         """Stop the progress bar and print (and save to `summary.json`) the end-of-run summary."""
         if not self.enabled:
@@ -424,6 +440,7 @@ class RunLogger:
             self.progress.stop()
         summary = {"wall_s": round(time.time() - self.start, 1), **(summary or {})}
         (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+        self.write_report()
         if not self.cfg.quiet:
             from rich.console import Console
             from rich.table import Table

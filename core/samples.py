@@ -174,3 +174,28 @@ def eval_rows(tokenizer, greedy, step: int, n: int) -> list[dict]:
         row["tokens"]["trained"] = [0] * len(ep.token_ids)  # an eval answer: no loss sees it
         rows.append(row | {"correct": reward > 0.5, "label": str(ep.example.get("label", ""))})
     return rows
+
+
+def _pair_side(tokenizer, side) -> tuple[str, str]:
+    """(prompt, response) text of one side of a preference pair: a DPO/KTO example (`input_ids` with a `loss_mask`
+    on the response) or a reward model's token ids (the whole text, no prompt split)."""
+    if isinstance(side, dict):
+        ids, mask = side["input_ids"], side["loss_mask"]
+        prompt = [t for t, m in zip(ids, mask) if not m]
+        response = [t for t, m in zip(ids, mask) if m]
+        return tokenizer.decode(prompt, skip_special_tokens=False), tokenizer.decode(response, skip_special_tokens=False)
+    return "", tokenizer.decode(list(side), skip_special_tokens=False)
+
+
+def pair_rows(tokenizer, pairs: list[dict], chosen: torch.Tensor, rejected: torch.Tensor, step: int,
+              n: int) -> list[dict]:  # fmt: skip
+    """samples.jsonl rows (kind "pair") of the first `n` held-out preference pairs of an eval at `step`, with the
+    scores the script ranks them by (DPO's implicit rewards, a reward model's scores) and their margin."""
+    rows = []
+    for i, pair in enumerate(pairs[:n]):
+        prompt, good = _pair_side(tokenizer, pair["chosen"])
+        _, bad = _pair_side(tokenizer, pair["rejected"])
+        c, r = float(chosen[i]), float(rejected[i])
+        rows.append({"step": step, "kind": "pair", "index": i, "prompt": prompt, "chosen": good, "rejected": bad,
+                     "chosen_score": _num(c), "rejected_score": _num(r), "margin": _num(c - r)})  # fmt: skip
+    return rows

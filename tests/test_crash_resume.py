@@ -3,10 +3,15 @@
 finishes. SIGKILL leaves no chance to clean up: no `finally`, no `atexit`, no flush, possibly a half-written
 checkpoint folder.
 
-Two ways to die, each against one uninterrupted reference run of the same command (shared by both tests of a script):
-- at a random moment while training steps happen (up to two kills in a row; the kill points are seeded);
-- in the middle of a checkpoint write: the checkpoint folder is polled every millisecond and the process group is
-  killed the moment a `.tmp_step_*` folder appears (`core.checkpoint.save` writes there, then renames).
+Two ways to die, one after the other in the same run, which is then compared with one uninterrupted reference run
+of the same command:
+- at a random moment while training steps happen (the kill point is seeded);
+- in the restarted run, in the middle of a checkpoint write: the checkpoint folder is polled every millisecond and
+  the process group is killed the moment a `.tmp_step_*` folder appears (`core.checkpoint.save` writes there, then
+  renames).
+One test per script does both, in that order, so the second kill hits a resumed run: 4 invocations (the reference,
+two killed, the last) where two tests of one kill each needed 6, and an RL script spends ~15 s of each invocation
+starting and exiting.
 
 After the last restart the run must look as if nothing had happened: it completed (summary written, final model
 exported, no half-written checkpoint left); `metrics.jsonl` holds every step exactly once (the step-0 eval too, not
@@ -228,42 +233,20 @@ def _describe_copies(step: int, copies: list[dict], reference: dict[int, dict]) 
 @dataclass
 class Reference:
     rows: list[dict]
-    step_s: float  # median wall time between two metrics rows, as seen from outside
     run_dir: Path
     wall_s: float
 
 
-def _reference_run(script: str, root: Path) -> Reference:
-    steps = RECIPES[script][0]
+def _reference_run(script: str, run_dir: Path) -> Reference:
+    """The uninterrupted run: one metrics row per step."""
     t0 = time.monotonic()
-    job, proc = Job.start(script, root / "reference", "0")
-    seen: dict[int, float] = {}  # step -> when its row was first seen
-
-    def record() -> bool:
-        seen.setdefault(_max_step(job.run_dir), time.monotonic())
-        return False
-
-    _wait_for(proc, record, 0.002, job)
+    job, proc = Job.start(script, run_dir, "0")
     _finish(job, proc)
     rows = _rows(job.run_dir)
-    assert sorted(r["step"] for r in rows) == list(range(steps + 1)), "the uninterrupted run: one row per step"
-    times = [seen[s] for s in sorted(seen) if s >= 0]
-    gaps = sorted(b - a for a, b in zip(times, times[1:])) or [1.0]
-    return Reference(rows, gaps[len(gaps) // 2], job.run_dir, time.monotonic() - t0)
-
-
-@pytest.fixture(scope="module")
-def reference(tmp_path_factory):
-    """script -> its uninterrupted run, made on first use and shared by the module's tests."""
-    made: dict[str, Reference] = {}
-
-    def get(script: str) -> Reference:
-        if script not in made:
-            made[script] = _reference_run(script, tmp_path_factory.mktemp(f"{script}_reference"))
-            print(f"[{script}] uninterrupted run: {made[script].wall_s:.1f} s, {made[script].step_s:.3f} s/step")
-        return made[script]
-
-    return get
+    assert sorted(r["step"] for r in rows) == list(range(RECIPES[script][0] + 1)), "the uninterrupted run: a row a step"
+    ref = Reference(rows, job.run_dir, time.monotonic() - t0)
+    print(f"[{script}] uninterrupted run: {ref.wall_s:.1f} s")
+    return ref
 
 
 def _assert_resumed_like_reference(script: str, run_dir: Path, ref: Reference, story: str) -> None:
@@ -318,48 +301,63 @@ def _saving(ckpt_dir: Path, first: int, seen: list[str]) -> bool:
 
 
 # ------------------------------------------------------------------------------------------------- the tests
-@pytest.mark.parametrize("script", list(RECIPES))
-def test_sigkill_at_random_moments_then_resume(script, reference, tmp_path):
-    """SIGKILL at a seeded random moment of training (after step t is logged, plus a random part of a step's time),
-    and again in the restarted run if a step before the last is left to aim at, then the same command once more:
-    the finished run equals the uninterrupted one."""
-    ref = reference(script)
-    steps = RECIPES[script][0]
-    rng = random.Random(f"crash-resume/{script}/random")
-    run_dir = tmp_path / "run"
-    story, target = [], rng.randint(0, steps // 2 - 1)
-    for kill in (1, 2):
-        delay = rng.uniform(0.0, 1.0) * ref.step_s
-        if target > steps - 2:
-            break
-        job, proc = Job.start(script, run_dir, str(kill))
-        reached = _wait_for(proc, lambda t=target: _max_step(run_dir) >= t, 0.002, job)
-        if reached:  # sleep `delay`, but kill during the last step at the latest (a slower reference, a faster run)
-            end = time.monotonic() + delay
-            _wait_for(proc, lambda end=end: time.monotonic() >= end or _max_step(run_dir) >= steps - 1, 0.002, job)
-        if proc.poll() is not None:  # ran to the end first: no crash this time
-            assert proc.returncode == 0, job.tail()
-            story.append(f"kill {kill} (after step {target} + {delay:.3f} s) came too late: the run had finished")
-            break
-        _kill(proc)
-        story.append(f"kill {kill} after step {target} + {delay:.3f} s (logged up to step {_max_step(run_dir)})")
-        target = _max_step(run_dir) + rng.randint(1, 2)
-    assert story and story[0].startswith("kill 1 after"), f"{script}: the first kill must land during training: {story}"
-    _resume_to_end(script, run_dir, "final")
-    _assert_resumed_like_reference(script, run_dir, ref, f"{script}: " + "; ".join(story))
+def _latest_index(ckpt_dir: Path) -> int:
+    """0-based step index of the checkpoint a restart resumes from (-1: none yet)."""
+    from core import checkpoint
+
+    found = checkpoint.latest(ckpt_dir) if ckpt_dir.is_dir() else None
+    return int(found.name.rsplit("_", 1)[1]) if found else -1
+
+
+def _leftover_index(ckpt_dir: Path) -> int:
+    """Highest index of a `.tmp_step_*` folder a kill left behind (-1: none)."""
+    names = os.listdir(ckpt_dir) if ckpt_dir.is_dir() else []
+    return max([int(n.rsplit("_", 1)[1]) for n in names if n.startswith(".tmp_step_")], default=-1)
 
 
 @pytest.mark.parametrize("script", list(RECIPES))
-def test_sigkill_during_a_checkpoint_write_then_resume(script, reference, tmp_path):
-    """The process group dies the moment `<run>/checkpoints/.tmp_step_<k>` appears (k seeded-random, not the first
-    save): the half-written folder must not be what resumes, and the finished run equals the uninterrupted one. A
-    kill that the save outran (the folder already renamed when the process died) is retried at the next save."""
-    ref = reference(script)
+def test_sigkill_at_a_random_moment_then_during_a_checkpoint_write_then_resume(script, tmp_path):
+    """Three invocations of the same command on one run folder:
+    1. SIGKILL at a seeded random moment of training: after step t is logged (t seeded, from 2 to half the steps:
+       a checkpoint exists, so the restarted run resumes), plus a random part of a step's time, at the latest when
+       step t + 1 is logged;
+    2. the restarted run resumes and dies the moment `<run>/checkpoints/.tmp_step_<k>` appears (k seeded, a later
+       save than the one it resumed from, and later than any folder the first kill left half-written): `latest` must
+       not name the half-written folder. A kill that the save outran (the folder already renamed when the process
+       died) is retried at the next save;
+    3. the same command once more runs to the end, and the finished run equals the uninterrupted one."""
+    ref = _reference_run(script, tmp_path / "reference")
     steps = RECIPES[script][0]
-    rng = random.Random(f"crash-resume/{script}/in-save")
+    rng = random.Random(f"crash-resume/{script}")
     run_dir, ckpt_dir = tmp_path / "run", tmp_path / "run" / "checkpoints"
-    first_save = rng.randint(1, steps - 2)  # 0-based step index in the folder name
     story: list[str] = []
+
+    # 1. a random moment: `u` of the time between the rows of step t - 1 and t, after the row of step t
+    target, u = rng.randint(2, steps // 2), rng.uniform(0.0, 1.0)
+    job, proc = Job.start(script, run_dir, "random")
+    row_seen: dict[int, float] = {}  # step -> when its row was first seen
+
+    def logged(step: int) -> bool:
+        row_seen.setdefault(_max_step(run_dir), time.monotonic())
+        return max(row_seen) >= step
+
+    reached = _wait_for(proc, lambda: logged(target), 0.002, job)
+    delay = 0.0
+    if reached:  # sleep `delay`, but kill when the next step is logged at the latest
+        at = row_seen[max(row_seen)]
+        delay = u * (at - row_seen.get(target - 1, at))
+        end = time.monotonic() + delay
+        _wait_for(proc, lambda: time.monotonic() >= end or _max_step(run_dir) > target, 0.002, job)
+    assert proc.poll() is None, f"{script}: the run ended before the kill after step {target}: {job.tail()}"
+    _kill(proc)
+    resumes_from, torn_before = _latest_index(ckpt_dir), _leftover_index(ckpt_dir)
+    assert resumes_from >= 0, f"{script}: no checkpoint after step {target}: {job.tail()}"
+    left = f", .tmp_step_{torn_before} left" if torn_before >= 0 else ""
+    story.append(f"killed after step {target} + {delay:.3f} s (logged up to step {_max_step(run_dir)}, resumes from "
+                 f"checkpoint {resumes_from}{left})")  # fmt: skip
+
+    # 2. during a checkpoint write of the restarted run
+    first_save = rng.randint(max(resumes_from, torn_before) + 1, steps - 2)  # 0-based step index
     for attempt in range(3):
         job, proc = Job.start(script, run_dir, f"save{attempt}")
         seen: list[str] = []
@@ -375,6 +373,8 @@ def test_sigkill_during_a_checkpoint_write_then_resume(script, reference, tmp_pa
             torn = landed[0].removeprefix(".tmp_")
             assert checkpoint.latest(ckpt_dir) != ckpt_dir / torn, f"{script}: `latest` names the half-written {torn}"
             break
-    assert story and "being written" in story[-1], f"{script}: no kill landed inside a checkpoint write: {story}"
+    assert "being written" in story[-1], f"{script}: no kill landed inside a checkpoint write: {story}"
+
+    # 3. to the end
     _resume_to_end(script, run_dir, "final")
     _assert_resumed_like_reference(script, run_dir, ref, f"{script}: " + "; ".join(story))

@@ -171,6 +171,9 @@ def test_user_flow_own_dataset_and_reward_file_by_flags(tmp_path):
     assert out.returncode == 0, out.stderr[-3000:]
     rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl") if "rollout/reward_mean" in line]
     assert len(rows) == 12 and all("rollout/sevens" in r for r in rows)  # the file's extra_logs are logged
+    kept = [json.loads(line) for line in open(tmp_path / "run" / "samples.jsonl")]  # and kept with each sample
+    assert len(kept) == 12 * 8 and all(r["extra"]["sevens"] == pytest.approx(r["reward"], abs=1e-6) for r in kept)
+    assert (tmp_path / "run" / "report.html").is_file()
     first = sum(r["rollout/reward_mean"] for r in rows[:3]) / 3
     last = sum(r["rollout/reward_mean"] for r in rows[-3:]) / 3
     assert last > first + 0.15, (first, last)

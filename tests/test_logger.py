@@ -138,6 +138,22 @@ def test_a_flag_added_since_the_run_started_is_harmless_at_its_default(tmp_path)
         check_config(tmp_path, args)
 
 
+def test_a_run_saved_under_a_renamed_flag_resumes(tmp_path):
+    """sft.py's `--train.max-tokens-per-micro-batch` became `--train.max-tokens-per-micro` (the RL scripts' name): a
+    run whose config.json holds the old key resumes at the same value, and is refused at another one."""
+    from algos.sft import Args
+    from core.logger import config_dict
+
+    saved = config_dict(Args())
+    saved["train"]["max_tokens_per_micro_batch"] = saved["train"].pop("max_tokens_per_micro")
+    (tmp_path / "config.json").write_text(json.dumps(saved))
+    assert all(c["harmless"] for c in check_config(tmp_path, Args()))
+    args = Args()
+    args.train.max_tokens_per_micro = 8192
+    with pytest.raises(ValueError, match=r"--train.max-tokens-per-micro: 4096 -> 8192"):
+        check_config(tmp_path, args)
+
+
 # ------------------------------------------------------------------------------------- one writer per run folder
 HOLDER = """
 import sys
@@ -269,7 +285,7 @@ def test_sft_resume_with_a_changed_lr_is_refused_unless_allowed(tmp_path):
         main(args)
     assert "--ckpt.allow-changes" in str(err.value)
     assert config_file.read_text() == original and not (tmp_path / "run" / "config_changes.jsonl").exists()
-    assert [r["step"] for r in rows(tmp_path / "run")] == [0, 1]
+    assert [r["step"] for r in rows(tmp_path / "run")] == [1]  # --eval.every 0: no step-0 eval row
 
     args.ckpt.allow_changes = True
     assert main(args)["steps"] == 3
@@ -278,7 +294,7 @@ def test_sft_resume_with_a_changed_lr_is_refused_unless_allowed(tmp_path):
     assert recorded["--train.lr"]["saved"] == lr and recorded["--train.lr"]["now"] == lr * 2
     assert recorded["--train.halt-after"]["harmless"] and not recorded["--train.lr"]["harmless"]
     assert {r["resume_step"] for r in recorded.values()} == {1} and all("time" in r for r in recorded.values())
-    assert [r["step"] for r in rows(tmp_path / "run")] == [0, 1, 2, 3]
+    assert [r["step"] for r in rows(tmp_path / "run")] == [1, 2, 3]
 
 
 def test_sft_on_a_folder_in_use_is_refused_before_it_writes(tmp_path):

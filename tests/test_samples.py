@@ -133,7 +133,7 @@ def test_grpo_samples_agree_with_the_metrics_survive_a_resume_and_show_on_the_co
         assert len(ev) == 16 and all("ratio" not in r["tokens"] for r in ev)
         assert sum(r["correct"] for r in ev) / 16 == pytest.approx(metrics[step]["eval/pass@1"])
     report = (tmp_path / "run" / "report.html").read_text()  # written at the end, beside learning_curve.png
-    assert "samples.jsonl" in report and "from the killed run" not in report
+    assert rows[-1]["prompt"] in report and "from the killed run" not in report  # the samples embedded, once
     out = capsys.readouterr().out
     assert "step 3: sample" in out and "response" in out and "[grpo] 16 eval prompts" in out, out[-3000:]
 
@@ -168,3 +168,36 @@ def test_samples_reach_tensorboard_as_text_and_wandb_as_a_table(tmp_path):
     assert "001\\|</s>" in text and "| 0.5 |" in text  # a `|` inside a cell is escaped, not a column
     tables = list((tmp_path / "run" / "wandb").rglob("samples/train_*.table.json"))
     assert tables and json.loads(tables[0].read_text())["data"][1][2] == "001|</s>", tables
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("script", ["dpo", "rm"])
+def test_preference_scripts_keep_their_eval_pairs_with_margins_and_write_the_report(script, tmp_path, one_thread):
+    """dpo.py and rm.py keep every eval's first `--logger.samples` held-out pairs with the scores they are ranked by
+    (DPO's implicit rewards, the reward model's scores): with all 16 pairs kept, the rows' mean margin is the eval's
+    `eval/margin`; the pair texts are the dataset's; the run's report.html is written at its end."""
+    import importlib
+
+    from core.config import LoggerConfig
+
+    module = importlib.import_module(f"algos.{script}")
+    args = module.Args()
+    args.train.max_steps, args.train.batch_size = 2, 16
+    args.eval.every, args.eval.max_samples = 1, 16
+    args.logger = LoggerConfig(tensorboard=False, quiet=True, samples=16)
+    args.run_dir = str(tmp_path / "run")
+    if script == "dpo":
+        args.model.name_or_path = "cleanrlhf/tiny-sft"
+    module.main(args)
+    rows, metrics = _rows(tmp_path / "run" / "samples.jsonl"), _rows(tmp_path / "run" / "metrics.jsonl")
+    evals = {m["step"]: m["eval/margin"] for m in metrics if "eval/margin" in m}
+    assert sorted(evals) == [0, 1, 2] and {r["kind"] for r in rows} == {"pair"}
+    for step, margin in evals.items():
+        pairs = [r for r in rows if r["step"] == step]
+        assert len(pairs) == 16
+        assert sum(p["margin"] for p in pairs) / 16 == pytest.approx(margin, rel=1e-4, abs=1e-5)
+        assert all(p["margin"] == pytest.approx(p["chosen_score"] - p["rejected_score"], abs=1e-5) for p in pairs)
+        assert all(p["chosen"] and p["rejected"] and p["chosen"] != p["rejected"] for p in pairs)
+    if script == "dpo":  # a DPO pair splits into the prompt and the two responses
+        assert all(p["prompt"] and "=" in p["prompt"] for p in rows)
+    assert (tmp_path / "run" / "report.html").is_file()

@@ -5,6 +5,7 @@ script's cross-field checks (all before anything is loaded), and model-path erro
 import importlib
 import json
 import math
+import re
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -343,3 +344,36 @@ def test_the_preference_scripts_refuse_a_picture_column(script, tmp_path):
     args.data.image_key = "image"
     with pytest.raises(ValueError, match=rf"--data.image-key 'image': {script}.py reads no pictures"):
         mod.main(args)
+
+
+# ------------------------------------------------------------------------------------------ one name per idea
+@pytest.mark.parametrize("name", ["sft", "dpo", "rm", "kto", "grpo"])
+def test_the_micro_batch_token_budget_has_one_flag_name(name, capsys):
+    """The RL scripts and the SFT family name the token budget of a micro-batch alike: `--train.max-tokens-per-micro`
+    (the SFT family's `--train.max-tokens-per-micro-batch` was the same idea under another name)."""
+    import tyro
+
+    with pytest.raises(SystemExit):
+        tyro.cli(script(name).Args, args=["--help"])
+    out = capsys.readouterr().out
+    assert re.search(r"--train\.max-tokens-per-micro(?![\w-])", out), f"{name}.py --help: no such flag"
+    assert "--train.max-tokens-per-micro-batch" not in out, f"{name}.py --help: the old name"
+
+
+# ---------------------------------------------------------------------------------------------- --eval.every 0
+@pytest.mark.parametrize("name", ["sft", "dpo", "kto", "rm"])
+def test_eval_every_0_runs_no_eval_not_even_the_first(name, tmp_path):
+    """`--eval.every 0` turns every eval off, the one before the first step included (as in the RL scripts); the
+    summary is still written, its eval entries None."""
+    module = script(name)
+    args = module.Args(run_dir=str(tmp_path / "run"))
+    args.train.max_steps, args.train.batch_size, args.eval.every, args.eval.max_samples = 1, 8, 0, 16
+    args.logger.quiet, args.logger.tensorboard = True, False
+    summary = module.main(args)
+    rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    logged = sorted({k for row in rows for k in row if k.startswith("eval/")})
+    assert not logged, f"{name}.py --eval.every 0 logged {logged}"
+    assert any("train/lr" in row for row in rows), rows  # the step itself was logged
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == summary["steps"] == 1
+    evals = {k: v for k, v in summary.items() if k.startswith("eval_")}
+    assert evals and all(v is None for v in evals.values()), evals
