@@ -32,7 +32,7 @@ class ScriptedEngines:
 
 def _checked(queries, prompts, labels, step):
     r = torch.tensor([float(q == p + lab) for q, p, lab in zip(queries, prompts, labels)])
-    return r, {"rollout/custom": 1.0}, r
+    return r, {"rollout/custom": 1.0}, r, [{"right": float(x)} for x in r]  # per-sample extras: kept on the episode
 
 
 def test_single_turn_is_token_in_token_out_prompt_major(tokenizer):
@@ -43,6 +43,7 @@ def test_single_turn_is_token_in_token_out_prompt_major(tokenizer):
     ro = SingleTurnExecutor(engines, tokenizer, _checked, max_new_tokens=4).run(batch, n=3, seed=7, step=0)
     assert [e.example["prompt"] for e in ro.episodes] == ["1+2="] * 3 + ["4+4="] * 3
     assert ro.rewards.tolist() == [1.0] * 3 + [0.0] * 3 and ro.logs == {"rollout/custom": 1.0}
+    assert [e.extra for e in ro.episodes] == [{"right": 1.0}] * 3 + [{"right": 0.0}] * 3  # each its own extras
     for e in ro.episodes:
         assert e.token_ids == answer[tuple(e.prompt_ids)] and e.action_mask == [1] * len(e.token_ids)
         assert e.logprobs == [-0.5] * len(e.token_ids) and not e.truncated
