@@ -65,11 +65,12 @@ def config_dict(args) -> dict:
     return json.loads(json.dumps(config, default=str))
 
 
-def _flat(d: dict, prefix: str = "") -> dict:
+def flat_keys(d: dict, prefix: str = "") -> dict:
+    """{"train": {"lr": 1e-6}} -> {"train.lr": 1e-6}: nested flags as dotted config keys."""
     out = {}
     for k, v in d.items():
         if isinstance(v, dict) and v:
-            out.update(_flat(v, f"{prefix}{k}."))
+            out.update(flat_keys(v, f"{prefix}{k}."))
         else:
             out[f"{prefix}{k}"] = v
     return out
@@ -95,7 +96,7 @@ def config_changes(saved: dict, now: dict, defaults: dict | None = None) -> list
     `<absent>` for a flag one side lacks (e.g. added to the code since the run started). Such a new flag left at its
     default (`defaults`, a `config_dict` of the script's default Args) is harmless: a new option's default keeps
     the behaviour the run started with."""
-    old, new, default = _flat(saved), _flat(now), _flat(defaults or {})
+    old, new, default = flat_keys(saved), flat_keys(now), flat_keys(defaults or {})
     old = {RENAMED_FLAGS.get(k, k): v for k, v in old.items()}
     old, new = ({k: _model_path(k, v) for k, v in d.items()} for d in (old, new))
     return [{"flag": flag_name(k), "saved": old.get(k, ABSENT), "now": new.get(k, ABSENT),

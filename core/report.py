@@ -26,6 +26,8 @@ from pathlib import Path
 import jinja2
 from markupsafe import Markup
 
+from core.logger import flat_keys
+
 PANELS = (
     ("reward", ("rollout/reward_mean", "rollout/fresh_reward_mean")),
     ("eval pass@k", ("eval/pass@*",)),
@@ -100,17 +102,6 @@ def _read_rows(path: Path, notes: list[str]) -> list[dict] | None:
 def _shown(v) -> str:
     """A summary value as the page shows it: floats to 6 significant digits, strings as they are, the rest as JSON."""
     return f"{v:.6g}" if isinstance(v, float) else v if isinstance(v, str) else json.dumps(v)
-
-
-def flat(d: dict, prefix: str = "") -> dict:
-    """{"train": {"lr": 1e-6}} -> {"train.lr": 1e-6}: nested flags as the dotted keys `--help` spells."""
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict) and v:
-            out.update(flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
 
 
 def _number(v) -> bool:
@@ -209,7 +200,7 @@ def write_report(run_dir: str | Path) -> Path:
     page = env.get_template(TEMPLATE).render(
         title=run_dir.resolve().name, run_dir=str(run_dir.resolve()), written=time.strftime("%Y-%m-%d %H:%M:%S"),
         notes=notes, n_rows=len(rows), panels=html[: len(panels)], others=html[len(panels) :], n_others=n_others,
-        summary={k: _shown(v) for k, v in (summary or {}).items()}, config=flat(config or {}),
+        summary={k: _shown(v) for k, v in (summary or {}).items()}, config=flat_keys(config or {}),
         samples_json=Markup(data), missing_samples=missing_samples,
     )  # fmt: skip
     out, tmp = run_dir / "report.html", run_dir / ".report.html.tmp"
