@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import re
 import string
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import requests
 import torch
+
+from rewards.remote import post_with_retries
 
 PLACEHOLDERS = ("prompt", "response", "label")
 _FRACTION = re.compile(r"(-?\d+(?:\.\d+)?)\s*/\s*(\d+(?:\.\d+)?)")
@@ -99,26 +100,13 @@ class JudgeReward:
         """One chat completion at temperature 0, retried as the module docstring says; returns the answer text."""
         body = {"model": self.model, "messages": [{"role": "user", "content": text}], "temperature": 0.0,
                 "max_tokens": self.max_tokens}  # fmt: skip
-        error, attempts = "", 0
-        for attempt in range(self.retries + 1):
-            attempts += 1
-            try:
-                resp = self.session.post(f"{self.base}/chat/completions", json=body, timeout=self.timeout_s)
-            except requests.RequestException as e:
-                error = f"{type(e).__name__}: {e}"
-            else:
-                if resp.status_code < 400:
-                    try:
-                        return resp.json()["choices"][0]["message"]["content"] or ""
-                    except (ValueError, KeyError, IndexError, TypeError):
-                        raise RuntimeError(f"judge {self.base} answered something that is not a chat completion: "
-                                           f"{resp.text[:300]!r}") from None  # fmt: skip
-                error = f"HTTP {resp.status_code}: {resp.text[:500]}"
-                if resp.status_code < 500:
-                    break
-            if attempt < self.retries:
-                time.sleep(attempt + 1)
-        raise RuntimeError(f"judge {self.base} failed after {attempts} attempt(s): {error}")
+        resp = post_with_retries(self.session, f"{self.base}/chat/completions", body, self.timeout_s, self.retries,
+                                 f"judge {self.base}")  # fmt: skip
+        try:
+            return resp.json()["choices"][0]["message"]["content"] or ""
+        except (ValueError, KeyError, IndexError, TypeError):
+            raise RuntimeError(f"judge {self.base} answered something that is not a chat completion: "
+                               f"{resp.text[:300]!r}") from None  # fmt: skip
 
     def __call__(self, queries: list[str], prompts: list[str], labels: list) -> dict:
         texts = [self.template.format(prompt=p, response=q[len(p):] if q.startswith(p) else q,

@@ -19,6 +19,28 @@ import requests
 import torch
 
 
+def post_with_retries(session, url: str, body: dict, timeout_s: float | None, retries: int, name: str):
+    """POST `body` as JSON and return the (< 400) response, retried `retries` times (1 s, 2 s, ... pauses) after a
+    timeout, a connection error or a 5xx; a 4xx fails at once (a bad request will not get better). The error names
+    `name` (e.g. "reward server URL") and the last failure."""
+    error, attempts = "", 0
+    for attempt in range(retries + 1):
+        attempts += 1
+        try:
+            resp = session.post(url, json=body, timeout=timeout_s)
+        except requests.RequestException as e:  # timeout, refused connection, ...
+            error = f"{type(e).__name__}: {e}"
+        else:
+            if resp.status_code < 400:
+                return resp
+            error = f"HTTP {resp.status_code}: {resp.text[:500]}"
+            if resp.status_code < 500:
+                break
+        if attempt < retries:
+            time.sleep(attempt + 1)
+    raise RuntimeError(f"{name} failed after {attempts} attempt(s): {error}")
+
+
 class RemoteReward:
     """Score queries with one or more reward servers: the batch is split into one contiguous chunk per URL, so
     several servers share the work; each request is retried `retries` times (with 1 s, 2 s, ... pauses) after a
@@ -32,26 +54,12 @@ class RemoteReward:
         self.session = requests.Session()
 
     def _post(self, url: str, body: dict) -> list[float]:
-        error, attempts = "", 0
-        for attempt in range(self.retries + 1):
-            attempts += 1
-            try:
-                resp = self.session.post(url, json=body, timeout=self.timeout_s)
-            except requests.RequestException as e:  # timeout, refused connection, ...
-                error = f"{type(e).__name__}: {e}"
-            else:
-                if resp.status_code < 400:
-                    rewards = resp.json().get("rewards")
-                    if not isinstance(rewards, list) or len(rewards) != len(body["query"]):
-                        raise ValueError(f"reward server {url} answered {str(rewards)[:200]!r}: expected a list "
-                                         f"'rewards' of {len(body['query'])} numbers")  # fmt: skip
-                    return rewards
-                error = f"HTTP {resp.status_code}: {resp.text[:500]}"
-                if resp.status_code < 500:
-                    break
-            if attempt < self.retries:
-                time.sleep(attempt + 1)
-        raise RuntimeError(f"reward server {url} failed after {attempts} attempt(s): {error}")
+        resp = post_with_retries(self.session, url, body, self.timeout_s, self.retries, f"reward server {url}")
+        rewards = resp.json().get("rewards")
+        if not isinstance(rewards, list) or len(rewards) != len(body["query"]):
+            raise ValueError(f"reward server {url} answered {str(rewards)[:200]!r}: expected a list "
+                             f"'rewards' of {len(body['query'])} numbers")  # fmt: skip
+        return rewards
 
     def __call__(self, queries: list[str], prompts: list[str], labels: list) -> dict:
         n, k = len(queries), len(self.urls)
