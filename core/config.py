@@ -16,6 +16,17 @@ from pathlib import Path
 from typing import Literal
 
 
+def flat_keys(d: dict, prefix: str = "") -> dict:
+    """{"train": {"lr": 1e-6}} -> {"train.lr": 1e-6}: nested flags as dotted config keys."""
+    out = {}
+    for k, v in d.items():
+        if isinstance(v, dict) and v:
+            out.update(flat_keys(v, f"{prefix}{k}."))
+        else:
+            out[f"{prefix}{k}"] = v
+    return out
+
+
 @dataclass
 class ModelConfig:
     name_or_path: str = "cleanrlhf/tiny"

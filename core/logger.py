@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from core.config import LoggerConfig
+from core.config import LoggerConfig, flat_keys
 
 HARMLESS_FLAGS = (
     "exp_name", "run_dir", "export_dir", "debug", "logger.*", "ckpt.*", "train.halt_after", "ds.timeout_s", "ray.*",
@@ -63,17 +63,6 @@ def config_dict(args) -> dict:
     """The flags as `config.json` holds them (JSON types: tuples become lists, paths strings)."""
     config = dataclasses.asdict(args) if dataclasses.is_dataclass(args) else dict(args)
     return json.loads(json.dumps(config, default=str))
-
-
-def flat_keys(d: dict, prefix: str = "") -> dict:
-    """{"train": {"lr": 1e-6}} -> {"train.lr": 1e-6}: nested flags as dotted config keys."""
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict) and v:
-            out.update(flat_keys(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
 
 
 def flag_name(key: str) -> str:

@@ -26,7 +26,7 @@ from pathlib import Path
 import jinja2
 from markupsafe import Markup
 
-from core.logger import flat_keys
+from core.config import flat_keys
 
 PANELS = (
     ("reward", ("rollout/reward_mean", "rollout/fresh_reward_mean")),
