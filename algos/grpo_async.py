@@ -323,5 +323,8 @@ def train(args: Args, engines: rollout.RolloutEngines | None, groups: dict | Non
 
 
 if __name__ == "__main__":
+    from core.noise import quiet_libraries
+
+    quiet_libraries()  # PLUMBING: library messages to <run>/run.log (--logger.verbose: on the console)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     main(tyro.cli(Args))

@@ -272,5 +272,8 @@ def main(args: Args, engines: rollout.RolloutEngines | None = None, groups: dict
 
 
 if __name__ == "__main__":
+    from core.noise import quiet_libraries
+
+    quiet_libraries()  # PLUMBING: library messages to <run>/run.log (--logger.verbose: on the console)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     main(tyro.cli(Args))

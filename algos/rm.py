@@ -346,5 +346,8 @@ def main(args: Args) -> dict:
 
 
 if __name__ == "__main__":
+    from core.noise import quiet_libraries
+
+    quiet_libraries()  # PLUMBING: library messages to <run>/run.log (--logger.verbose: on the console)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     main(tyro.cli(Args))

@@ -371,5 +371,8 @@ def cli(argv: list[str] | None = None) -> Args:
 
 
 if __name__ == "__main__":
+    from core.noise import quiet_libraries
+
+    quiet_libraries()  # PLUMBING: library messages to <run>/run.log (--logger.verbose: on the console)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     main(cli())

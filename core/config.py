@@ -182,6 +182,9 @@ class LoggerConfig:
     """`offline` writes W&B runs locally (sync later with `wandb sync`)."""
     quiet: bool = False
     """no progress bar or summary table (used when a run is nested in another, e.g. the warm-start build)."""
+    verbose: bool = False
+    """show the libraries' own messages (vLLM, DeepSpeed, Ray, transformers, warnings, C-level stderr) on the console
+    as they come; off: they go to `<run-dir>/run.log` (core/noise.py; `CLEANRLHF_VERBOSE=1` does the same)."""
     samples: int = 8
     """samples of each step kept in `<run>/samples.jsonl` with their per-token log-probs, ratios and advantages
     (whole prompt groups, the trained ones first; core/samples.py); dpo/rm: preference pairs per eval. 0: none."""

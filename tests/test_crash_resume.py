@@ -151,7 +151,10 @@ class Job:
         return job, proc
 
     def tail(self, n: int = 3000) -> str:
-        return self.log.read_text(errors="replace")[-n:]
+        """The end of the console output, and of `<run>/run.log`, where the libraries' messages go (core/noise.py)."""
+        library = self.run_dir / "run.log"
+        text = library.read_text(errors="replace")[-n:] if library.is_file() else "(none)"
+        return f"{self.log.read_text(errors='replace')[-n:]}\n--- {library}:\n{text}"
 
 
 def _finish(job: Job, proc: subprocess.Popen) -> None:
