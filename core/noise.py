@@ -89,7 +89,14 @@ def log_path(argv: list[str]) -> Path:
 def _from_a_library(frame) -> bool:
     """Is the code that made this write (the first frame outside the standard library and `PASS_THROUGH`) part of an
     installed package other than this project and `CONSOLE_PACKAGES`? No such frame (the interpreter printing a
-    traceback, rich's refresh thread): no."""
+    traceback, rich's refresh thread): no. A write made inside an exception hook is never a library's: the traceback
+    of the error that ends the run must reach the console, and torch.distributed's hook (which prefixes each line
+    with `[rankN]:`) re-writes it from its own code."""
+    outer = frame
+    while outer is not None:
+        if "excepthook" in outer.f_code.co_name:
+            return False
+        outer = outer.f_back
     while frame is not None:
         top = (frame.f_globals.get("__name__") or "").partition(".")[0]
         if top not in sys.stdlib_module_names and top not in PASS_THROUGH:
