@@ -30,6 +30,24 @@ def speak():
     print("noisylib: a print")
     warnings.warn("noisylib: a warning", FutureWarning)
     os.write(2, b"noisylib: a C-level write to fd 2\\n")
+
+
+def install_hook():
+    # as torch.distributed's init_process_group does: re-write every uncaught traceback from this library's code,
+    # each line prefixed
+    import io
+
+    old_hook = sys.excepthook
+
+    def _library_excepthook(*args):
+        old_stderr, sys.stderr = sys.stderr, io.StringIO()
+        try:
+            old_hook(*args)
+        finally:
+            text, sys.stderr = sys.stderr.getvalue(), old_stderr
+        sys.stderr.write("".join(f"[rank0]: {line}\\n" for line in text.splitlines()))
+
+    sys.excepthook = _library_excepthook
 """
 
 SCRIPT = """
@@ -41,6 +59,8 @@ quiet_libraries(sys.argv[2:])
 import noisylib
 
 noisylib.speak()
+if "--hook" in sys.argv:
+    noisylib.install_hook()
 print("[demo] the project's own line")
 warnings.warn("[demo] a warning of the project's own code")
 raise ValueError("--demo.flag 0: must be > 0")
@@ -71,6 +91,14 @@ def test_library_messages_go_to_the_run_log_and_the_project_keeps_the_console(tm
     assert not [m for m in OWN if m not in console], console
     assert "ValueError: --demo.flag 0: must be > 0" in stderr and "Traceback" in stderr  # errors reach the console
     assert log.startswith("==== ") and f"--run-dir {tmp_path / 'run'}" in log.splitlines()[0]  # the header
+
+
+def test_the_fatal_traceback_reaches_the_console_through_a_librarys_exception_hook(tmp_path):
+    """torch.distributed replaces sys.excepthook with one that re-writes the traceback from its own code: the error
+    that ends the run must still reach the console, not the run's log."""
+    stdout, stderr = run_demo(tmp_path, "--hook")
+    assert "[rank0]: ValueError: --demo.flag 0: must be > 0" in stderr, stdout + stderr
+    assert "ValueError" not in (tmp_path / "run" / "run.log").read_text()
 
 
 @pytest.mark.parametrize("switch", ["flag", "env"])
