@@ -74,6 +74,15 @@ def tiny_model(tiny_path):
     return AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.float32).eval()
 
 
+DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def child_env(**extra: str) -> dict:
+    """The environment for a child process: this one's without the torch.distributed variables that in-process
+    tests set (a child would try to join this process's world, or bind its MASTER_PORT: EADDRINUSE), plus `extra`."""
+    return {k: v for k, v in os.environ.items() if k not in DIST_VARS} | {"TOKENIZERS_PARALLELISM": "false"} | extra
+
+
 def in_process_engines(path: str, dtype: str):
     """Body of a module fixture (`yield from`): one in-process vLLM engine over `path`, shut down afterwards."""
     from core import rollout

@@ -15,6 +15,7 @@ import textwrap
 from pathlib import Path
 
 import pytest
+from conftest import child_env
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -135,7 +136,7 @@ GRPO_NOISE = {
 
 
 def run_grpo(run_dir: Path, *flags: str, env: dict | None = None) -> str:
-    env = {k: v for k, v in os.environ.items() if k != "CLEANRLHF_VERBOSE"} | (env or {})
+    env = {k: v for k, v in child_env().items() if k != "CLEANRLHF_VERBOSE"} | (env or {})
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO), env.get("PYTHONPATH")]))  # this checkout's core/
     cmd = [sys.executable, str(REPO / "algos" / "grpo.py"), "--train.max-steps", "1", "--eval.every", "0",
            "--rollout.batch-size", "16", "--logger.no-tensorboard", "--run-dir", str(run_dir), *flags]  # fmt: skip

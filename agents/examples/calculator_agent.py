@@ -51,6 +51,11 @@ def follow_up(question: str, call: str) -> str:
 
 
 async def agent(client, example: dict) -> float:
+    """One episode: ask the policy the question; if its first answer is a call (starts with `TOOL`), ask again with
+    `follow_up(question, call)` as the prompt. Returns the reward of the final answer: `score(text, example["label"])`
+    (1.0 for the exact zero-padded product, else 0.0). `client` is the executor's OpenAI-style client:
+    `await client.completions.create(model="policy", prompt=...)` returns a completion whose `.choices[0].text` is
+    the policy's answer; every completion made through it is a turn that trains."""
     question = example["prompt"]
     first = await client.completions.create(model="policy", prompt=question)
     text = first.choices[0].text

@@ -1,0 +1,279 @@
+# Course exercise, lesson 1: Policy gradient with a baseline (RLOO) (docs/course/01_baseline.md).
+# A copy of algos/rloo.py with the body of `rloo_advantages` left for you to write; the rest is the
+# real code and runs as the file it copies. Check your function, then a short learning run with it:
+#     python docs/course/check.py 1 <this file>
+# Written by docs/course/make_exercises.py from the real file; edit your own copy, not this one.
+"""RLOO: REINFORCE Leave-One-Out (Ahmadian et al. 2024, "Back to Basics: Revisiting REINFORCE Style Optimization for
+Learning from Human Feedback in LLMs", arXiv:2402.14740; the estimator is Kool et al. 2019's).
+
+For each prompt q, sample G ≥ 2 responses o_1..o_G and treat each whole response as one action. The baseline of
+sample i is the mean reward of the *other* G − 1 samples of its prompt, so it is independent of o_i and the
+policy-gradient estimate stays unbiased (no critic, no learned baseline):
+
+    A_i = r_i − 1/(G − 1) · Σ_{j≠i} r_j  =  r_i − (Σ_j r_j − r_i)/(G − 1)  =  G/(G − 1) · (r_i − mean(r_1..r_G))
+
+The paper maximises the REINFORCE objective E[A_i · log π_θ(o_i | q)] with the KL-regularised reward
+r_i = R(q, o_i) − β · log(π_θ(o_i|q) / π_ref(o_i|q)). Here every token of o_i gets A_i, and the update is the PPO
+clipped surrogate with ρ_{i,t} = π_θ(o_{i,t} | q, o_{i,<t}) / π_old(o_{i,t} | ...) (as TRL's and OpenRLHF's RLOO):
+
+    J(θ) = E[ 1/Σ|o_i| Σ_i Σ_t min(ρ_{i,t} A_i, clip(ρ_{i,t}, 1 − ε_low, 1 + ε_high) A_i) − β · KL_k3(π_θ ‖ π_ref) ]
+
+Deviations from the paper:
+1. PPO clip, 2 minibatches per rollout and a token-mean loss (DAPO, arXiv:2503.14476) instead of one REINFORCE step:
+   `--train.minibatches 1 --train.epochs 1` recovers it (one update at ρ = 1, where the clip is inactive).
+2. Groups whose rewards all agree carry no signal (A = 0) and are dropped before the update (`--algo.filter-zero-
+   variance`), so the batch holds only informative samples (as DAPO's dynamic sampling, without refilling).
+3. The KL penalty is a k3 loss term, off by default (`--algo.kl-coef 0`, no reference model loaded), as in this
+   repository's GRPO; the paper subtracts β·KL from the reward before the leave-one-out baseline.
+4. Old log-probs are recomputed by the trainer, not taken from vLLM: the engine's log-probs are kept as
+   `rollout_logp` for the optional importance-sampling correction (`--algo.is-correction`).
+5. A mixture-of-experts actor's router load-balancing loss is logged (`loss/router_aux`), not trained on: J above is
+   the objective (OpenRLHF's default `--aux_loss_coef 0`); add it to `loss` in `update` to keep the routing balanced.
+
+Debug (embedded tiny model and task, one CPU process, in-process vLLM):
+    python algos/rloo.py --train.max-steps 5 --eval.every 5
+A real model:
+    python algos/rloo.py --actor.model.name-or-path Qwen/Qwen2.5-0.5B-Instruct --data.path prompts.jsonl \\
+        --data.apply-chat-template --reward.func my_reward.py --rollout.max-new-tokens 1024 --actor.lr 1e-6
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Literal
+
+import torch
+import tyro
+
+from core import engine as ds_engine
+from core import rl, rl_math, rollout, samples
+from core.config import (
+    ActorArgs,
+    CkptConfig,
+    DataConfig,
+    DSConfig,
+    EvalArgs,
+    LoggerConfig,
+    RefConfig,
+    RolloutArgs,
+    TrainArgs,  # fmt: skip
+    check_args,
+)
+from core.logger import Meter, timer
+from core.placement import RayConfig
+from core.rollout import VLLMConfig
+from rewards.loader import RewardConfig
+
+
+@dataclass
+class AlgoArgs:
+    filter_zero_variance: bool = True
+    """drop groups whose rewards are all equal (their advantages are 0)."""
+    dynamic_filter_range: tuple[float, float] | None = None
+    """DAPO dynamic sampling: keep only groups whose mean score lies strictly inside (LOW, HIGH) (e.g. `0 1`: not
+    all solved, not all failed) and refill the batch with more prompts; None disables."""
+    dynamic_filter_max_rounds: int = 3
+    """generation rounds per step at most when refilling; a batch still short after them trains on what it has."""
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
+    """loss aggregation (see core/rl_math.aggregate_loss)."""
+    kl_coef: float = 0.0
+    """β of the k3 KL penalty in the loss; 0 loads no reference model."""
+    kl_target: float | None = None
+    """adaptive KL (Ziegler et al. 2019): β starts at kl-coef and is moved toward this per-token KL
+    (`rl_math.AdaptiveKLController`, saved in checkpoints); None keeps β fixed."""
+    kl_horizon: int = 10000
+    """adaptive KL horizon in samples: β changes by at most 20 % per this many samples."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """KL estimator for the penalty."""
+    is_correction: Literal["tis", "icepop", "seq-mask-tis"] | None = None
+    """importance-sampling correction for the rollout engine's log-probs (core/rl_math.is_weight)."""
+    is_threshold: tuple[float, float] = (0.5, 5.0)
+    """[lo, hi] bounds of the IS weight."""
+
+
+@dataclass
+class Args:
+    exp_name: str = Path(__file__).stem
+    """run name prefix; defaults to this file's name, so a copied script names its own runs."""
+    actor: ActorArgs = field(default_factory=ActorArgs)
+    ref: RefConfig = field(default_factory=RefConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    rollout: RolloutArgs = field(default_factory=RolloutArgs)
+    train: TrainArgs = field(default_factory=lambda: TrainArgs(max_steps=30))
+    algo: AlgoArgs = field(default_factory=AlgoArgs)
+    eval: EvalArgs = field(default_factory=EvalArgs)
+    data: DataConfig = field(default_factory=DataConfig)
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
+    ds: DSConfig = field(default_factory=DSConfig)
+    ckpt: CkptConfig = field(default_factory=CkptConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+    run_dir: str | None = None
+    """run folder; default `<logger.run-root>/<exp_name>__<seed>__<time>`. An existing one resumes."""
+    debug: bool = False
+    """after every weight sync, check that the engine's log-probs equal the trainer's."""
+
+
+# ALGO LOGIC: RLOO's advantage estimator.
+def rloo_advantages(rewards: torch.Tensor, group_size: int) -> torch.Tensor:
+    """A_i = r_i − (Σ_group r − r_i) / (G − 1): the baseline is the mean reward of the other G − 1 samples.
+
+    Equal to G/(G − 1) · (r_i − mean_group(r)): GRPO's advantage without the std, scaled by G/(G − 1).
+    rewards: (B,) ordered prompt-major (samples i·G .. i·G+G−1 share a prompt), B = n_prompts · G -> (B,)."""
+    # YOUR CODE HERE: the docstring above says what to return (lesson 1).
+    raise NotImplementedError("lesson 1: write rloo_advantages")
+
+
+def groups_inside(scores: torch.Tensor, group_size: int, low: float, high: float) -> torch.Tensor:
+    """DAPO dynamic sampling: which groups have a mean score strictly inside (low, high), i.e. are neither all solved
+    nor all failed (with 0-1 scores and the range (0, 1)). scores: (B,) prompt-major -> (B / group_size,) bool."""
+    mean = scores.view(-1, group_size).mean(dim=1)
+    return (mean > low) & (mean < high)
+
+
+# ALGO LOGIC: the loss of one micro-batch of (b, T) tensors, normalised by its whole minibatch's counts.
+def policy_loss(logp, old_logp, adv, mask, *, clip_low=0.2, clip_high=0.2, dual_clip=None, level="token",
+                rollout_logp=None, is_correction=None, is_threshold=(0.5, 5.0), ent=None, entropy_coef=0.0,
+                ref_logp=None, kl_coef=0.0, kl_estimator="k3",
+                agg="token-mean", num_tokens=None, num_seqs=None, max_len=None):  # fmt: skip
+    """J = clipped surrogate (× IS weight) − β·KL(π_θ‖π_ref) + entropy bonus.
+
+    Aggregated by `agg` with the whole minibatch's `num_tokens` / `num_seqs` / `max_len` (rl_math.aggregate_loss).
+    logp (with gradient) and every other tensor: (b, T). Returns (loss to minimise, this micro-batch's metrics)."""
+    adv = torch.where(mask.bool(), adv, 0.0)  # what lies off the mask reaches no gradient (a GSPO ratio spans it)
+    ratio = rl_math.importance_ratio(logp, old_logp, mask, level)  # ρ = π_θ / π_old (per sequence: GSPO)
+    surr, surr_clipped = ratio * adv, ratio.clamp(1 - clip_low, 1 + clip_high) * adv
+    pg = -torch.min(surr, surr_clipped)  # −min(ρA, clip(ρ, 1 − ε_low, 1 + ε_high)·A)
+    metrics = {"loss/clipfrac": rl_math.masked_mean((surr_clipped < surr).float(), mask)}
+    if dual_clip is not None:  # dual clip (Ye et al. 2020): where A < 0 the loss is at most −c·A
+        metrics["loss/dual_clipfrac"] = rl_math.masked_mean(((adv < 0) & (pg > -dual_clip * adv)).float(), mask)
+        pg = torch.where(adv < 0, torch.min(pg, -dual_clip * adv), pg)
+    if is_correction:  # DEVIATION(4): correct for the engine's own log-probs, w = π_old / π_vllm (detached)
+        w = rl_math.is_weight(old_logp, rollout_logp, mask, is_correction, is_threshold)
+        pg, metrics["loss/is_weight"] = pg * w, rl_math.masked_mean(w, mask)
+    norm = {"num_tokens": num_tokens, "num_seqs": num_seqs, "max_len": max_len}
+    loss = rl_math.aggregate_loss(pg, mask, agg, **norm)  # DEVIATION(1): token-mean
+    if ref_logp is not None:
+        kl = rl_math.approx_kl(logp, ref_logp, kl_estimator, mask=mask)
+        loss = loss + kl_coef * rl_math.aggregate_loss(kl, mask, agg, **norm)
+        metrics["loss/kl"] = rl_math.masked_mean(kl, mask)
+    if ent is not None:
+        loss = loss - entropy_coef * rl_math.aggregate_loss(ent, mask, agg, **norm)
+        metrics["loss/entropy"] = rl_math.masked_mean(ent, mask)
+    return loss, metrics
+
+
+def update(actor, ref, seqs: dict, adv: torch.Tensor, args: Args, run: rl.Run, step: int, kl_coef: float,
+           trace: samples.Trace = samples.NO_TRACE) -> dict:  # fmt: skip
+    """Minibatches of the loss over one rollout: old and reference log-probs first (by the trainer), then
+    `--train.epochs` passes of `--train.minibatches` optimizer steps; `trace` keeps what the loss saw of a few samples
+    (samples.jsonl). seqs: (B, L) batch; adv: (B,) -> metrics."""
+    mask, temp, world, a = seqs["loss_mask"], args.rollout.temperature, run.world, args.actor
+    adv_tok = adv[:, None].expand_as(mask).float()
+    batches = rl.minibatches(seqs, args, step, run.rank, world)
+    mine = [m for _, micro in batches for m in micro]  # this rank's rows
+    # one optimizer step per rollout: the policy is still the sampling policy when the loss is taken, so the old
+    # log-probs are the live ones detached (ratio 1) and their extra forward pass is skipped
+    on_policy = args.train.minibatches == 1 and args.train.epochs == 1
+    old_logp = None if on_policy else rl.forward_rows(lambda b: rl.forward_logp(actor, b, temp)[0], seqs, mine, world, False)
+    ref_logp = None if ref is None else rl.on_model(ref, rl.logp_table, seqs, args, step, run=run)  # or --ref.ranks
+    meter = Meter()
+    # Dr.GRPO's constant normaliser is the generation budget, not the padded width of the batch
+    max_len = args.rollout.max_new_tokens if args.algo.loss_agg == "seq-mean-token-sum-norm" else mask.shape[1]
+    loss_fn = partial(policy_loss, clip_low=a.clip_low, clip_high=a.clip_high, dual_clip=a.dual_clip, level=a.level,
+                      is_correction=args.algo.is_correction, is_threshold=args.algo.is_threshold,
+                      entropy_coef=a.entropy_coef, agg=args.algo.loss_agg, max_len=max_len,
+                      kl_coef=kl_coef, kl_estimator=args.algo.kl_estimator)  # fmt: skip
+    for _ in range(args.train.epochs):
+        for minibatch, micro in batches:  # the normalisers count the whole minibatch, over every rank
+            norm = {"num_tokens": mask[minibatch].sum().item(), "num_seqs": len(minibatch)}
+            for r, mb, real, last in rl.micro_batches(seqs, micro):
+                logp, ent = rl.forward_logp(actor, mb, temp, a.entropy_coef > 0)
+                old = logp.detach() if on_policy else old_logp[r]
+                loss, metrics = loss_fn(logp, old, adv_tok[r], mb["loss_mask"], rollout_logp=mb["rollout_logp"], ent=ent,
+                                        ref_logp=None if ref is None else ref_logp[r], **norm)  # fmt: skip
+                trace.add(r, mb["loss_mask"], logp=logp, old_logp=old, adv=adv_tok[r], entropy=ent,
+                          ref_logp=None if ref is None else ref_logp[r])  # fmt: skip
+                metrics |= rl.router_aux(actor)  # DEVIATION(5): a MoE router's balancing loss, logged, not added
+                meter.add_loss("loss/policy", rl.backward(actor, loss, step, world, real, last))
+                meter.add(metrics, mb["loss_mask"].sum().item() if real else 0.0)
+            meter.add_step("train/grad_norm", ds_engine.optimizer_step(actor, step, "actor"))  # NaN/inf: raise
+    return {**meter.result(world), "train/tokens": float(mask.sum())}
+
+
+def main(args: Args, engines: rollout.RolloutEngines | None = None, groups: dict | None = None) -> dict:
+    # 1. setup ------------------------------------------------------------------------------------------------
+    check_args(args)  # PLUMBING: generic flag rules (sizes > 0, finite floats, ...) before anything is loaded
+    if args.rollout.n_samples < 2:  # ALGO LOGIC: a group of one has no baseline
+        raise ValueError(f"--rollout.n-samples {args.rollout.n_samples}: the group-relative advantage needs at least "
+                         "2 samples per prompt (with --algo.filter-zero-variance every group of 1 is dropped)")  # fmt: skip
+    # PLUMBING: `--train.ranks 1`: this process holds the DeepSpeed actor and an in-process vLLM engine. N > 1: the
+    # driver starts Ray, the engine actors and N ranks, each of which runs this function with the engines given.
+    uses_ref = args.algo.kl_coef > 0  # ALGO LOGIC: the KL term needs the reference policy (DEVIATION(3))
+    if engines is None and rl.needs_launch(args, uses_ref):
+        return rl.launch(main, args, uses_ref)
+    rank, world, device = rl.init_rank(args, engines)
+    tokenizer, train_set, eval_set, reward = rl.load_task(args, groups)
+    actor = rl.make_actor(args, device, args.train.max_steps * args.train.minibatches * args.train.epochs)
+    ref = rl.make_ref(args, device, groups, actor) if uses_ref else None  # LoRA: the actor with its adapters off
+    run = rl.start(args, {"actor": actor}, engines, tokenizer, eval_set, reward, rank, world, device, args.exp_name)
+    kl_ctl = (rl_math.AdaptiveKLController(args.algo.kl_coef, args.algo.kl_target, args.algo.kl_horizon)
+              if args.algo.kl_target else rl_math.FixedKLController(args.algo.kl_coef))  # fmt: skip
+    kl_ctl.load_state_dict(run.client.get("kl_ctl", kl_ctl.state_dict()))
+    G = args.rollout.n_samples
+    keep_groups = None  # DAPO dynamic sampling: regenerate groups that are all solved or all failed
+    if args.algo.dynamic_filter_range is not None:
+        keep_groups = partial(groups_inside, group_size=G, low=args.algo.dynamic_filter_range[0],
+                              high=args.algo.dynamic_filter_range[1])  # fmt: skip
+
+    for step in range(run.start_step, args.train.max_steps):
+        perf: dict = {}
+        # 2. rollout: G episodes per prompt through the agent executor, token ids in, token ids + log-probs out
+        with timer(perf, "perf/gen_s"):
+            ro = rl.collect_rollout(run, args, train_set, step, keep_groups, args.algo.dynamic_filter_max_rounds)
+        perf["perf/tokens_per_s"] = sum(len(e.token_ids) for e in ro.episodes) / max(perf["perf/gen_s"], 1e-9)
+
+        # 3. rewards and advantages
+        rw = args.reward  # shaping: a truncated response's reward, DAPO's overlong penalty, clipping
+        rewards, truncated = rl.shape_rewards(ro, rw.stop_properly_penalty, rw.overlong_buffer, rw.overlong_penalty_factor,
+                                              args.rollout.max_new_tokens, rw.clip)  # fmt: skip
+        # ALGO LOGIC: leave-one-out advantage, one scalar per response, broadcast to its tokens
+        adv = rloo_advantages(rewards, G)
+        keep = torch.ones(len(ro.episodes), dtype=torch.bool)
+        if args.algo.filter_zero_variance:  # DEVIATION(2): groups whose rewards all agree (A = 0) are dropped
+            keep = (rewards.view(-1, G).std(dim=1) > 0).repeat_interleave(G)
+        kept = keep.nonzero().flatten().tolist()
+        stats = rl.rollout_stats(ro, rewards, truncated, keep)
+
+        # 4. policy update on the kept samples (none kept: nothing trains, rl.end_step warns), a few of them traced
+        trace = samples.Trace(samples.watch(keep, G, args.logger.samples), kept, args.algo.kl_estimator)
+        with timer(perf, "perf/train_s"):
+            seqs = rl.sequences([ro.episodes[i] for i in kept], tokenizer.pad_token_id, device, args.train.packing)
+            stats.update(update(actor, ref, seqs, adv[kept].to(device), args, run, step, kl_ctl.value, trace=trace)
+                         if kept else {})  # fmt: skip
+        samples.log(run, args, step, ro, rewards, keep, trace, adv)  # -> samples.jsonl, a panel every show-every steps
+        if "loss/kl" in stats:  # β for the next rollout
+            kl_ctl.update(stats["loss/kl"], len(kept))
+
+        # 5. weight sync, eval, logging, checkpoint
+        with timer(perf, "perf/sync_s"):
+            sample = [ro.episodes[i].prompt_ids + ro.episodes[i].token_ids for i in kept[:4]]
+            examples = [ro.episodes[i].example for i in kept[:4]]  # their pictures, for a vision-language model
+            stats.update(rl.sync_weights(run, args, actor, changed=bool(kept), sample=sample, examples=examples))
+        stats.update({"train/lr": actor.lr_scheduler.get_last_lr()[0], "train/kl_coef": kl_ctl.value, **perf})
+        if rl.end_step(run, args, step, stats, state={"kl_ctl": kl_ctl.state_dict()}):
+            return rl.finish(run, args, actor, tokenizer, halted_at=step)
+
+    # 6. export, learning curve and summary
+    return rl.finish(run, args, actor, tokenizer)
+
+
+if __name__ == "__main__":
+    from core.noise import quiet_libraries
+
+    quiet_libraries()  # PLUMBING: library messages to <run>/run.log (--logger.verbose: on the console)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main(tyro.cli(Args))
