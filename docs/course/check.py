@@ -495,11 +495,12 @@ def run_command(lesson: Lesson, path: Path, run_dir: Path) -> list[str]:
 
 def judge(lesson: Lesson, run_dir: Path) -> tuple[bool, str]:
     """Did the run learn? RL lessons: greedy pass@1 on the held-out prompts rose by 0.1 or more; lesson 6: held-out
-    ranking accuracy ≥ 0.8; lesson 7: held-out preference accuracy rose by 0.15 or more."""
+    ranking accuracy rose by 0.2 or more, to 0.7 at least (a fresh head ranks about half the pairs right; the real
+    loss reaches 0.78 in these 60 steps); lesson 7: held-out preference accuracy rose by 0.15 or more."""
     summary = json.loads((run_dir / "summary.json").read_text())
     if lesson.number == 6:
         first, last = summary["eval_accuracy_first"], summary["eval_accuracy_last"]
-        return last >= 0.8, f"held-out ranking accuracy {first:.3f} -> {last:.3f} (needs ≥ 0.8)"
+        return last >= max(0.7, first + 0.2), f"held-out ranking accuracy {first:.3f} -> {last:.3f} (needs ≥ 0.7 and +0.2)"
     if lesson.number == 7:
         first, last = summary["eval_pref_accuracy_first"], summary["eval_pref_accuracy_last"]
         return last >= first + 0.15, f"held-out preference accuracy {first:.3f} -> {last:.3f} (needs +0.15)"
