@@ -192,3 +192,38 @@ def test_the_learning_run_of_a_core_exercise_trains_with_the_students_module(tmp
     assert "ok   learning run" in out.stdout and "greedy pass@1" in out.stdout
     assert len(list(tmp_path.glob("04_kl.py.*"))) >= 2  # the check's process (the cases) and the run's
     assert (tmp_path / "w" / "run" / "summary.json").exists()
+
+
+def _experiment_argvs(number: int) -> list[tuple[str, list[str]]]:
+    """(script, flags) of every `python algos/<x>.py ...` command of a lesson's experiment, a `for v in a b; do`
+    loop's variable set to its first value."""
+    import shlex
+
+    sys.path.insert(0, str(COURSE))
+    import run_experiment
+
+    text = run_experiment.commands(LESSONS[number].page.read_text()).replace("\\\n", " ")
+    out = []
+    for line in text.splitlines():
+        loop = re.match(r"for (\w+) in (\S+)[^;]*; do (.*); done$", line)
+        if loop:
+            line = loop.group(3).replace(f"${loop.group(1)}", loop.group(2))
+        words = shlex.split(line)
+        if words[:1] == ["python"] and words[1].startswith("algos/"):
+            out.append((words[1], words[2:]))
+    return out
+
+
+@pytest.mark.parametrize("number", sorted(LESSONS))
+def test_a_lessons_experiment_commands_parse_with_the_scripts_flags(number):
+    """Every training command of an experiment is accepted by its script's flag parser (tyro), as typed in the page."""
+    import importlib
+
+    import tyro
+
+    argvs = _experiment_argvs(number)
+    assert argvs, "an experiment trains something"
+    for script, flags in argvs:
+        module = importlib.import_module(script.removesuffix(".py").replace("/", "."))
+        args = module.cli(flags) if hasattr(module, "cli") else tyro.cli(module.Args, args=flags)
+        assert args.run_dir and args.run_dir.startswith("runs/course/"), (script, flags)
