@@ -40,10 +40,10 @@ def main(argv: list[str] | None = None) -> None:
         ap.error("none of the folders has a metrics.jsonl")
     fig, axes = plt.subplots(1, len(opts.metrics), figsize=(4.5 * len(opts.metrics), 3.4), squeeze=False)
     for ax, metric in zip(axes[0], opts.metrics):
-        for run in runs:
+        for i, run in enumerate(runs):  # a run keeps its colour in every panel, logged there or not
             steps, values = series(run, metric)
             if values:
-                ax.plot(steps, values, marker="o" if len(values) < 8 else None, label=run.name)
+                ax.plot(steps, values, marker="o" if len(values) < 8 else None, label=run.name, color=f"C{i % 10}")
                 print(f"{run.name:32s} {metric:28s} {values[0]:9.4f} -> {values[-1]:9.4f}  ({len(values)} points)")
         ax.set_title(metric)
         ax.set_xlabel("step")
