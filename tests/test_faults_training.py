@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import child_env as clean_env
 
 from core import checkpoint, models
 from core import engine as ds_engine
@@ -108,10 +109,6 @@ def test_export_and_checkpoint_refuse_non_finite_weights(tiny_path, tokenizer, t
 
 
 # ---------------------------------------------------------------------------------------------- script level
-def clean_env() -> dict:
-    """A child process's environment, without the torch.distributed variables in-process tests set."""
-    dist_vars = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    return {k: v for k, v in os.environ.items() if k not in dist_vars} | {"TOKENIZERS_PARALLELISM": "false"}
 
 
 def small_args(module: str, tmp_path: Path, **train):
@@ -310,7 +307,6 @@ def test_a_stale_deepspeed_build_lock_is_removed_and_a_fresh_one_kept(tmp_path, 
     """A process killed while DeepSpeed JIT-builds its CPU shm op leaves torch's baton file; every later
     `init_distributed` would wait on it forever. An old one is removed with a message naming it; a fresh one (a build
     in progress) is left alone."""
-    import os
     import time
 
     from core.engine import clear_stale_build_lock

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import child_env as clean_env
 
 from algos.sft import Args, main
 from core import embedded, models
@@ -35,11 +36,6 @@ def small_args(tmp_path: Path, **train) -> Args:
     return args
 
 
-def clean_env() -> dict:
-    """The environment for a child process: without the torch.distributed variables that in-process tests set
-    (a child would otherwise try to join this process's world)."""
-    dist_vars = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-    return {k: v for k, v in os.environ.items() if k not in dist_vars} | {"TOKENIZERS_PARALLELISM": "false"}
 
 
 def metrics(run_dir) -> list[dict]:
