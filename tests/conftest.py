@@ -256,3 +256,17 @@ def ray_log_tail(address: str, lines: int = 25) -> str:
             tail = path.read_text(errors="replace").splitlines()[-lines:]
             out.append(f"--- {path.name}\n" + "\n".join(tail))
     return "\n".join(out) or f"no Ray logs under {logs}"
+
+
+# Parallel runs (README command (2): `pytest -n 2 --dist loadgroup`, pytest-xdist). Each test module runs whole on
+# one worker, so a module's fixtures (an in-process vLLM engine, a warm-start model trained once) are built once, not
+# once per worker. Modules that start Ray nodes with `ray start` on fixed addresses (127.0.0.2/3, fixed GCS ports,
+# the head's default client and agent ports) share one group so they never run at the same time.
+RAY_NODES_GROUP = "ray-nodes"
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
+def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(item.module.__name__))

@@ -10,9 +10,9 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import ray_nodes
+from conftest import RAY_NODES_GROUP, ray_nodes
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group(RAY_NODES_GROUP)]
 ROOT = Path(__file__).resolve().parents[1]
 PORT = 6395
 

@@ -14,11 +14,12 @@ import time
 
 import pytest
 import torch
-from conftest import in_process_engines, ray_log_tail, ray_nodes
+from conftest import RAY_NODES_GROUP, in_process_engines, ray_log_tail, ray_nodes
 
 from core import rollout
 from core.rl_math import logprobs_from_logits
 
+pytestmark = pytest.mark.xdist_group(RAY_NODES_GROUP)  # one test starts a Ray node with `ray start`
 ATOL = 1e-4  # fp32 engine vs fp32 HF on CPU: max |diff| measured ~1e-6 (tied-embedding lm_head included)
 
 

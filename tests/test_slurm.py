@@ -11,11 +11,12 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import RAY_NODES_GROUP
 
 from core import checkpoint, models
 from core.config import ModelConfig
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.xdist_group(RAY_NODES_GROUP)]
 ROOT = Path(__file__).resolve().parents[1]
 
 
