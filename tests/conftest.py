@@ -2,7 +2,14 @@
 2-core machine), and the embedded tiny model.
 
 The embedded artifacts are built in the user's normal cache ($CLEANRLHF_HOME, default ~/.cache/cleanrlhf), so CI
-and repeated runs build them once.
+and repeated runs build them once (under a file lock: two workers may ask at once).
+
+The full suite runs on two pytest-xdist workers, a test file per worker (`-n 2 --dist loadfile`, README command
+(2)): a module's fixtures (an in-process vLLM engine, a model trained once) are built once, and while one worker waits
+on Ray actors or a subprocess the other computes. Tests that listen on fixed addresses keep to their own: the SLURM
+cluster on 127.0.0.2/.3 (tests/slurm_cluster.py), the two-node Ray test on 127.0.0.4/.5, `ray_nodes` heads on free
+ports. (`--dist loadgroup` would have let files share a worker, but under pytest 9.2 its groups have no effect:
+xdist 3.8 marks a test's group by rewriting `item._nodeid`, which pytest 9 no longer reads.)
 """
 
 import contextlib
@@ -204,6 +211,8 @@ def ray_nodes(ips: list[str], port: int, num_cpus: int, object_store_bytes: int,
     import time
     from pathlib import Path
 
+    from core.engine import free_port
+
     ray_cli, address = str(Path(sys.executable).with_name("ray")), f"{ips[0]}:{port}"
     # Not what earlier tests left in this process's environment (a process group's RANK and MASTER_PORT, an in-process
     # vLLM's settings): the nodes' workers would inherit it.
@@ -221,7 +230,12 @@ def ray_nodes(ips: list[str], port: int, num_cpus: int, object_store_bytes: int,
     try:
         deadline = time.time() + 120
         for i, ip in enumerate(ips):
-            where = ["--head", "--port", str(port)] if i == 0 else ["--address", address]
+            # A head's other listening ports are its own too, not Ray's defaults (the client server's 10001, the
+            # dashboard agent's 52365): a SLURM job's Ray head on this machine may hold those while the suite runs
+            # on two workers (README command (2)); no dashboard.
+            own = ["--ray-client-server-port", str(free_port()), "--dashboard-agent-listen-port", str(free_port()),
+                   "--include-dashboard", "false"]  # fmt: skip
+            where = ["--head", "--port", str(port), *own] if i == 0 else ["--address", address]
             procs.append(subprocess.Popen([ray_cli, "start", *where, "--node-ip-address", ip, *common], env=env,
                                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))  # fmt: skip
             while True:
@@ -256,17 +270,3 @@ def ray_log_tail(address: str, lines: int = 25) -> str:
             tail = path.read_text(errors="replace").splitlines()[-lines:]
             out.append(f"--- {path.name}\n" + "\n".join(tail))
     return "\n".join(out) or f"no Ray logs under {logs}"
-
-
-# Parallel runs (README command (2): `pytest -n 2 --dist loadgroup`, pytest-xdist). Each test module runs whole on
-# one worker, so a module's fixtures (an in-process vLLM engine, a warm-start model trained once) are built once, not
-# once per worker. Modules that start Ray nodes with `ray start` on fixed addresses (127.0.0.2/3, fixed GCS ports,
-# the head's default client and agent ports) share one group so they never run at the same time.
-RAY_NODES_GROUP = "ray-nodes"
-
-
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
-def pytest_collection_modifyitems(config, items):
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(item.module.__name__))

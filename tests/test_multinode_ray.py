@@ -1,4 +1,4 @@
-"""Two Ray nodes on this machine without SLURM (a head on 127.0.0.2, a worker on 127.0.0.3, each `ray start
+"""Two Ray nodes on this machine without SLURM (a head on 127.0.0.4, a worker on 127.0.0.5, each `ray start
 --block` started and stopped by PID here): GRPO joins the cluster with `--ray.address`, its two ZeRO-3 ranks and two
 engines placed STRICT_SPREAD (one bundle per node, or Ray refuses), so rank 0 syncs weights to an engine on the
 other node, checked by `--debug` after every sync."""
@@ -10,16 +10,18 @@ import sys
 from pathlib import Path
 
 import pytest
-from conftest import RAY_NODES_GROUP, ray_nodes
+from conftest import ray_nodes
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group(RAY_NODES_GROUP)]
+pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
-PORT = 6395
 
 
 @pytest.fixture
 def two_nodes():
-    with ray_nodes(["127.0.0.2", "127.0.0.3"], PORT, 4, 200000000) as address:
+    from core.engine import free_port
+
+    # addresses and a port of its own: the SLURM tests' nodes are 127.0.0.2 and .3, and the suite runs on two workers
+    with ray_nodes(["127.0.0.4", "127.0.0.5"], free_port(), 4, 200000000) as address:
         yield address
 
 
@@ -34,5 +36,5 @@ def test_grpo_ranks_and_engines_on_two_ray_nodes(two_nodes, tmp_path):
     out = proc.stdout + proc.stderr
     assert proc.returncode == 0, out[-3000:]
     # actors ran on the second node: Ray prefixes their lines with it (library lines: in the run's log, core/noise.py)
-    assert "ip=127.0.0.3" in out + (run_dir / "run.log").read_text()
+    assert "ip=127.0.0.5" in out + (run_dir / "run.log").read_text()
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == 3

@@ -14,12 +14,11 @@ import time
 
 import pytest
 import torch
-from conftest import RAY_NODES_GROUP, in_process_engines, ray_log_tail, ray_nodes
+from conftest import in_process_engines, ray_log_tail, ray_nodes
 
 from core import rollout
 from core.rl_math import logprobs_from_logits
 
-pytestmark = pytest.mark.xdist_group(RAY_NODES_GROUP)  # one test starts a Ray node with `ray start`
 ATOL = 1e-4  # fp32 engine vs fp32 HF on CPU: max |diff| measured ~1e-6 (tied-embedding lm_head included)
 
 
@@ -376,7 +375,7 @@ def ray_cluster():
 
     from core.engine import free_port
 
-    with ray_nodes(["127.0.0.1"], free_port(), 2, 100 * 2**20, ("--include-dashboard", "false")) as address:
+    with ray_nodes(["127.0.0.1"], free_port(), 2, 100 * 2**20) as address:
         ray.init(address=address, log_to_driver=False)
 
         class Probe:  # defined here so that Ray ships it by value

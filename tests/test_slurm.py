@@ -11,12 +11,11 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import RAY_NODES_GROUP
 
 from core import checkpoint, models
 from core.config import ModelConfig
 
-pytestmark = [pytest.mark.slow, pytest.mark.xdist_group(RAY_NODES_GROUP)]
+pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 
 
