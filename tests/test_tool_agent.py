@@ -1,6 +1,8 @@
 """The calculator agent (agents/examples/calculator_agent.py): the tool and its protocol, the task and demonstrations,
 and (slow) tool use that learns: after a short SFT on demonstrations where a quarter of the first answers are calls,
-GRPO through the agent raises both the tool-call rate and the reward on 2-digit multiplication."""
+GRPO through the agent raises both the tool-call rate and the reward on 2-digit multiplication. And the SFT
+demonstrations of the native tool-call agent (agents/examples/calculator_tools_agent.py): their prompts are the ones
+the agent server builds, token for token."""
 
 from __future__ import annotations
 
@@ -12,8 +14,9 @@ from types import SimpleNamespace
 import pytest
 
 from agents.examples import calculator_agent as calc
+from agents.examples import calculator_tools_agent as tools
 
-EXAMPLE = Path(calc.__file__)
+EXAMPLE, TOOLS_EXAMPLE = Path(calc.__file__), Path(tools.__file__)
 
 
 @pytest.mark.parametrize(
@@ -79,6 +82,50 @@ def test_the_agent_rewards_the_final_answer_with_or_without_a_call(texts, reward
     assert len(client.prompts) == calls and client.prompts[0] == "37*05="
     if calls == 2:  # the second prompt continues the first call's exchange with the calculator's result
         assert client.prompts[1] == calc.follow_up("37*05=", texts[0])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Native tool calls: agents/examples/calculator_tools_agent.py's demonstrations for cleanrlhf/tiny-chat
+
+
+def test_tool_demonstrations_are_the_prompts_the_server_builds_and_the_tokens_it_records():
+    """The SFT demonstrations of the tool-calling agent must be what the agent server shows the model at RL time: a
+    stand-in engine answers each turn with the demonstration's answer (canonical token ids), and every prompt it is
+    given is the demonstration's prompt tokenized whole, so the SFT model trains on the RL prompts token for token."""
+    from agents.openai_agent import OpenAIAgentExecutor
+    from core import embedded, models
+    from core.rollout import Sample
+
+    tok = models.load_tokenizer(str(embedded.ensure_tiny_chat()))
+    train, _ = calc.task_rows()
+    rows = train[:3]
+    demos = tools.demonstrations(tok, rows, tool_share=1.0)
+    by_prompt = {d["prompt"]: d["answer"] for d in demos}
+    assert len(demos) == 6 and sum(d["answer"].startswith("<tool_call>") for d in demos) == 3  # every first answer
+    seen = []
+
+    class Engine:
+        def generate(self, prompts, n=1, max_new_tokens=8, temperature=1.0, top_p=1.0, seed=None):
+            out = []
+            for p in prompts:
+                text = tok.decode(p)
+                seen.append((list(p), text))
+                ids = tok(by_prompt[text], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]
+                out.append([Sample(ids, [-0.1] * len(ids), "stop", False)])
+            return out
+
+    ex = OpenAIAgentExecutor(Engine(), tok, str(TOOLS_EXAMPLE), "cleanrlhf/tiny-chat", max_new_tokens=128,
+                             max_context=1024)  # fmt: skip
+    try:
+        examples = [{"prompt": r["prompt"], "prompt_ids": [], "label": r["answer"], "datasource": "mul2"} for r in rows]
+        rollout = ex.run(examples, 1, [0, 1, 2], 0)
+    finally:
+        ex.close()
+    assert rollout.logs["rollout/agent_errors"] == 0 and rollout.logs["rollout/agent_tool_calls_mean"] == 1
+    assert rollout.rewards.tolist() == [1.0, 1.0, 1.0]
+    assert len(seen) == 6 and {text for _, text in seen} == set(by_prompt)
+    for ids, text in seen:  # the prompt ids the server built (the first turn's sampled ids reused) = text tokenized
+        assert ids == tok(text, add_special_tokens=False)["input_ids"], text[-80:]
 
 
 @pytest.mark.slow

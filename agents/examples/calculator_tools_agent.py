@@ -8,18 +8,34 @@ run by the calculator (`a op b`, op in + - *) and its result sent back as a `too
 gives the final answer. An answer without tool calls is the final answer. The reward is `rewards.arithmetic.score` of
 the final answer's text.
 
-What it is for: `tests/benchmarks/bench_agents.py --parts tools` uses it to time the server's path with tools
-rendered into the prompt (the Hermes layout, for a template that ignores `tools`) and the answer streamed. The
-benchmark runs it on `cleanrlhf/tiny-chat`, a random untrained model that almost never writes a well-formed
-`<tool_call>`: nearly every episode there is one streamed call, and the tool branch is the code path of a trained
-chat model (e.g. Qwen2.5-Instruct), not what the benchmark's numbers measure.
+SFT demonstrations for a model that has never seen a tool call (`demonstrations`): each question's first answer is a
+Hermes tool call with the question's expression (with probability `tool_share`) or an attempt in the head, and
+every call is followed by the turn that copies the calculator's result. The prompts are rendered exactly as the
+agent server renders them for a template that ignores `tools` (`render_turns`: the tool list in the Hermes layout
+in a system turn, results in `<tool_response>` blocks of a user turn; tests/test_tool_agent.py checks it token for
+token), so an SFT model sees at RL time what it was trained on:
+
+    python agents/examples/calculator_tools_agent.py --out runs/calc-tools    # writes the task and the SFT data
+
+The embedded `cleanrlhf/tiny-chat` (~0.1 M parameters) learns the call's layout from them but not yet the copies
+(of the question's expression into the call, of the result into the answer), so GRPO has nothing to reinforce
+there: docs/agents.md ("Native tool calls on tiny-chat") has the runs.
+
+It is also the agent of `tests/benchmarks/bench_agents.py --parts tools`, which times the server's path with tools
+rendered into the prompt and every answer streamed on the untrained `cleanrlhf/tiny-chat`: there nearly every
+episode is one streamed call, since a random model almost never writes a well-formed call.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
+import random
 import re
+from pathlib import Path
 
+from agents.examples.calculator_agent import task_rows, write_jsonl
+from agents.openai_server import hermes_call_text, hermes_tools_prompt, render_chat
 from rewards.arithmetic import score
 
 CALCULATOR = {"type": "function", "function": {
@@ -78,3 +94,64 @@ async def agent(client, example: dict) -> float:
         )
     content, _ = await streamed_turn(client, messages)  # the final answer (more calls are not followed)
     return score(content, example["label"])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The SFT demonstrations: the agent's two turns, rendered as the server renders them
+
+
+def render_turns(tokenizer, question: str, call: str | None = None, result: str | None = None) -> str:
+    """The prompt text the agent server builds for `tokenizer` (a chat template that ignores `tools`, such as
+    `cleanrlhf/tiny-chat`'s) at this agent's first turn (`call` None) or, after the model wrote the tool call `call`
+    and the calculator answered `result`, at its second: the `CALCULATOR` list in the Hermes layout as the system
+    turn, the question, then the model's call as its own turn and the result as a `<tool_response>` in a user turn."""
+    messages = [{"role": "system", "content": hermes_tools_prompt([CALCULATOR])}, {"role": "user", "content": question}]
+    if call is not None:
+        messages += [{"role": "assistant", "content": call},
+                     {"role": "user", "content": f"<tool_response>\n{result}\n</tool_response>"}]  # fmt: skip
+    return render_chat(tokenizer, messages)
+
+
+def demonstrations(tokenizer, rows: list[dict], tool_share: float, seed: int = 0) -> list[dict]:
+    """SFT rows (`prompt` text as rendered by `render_turns`, `answer`) from the calculator task's rows: for each
+    question one first answer, a Hermes call of `calculator` on the question's expression with probability
+    `tool_share` and the product (an attempt in the head) otherwise, and the second turn after such a call, whose
+    answer copies the calculator's result. The first answers set how often the SFT model calls; the copies teach it
+    to use the result."""
+    rng = random.Random(seed)
+    out = []
+    for row in rows:
+        question = row["prompt"]
+        call = hermes_call_text(CALCULATOR["function"]["name"], {"expression": question.rstrip("=")})
+        first = call if rng.random() < tool_share else row["answer"]
+        out.append({"prompt": render_turns(tokenizer, question), "answer": first})
+        result = calculate(json.dumps({"expression": question.rstrip("=")}))
+        out.append({"prompt": render_turns(tokenizer, question, call, result), "answer": result})
+    rng.shuffle(out)
+    return out
+
+
+def write_data(out: Path, tokenizer, tool_share: float = 0.25, seed: int = 0) -> tuple[Path, Path]:
+    """`out/mul2/{train,test}.jsonl` (the RL task: `37*05=` -> `0185`) and `out/sft/{train,test}.jsonl` (the
+    demonstrations, rendered for `tokenizer`)."""
+    train, test = task_rows(seed)
+    write_jsonl(out / "mul2" / "train.jsonl", train)
+    write_jsonl(out / "mul2" / "test.jsonl", test)
+    write_jsonl(out / "sft" / "train.jsonl", demonstrations(tokenizer, train, tool_share, seed))
+    write_jsonl(out / "sft" / "test.jsonl", demonstrations(tokenizer, test, tool_share, seed + 1))
+    return out / "mul2", out / "sft"
+
+
+if __name__ == "__main__":
+    from core import models
+    from core.embedded import resolve_model
+
+    ap = argparse.ArgumentParser(
+        description="write the tool-calling calculator task's data: the RL task and the SFT demonstrations"
+    )
+    ap.add_argument("--out", default="runs/calc-tools")
+    ap.add_argument("--model", default="cleanrlhf/tiny-chat", help="the chat model the demonstrations are rendered for")
+    ap.add_argument("--tool-share", type=float, default=0.25, help="share of SFT first answers that are calls")
+    opts = ap.parse_args()
+    task, sft = write_data(Path(opts.out), models.load_tokenizer(resolve_model(opts.model)), opts.tool_share)
+    print(f"data: {task} (RL task), {sft} (SFT demonstrations for {opts.model})")
