@@ -126,6 +126,17 @@ def test_tool_demonstrations_are_the_prompts_the_server_builds_and_the_tokens_it
     assert len(seen) == 6 and {text for _, text in seen} == set(by_prompt)
     for ids, text in seen:  # the prompt ids the server built (the first turn's sampled ids reused) = text tokenized
         assert ids == tok(text, add_special_tokens=False)["input_ids"], text[-80:]
+    # stage 1's short prompts: the same turns without the tool list (the template's default system turn instead)
+    short = tools.demonstrations(tok, rows, tool_share=1.0, tools=False)
+    assert sorted(d["answer"] for d in short) == sorted(d["answer"] for d in demos)
+    for d in short:
+        assert "<tools>" not in d["prompt"] and d["prompt"].startswith("<|im_start|>system\nYou are a helpful")
+        full = next(
+            p
+            for p, a in by_prompt.items()
+            if a == d["answer"] and p.count("<|im_start|>") == d["prompt"].count("<|im_start|>")
+        )
+        assert full.split("<|im_end|>\n", 1)[1] == d["prompt"].split("<|im_end|>\n", 1)[1]  # after the system turn
 
 
 @pytest.mark.slow

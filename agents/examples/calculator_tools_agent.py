@@ -100,46 +100,63 @@ async def agent(client, example: dict) -> float:
 # The SFT demonstrations: the agent's two turns, rendered as the server renders them
 
 
-def render_turns(tokenizer, question: str, call: str | None = None, result: str | None = None) -> str:
+def render_turns(
+    tokenizer, question: str, call: str | None = None, result: str | None = None, tools: bool = True
+) -> str:
     """The prompt text the agent server builds for `tokenizer` (a chat template that ignores `tools`, such as
     `cleanrlhf/tiny-chat`'s) at this agent's first turn (`call` None) or, after the model wrote the tool call `call`
     and the calculator answered `result`, at its second: the `CALCULATOR` list in the Hermes layout as the system
-    turn, the question, then the model's call as its own turn and the result as a `<tool_response>` in a user turn."""
-    messages = [{"role": "system", "content": hermes_tools_prompt([CALCULATOR])}, {"role": "user", "content": question}]
+    turn, the question, then the model's call as its own turn and the result as a `<tool_response>` in a user turn.
+    `tools=False` leaves the tool list out (the template's default system turn instead): the short prompts of the
+    first SFT stage."""
+    system = [{"role": "system", "content": hermes_tools_prompt([CALCULATOR])}] if tools else []
+    messages = system + [{"role": "user", "content": question}]
     if call is not None:
         messages += [{"role": "assistant", "content": call},
                      {"role": "user", "content": f"<tool_response>\n{result}\n</tool_response>"}]  # fmt: skip
     return render_chat(tokenizer, messages)
 
 
-def demonstrations(tokenizer, rows: list[dict], tool_share: float, seed: int = 0) -> list[dict]:
+def demonstrations(tokenizer, rows: list[dict], tool_share: float, seed: int = 0, tools: bool = True) -> list[dict]:
     """SFT rows (`prompt` text as rendered by `render_turns`, `answer`) from the calculator task's rows: for each
     question one first answer, a Hermes call of `calculator` on the question's expression with probability
     `tool_share` and the product (an attempt in the head) otherwise, and the second turn after such a call, whose
     answer copies the calculator's result. The first answers set how often the SFT model calls; the copies teach it
-    to use the result."""
+    to use the result. `tools=False`: the prompts without the tool list."""
     rng = random.Random(seed)
     out = []
     for row in rows:
         question = row["prompt"]
         call = hermes_call_text(CALCULATOR["function"]["name"], {"expression": question.rstrip("=")})
         first = call if rng.random() < tool_share else row["answer"]
-        out.append({"prompt": render_turns(tokenizer, question), "answer": first})
+        out.append({"prompt": render_turns(tokenizer, question, tools=tools), "answer": first})
         result = calculate(json.dumps({"expression": question.rstrip("=")}))
-        out.append({"prompt": render_turns(tokenizer, question, call, result), "answer": result})
+        out.append({"prompt": render_turns(tokenizer, question, call, result, tools), "answer": result})
     rng.shuffle(out)
     return out
 
 
-def write_data(out: Path, tokenizer, tool_share: float = 0.25, seed: int = 0) -> tuple[Path, Path]:
-    """`out/mul2/{train,test}.jsonl` (the RL task: `37*05=` -> `0185`) and `out/sft/{train,test}.jsonl` (the
-    demonstrations, rendered for `tokenizer`)."""
+def write_data(out: Path, tokenizer, tool_share: float = 0.5, seed: int = 0) -> tuple[Path, Path, Path]:
+    """`out/mul2/{train,test}.jsonl` (the RL task: `37*05=` -> `0185`), `out/sft-short/` (the demonstrations without
+    the tool list: SFT stage 1) and `out/sft/` (as the server renders them: stage 2), rendered for `tokenizer`."""
     train, test = task_rows(seed)
     write_jsonl(out / "mul2" / "train.jsonl", train)
     write_jsonl(out / "mul2" / "test.jsonl", test)
-    write_jsonl(out / "sft" / "train.jsonl", demonstrations(tokenizer, train, tool_share, seed))
-    write_jsonl(out / "sft" / "test.jsonl", demonstrations(tokenizer, test, tool_share, seed + 1))
-    return out / "mul2", out / "sft"
+    for name, tools in (("sft-short", False), ("sft", True)):
+        write_jsonl(out / name / "train.jsonl", demonstrations(tokenizer, train, tool_share, seed, tools))
+        write_jsonl(out / name / "test.jsonl", demonstrations(tokenizer, test, tool_share, seed + 1, tools))
+    return out / "mul2", out / "sft-short", out / "sft"
+
+
+# The recipe (docs/agents.md, "Native tool calls on tiny-chat"): the copies form within the short prompts, then carry
+# over to the ~500-token prompts with the tool list; a call and its answer are ~80 tokens, far above the task's 8.
+STAGE1_FLAGS = ("--train.max-steps 1000 --train.lr 3e-3 --train.min-lr-ratio 0.5 --train.batch-size 32 "
+                "--train.warmup-steps 0 --eval.every 200 --eval.max-samples 64 --eval.no-generate")  # fmt: skip
+STAGE2_FLAGS = ("--train.max-steps 800 --train.lr 1e-3 --train.min-lr-ratio 0.5 --train.batch-size 32 "
+                "--train.warmup-steps 0 --train.pack-row-len 640 --eval.every 200 --eval.max-samples 64 "
+                "--eval.no-generate")  # fmt: skip
+GRPO_FLAGS = ("--rollout.max-new-tokens 96 --rollout.batch-size 16 --train.max-steps 20 --eval.every 5 "
+              "--eval.max-samples 64")  # fmt: skip
 
 
 if __name__ == "__main__":
@@ -147,11 +164,18 @@ if __name__ == "__main__":
     from core.embedded import resolve_model
 
     ap = argparse.ArgumentParser(
-        description="write the tool-calling calculator task's data: the RL task and the SFT demonstrations"
+        description="write the tool-calling calculator task's data and print the three commands that train on it"
     )
     ap.add_argument("--out", default="runs/calc-tools")
     ap.add_argument("--model", default="cleanrlhf/tiny-chat", help="the chat model the demonstrations are rendered for")
-    ap.add_argument("--tool-share", type=float, default=0.25, help="share of SFT first answers that are calls")
+    ap.add_argument("--tool-share", type=float, default=0.5, help="share of SFT first answers that are calls")
     opts = ap.parse_args()
-    task, sft = write_data(Path(opts.out), models.load_tokenizer(resolve_model(opts.model)), opts.tool_share)
-    print(f"data: {task} (RL task), {sft} (SFT demonstrations for {opts.model})")
+    task, short, sft = write_data(Path(opts.out), models.load_tokenizer(resolve_model(opts.model)), opts.tool_share)
+    print(f"data: {task} (RL task), {short} and {sft} (SFT demonstrations for {opts.model})\n")
+    o = opts.out
+    print(f"python algos/sft.py --model.name-or-path {opts.model} --data.path {short} {STAGE1_FLAGS} "
+          f"--export-dir {o}/sft1-model --run-dir {o}/sft1-run")  # fmt: skip
+    print(f"python algos/sft.py --model.name-or-path {o}/sft1-model --data.path {sft} {STAGE2_FLAGS} "
+          f"--export-dir {o}/sft2-model --run-dir {o}/sft2-run")  # fmt: skip
+    print(f"python algos/grpo.py --actor.model.name-or-path {o}/sft2-model --data.path {task} "
+          f"--rollout.agent-file agents/examples/calculator_tools_agent.py {GRPO_FLAGS} --run-dir {o}/grpo-run")  # fmt: skip
