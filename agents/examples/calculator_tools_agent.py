@@ -126,11 +126,11 @@ def demonstrations(tokenizer, rows: list[dict], tool_share: float, seed: int = 0
     rng = random.Random(seed)
     out = []
     for row in rows:
-        question = row["prompt"]
-        call = hermes_call_text(CALCULATOR["function"]["name"], {"expression": question.rstrip("=")})
+        question, arguments = row["prompt"], {"expression": row["prompt"].rstrip("=")}
+        call = hermes_call_text(CALCULATOR["function"]["name"], arguments)
         first = call if rng.random() < tool_share else row["answer"]
         out.append({"prompt": render_turns(tokenizer, question, tools=tools), "answer": first})
-        result = calculate(json.dumps({"expression": question.rstrip("=")}))
+        result = calculate(json.dumps(arguments))  # the tool as the agent runs it: on the call's JSON arguments
         out.append({"prompt": render_turns(tokenizer, question, call, result, tools), "answer": result})
     rng.shuffle(out)
     return out
