@@ -7,6 +7,7 @@ MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE/LOCAL_RANK themselves.
 
 from __future__ import annotations
 
+import atexit
 import math
 import os
 import re
@@ -64,6 +65,17 @@ def clear_stale_build_lock(name: str = "deepspeed_shm_comm", max_age_s: float = 
     return lock
 
 
+def _destroy_world() -> None:
+    """At exit, release the world while the interpreter is whole. Left to interpreter finalization, gloo's worker
+    threads can still hold work whose tensors need the GIL, and a rank dies with SIGABRT ("terminate called without
+    an active exception") after its last line ran: a finished `torchrun` job then fails."""
+    if dist.is_available() and dist.is_initialized():
+        try:
+            dist.destroy_process_group()
+        except Exception as e:  # exiting anyway: say so, do not mask the exit status
+            print(f"[cleanrlhf] destroy_process_group at exit: {e}", file=sys.stderr, flush=True)
+
+
 def init_distributed(backend: str = "auto", timeout_s: int = 600) -> tuple[int, int, torch.device]:
     """Join (or create, for a plain `python` run) the torch.distributed world; returns (rank, world_size, device).
 
@@ -97,6 +109,8 @@ def init_distributed(backend: str = "auto", timeout_s: int = 600) -> tuple[int, 
         if not dist.is_initialized() and not torch.cuda.is_available():
             clear_stale_build_lock()
         deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(seconds=timeout_s), auto_mpi_discovery=False)
+    atexit.unregister(_destroy_world)  # once, however many times a process (re)joins a world
+    atexit.register(_destroy_world)
     device = torch.device("cuda", local_rank) if torch.cuda.is_available() else torch.device("cpu")
     return dist.get_rank(), dist.get_world_size(), device
 

@@ -303,6 +303,28 @@ def test_two_ranks_agree_on_the_gradient_norm_and_both_stop(tiny_path, tmp_path)
     assert norms["0"] == pytest.approx(norms["2"], rel=1e-5) and norms["0"] == pytest.approx(norms["3"], rel=1e-5)
 
 
+def test_the_world_is_released_before_the_interpreter_finalizes(tmp_path):
+    """Left to interpreter finalization, gloo's worker threads can abort a rank with SIGABRT after its last line ran
+    ("terminate called without an active exception": a finished two-rank job failed that way). `init_distributed`
+    registers the release at exit: a handler that runs after it sees no world, and the process exits 0."""
+    script = tmp_path / "world.py"
+    script.write_text(
+        "import atexit, sys\n"
+        f"sys.path.insert(0, {str(REPO)!r})\n"
+        "import torch.distributed as dist\n"
+        "atexit.register(lambda: print('world at exit:', dist.is_initialized(), flush=True))  # runs last (LIFO)\n"
+        "from core import engine\n"
+        "engine.init_distributed('gloo')\n"
+        "engine.init_distributed('gloo')  # joined twice: released once, no error\n"
+        "print('world in main:', dist.is_initialized(), flush=True)\n"
+    )
+    proc = subprocess.run([sys.executable, str(script)], cwd=REPO, env=clean_env(), capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "world in main: True" in proc.stdout and "world at exit: False" in proc.stdout, proc.stdout
+    assert "destroy_process_group at exit" not in proc.stderr, proc.stderr[-2000:]
+
+
 def test_a_stale_deepspeed_build_lock_is_removed_and_a_fresh_one_kept(tmp_path, monkeypatch, capsys):
     """A process killed while DeepSpeed JIT-builds its CPU shm op leaves torch's baton file; every later
     `init_distributed` would wait on it forever. An old one is removed with a message naming it; a fresh one (a build
