@@ -153,7 +153,7 @@ def micro_batches(examples: list[dict], args: Args, pad_id: int, device) -> list
         return [vision.collate(examples[i : i + step], pad_id, device) for i in range(0, len(examples), step)]
     if args.train.packing:
         row_len = args.train.pack_row_len
-        if row_len is None and not args.model.attn_implementation.startswith("flash"):
+        if row_len is None and not models.packs_in_one_row(args.model.attn_implementation):
             row_len = 2 * max(len(ex["input_ids"]) for ex in examples)
         groups = packing.pack(examples, args.train.max_tokens_per_micro)
         return [packing.collate_packed(g, device, row_len) for g in groups]

@@ -37,8 +37,9 @@ class ModelConfig:
     dtype: Literal["auto", "bf16", "fp32"] = "auto"
     """parameter and compute dtype: `auto` is bf16 on GPU and fp32 on CPU."""
     attn_implementation: str = "auto"
-    """transformers attention backend: `sdpa`, `eager`, `flash_attention_2` (GPU), or `auto`: eager for bf16 on
-    CPU (torch's bf16 sdpa kernels are slower there than eager's matmuls; see README, Benchmarks), else sdpa."""
+    """transformers attention backend: `sdpa`, `eager`, `flash_attention_2` or `flex_attention` (GPU; packed
+    samples kept apart without a dense mask, so a micro-batch packs into one row), or `auto`: eager for bf16 on CPU
+    (torch's bf16 sdpa kernels are slower there than eager's matmuls; see README, Benchmarks), else sdpa."""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass to save memory."""
     lora_rank: int = 0

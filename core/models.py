@@ -22,11 +22,25 @@ def torch_dtype(dtype: str) -> torch.dtype:
     return {"bf16": torch.bfloat16, "fp32": torch.float32}[dtype]
 
 
+def packs_in_one_row(name: str) -> bool:
+    """Whether attention backend `name` keeps packed samples apart without a dense (L, L) mask, so a micro-batch is
+    best packed into one row: flash-attention's varlen kernels, and FlexAttention's block mask (transformers builds it
+    from the restarting `position_ids`; blocks across samples are skipped). sdpa and eager get a block-diagonal dense
+    mask, whose cost is quadratic in the row: their rows are kept short."""
+    return name.startswith(("flash", "flex"))
+
+
 def attn_implementation(name: str, dtype: torch.dtype) -> str:
     """The transformers attention backend for `--model.attn-implementation name`: `auto` is eager for bf16 without
     CUDA and sdpa otherwise; any other name is returned as given. On a CPU with AVX-512 bf16, torch 2.13's bf16
     flash-attention kernel (the backward pass above all) ran 2-4x slower than the fp32 one on these short rows,
-    so bf16 training through sdpa was slower than fp32, while eager attention's bf16 matmuls are fast."""
+    so bf16 training through sdpa was slower than fp32, while eager attention's bf16 matmuls are fast.
+    `flex_attention` (torch's FlexAttention, compiled on first use) needs CUDA: torch 2.13 has no backward pass for it
+    on CPU, so it is refused there with this message instead of failing in the first backward."""
+    if name == "flex_attention" and not torch.cuda.is_available():
+        raise ValueError("--model.attn-implementation flex_attention: FlexAttention has no backward pass on CPU in "
+                         f"torch {torch.__version__} (forward only), so nothing could train; use sdpa or eager on "
+                         "CPU, flex_attention or flash_attention_2 on a GPU")  # fmt: skip
     if name != "auto":
         return name
     return "eager" if dtype == torch.bfloat16 and not torch.cuda.is_available() else "sdpa"

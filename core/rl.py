@@ -537,7 +537,7 @@ def model_inputs(model, batch: dict) -> tuple[dict, torch.Tensor]:
     """The forward inputs for a (b, L) table of `sequences`, and `index` (b, L): where token (b, t)'s output lands
     in the forward's flattened (R · W) output, −1 at padding. Packed (default): the real tokens only, in rows
     (core.packing.pack_padded) of twice the longest sequence for sdpa/eager attention (whose block-diagonal mask
-    costs O(row length²)), one row for flash-attention's varlen kernels. Unpacked: the padded table itself."""
+    costs O(row length²)), one row for flash-attention's varlen kernels and FlexAttention's block mask. Unpacked: the padded table itself."""
     lengths = batch["attention_mask"].sum(1).tolist()
     if not batch.get("packed", True) or batch.get("pixel_values") is not None:  # pictures: multimodal RoPE, padded
         width = batch["input_ids"].shape[1]
@@ -546,8 +546,8 @@ def model_inputs(model, batch: dict) -> tuple[dict, torch.Tensor]:
         inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
         return {**inputs, **vision.model_kwargs(batch)}, index
     config = getattr(getattr(model, "module", model), "config", None)
-    flash = str(getattr(config, "_attn_implementation", "")).startswith("flash")
-    packed = packing.pack_padded(batch["input_ids"], lengths, None if flash else 2 * max(lengths))
+    one_row = models.packs_in_one_row(str(getattr(config, "_attn_implementation", "")))
+    packed = packing.pack_padded(batch["input_ids"], lengths, None if one_row else 2 * max(lengths))
     return {"input_ids": packed["input_ids"], "position_ids": packed["position_ids"]}, packed["index"]
 
 

@@ -186,6 +186,33 @@ def test_packed_equals_padded_on_cuda(tiny_path, dtype, tol):
 
 
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 0.1)])
+def test_flex_attention_packed_one_row_equals_padded_sdpa_with_gradients_on_cuda(tiny_path, dtype, tol):
+    """`--model.attn-implementation flex_attention` on CUDA: a micro-batch packed into one row (the layout sft.py and
+    the RL scripts give it, `models.packs_in_one_row`) gives the padded sdpa forward's log-probs, and the SFT loss's
+    gradients agree (fp32: within 1e-4 of the largest gradient; bf16 log-probs within its rounding, gradients not
+    compared: two kernels' bf16 roundings)."""
+    from transformers import AutoModelForCausalLM
+
+    from core import packing
+
+    flex = AutoModelForCausalLM.from_pretrained(tiny_path, dtype=dtype, attn_implementation="flex_attention").cuda()
+    sdpa = AutoModelForCausalLM.from_pretrained(tiny_path, dtype=dtype, attn_implementation="sdpa").cuda()
+    examples = random_examples(3, n=16)
+    packed = packing.collate_packed(examples, device="cuda")
+    padded = packing.collate_padded(examples, 0, device="cuda")
+    lp_flex = packing.token_logprobs(flex, packed)
+    lp_sdpa = packing.token_logprobs(sdpa, padded)
+    for i, (ex, a) in enumerate(zip(examples, packing.unpack(lp_flex, packed["segments"]))):
+        torch.testing.assert_close(a.float(), lp_sdpa[i, : len(ex["input_ids"])].float(), rtol=0, atol=tol)
+    (-(lp_flex * packed["loss_mask"]).sum()).backward()
+    (-(lp_sdpa * padded["loss_mask"]).sum()).backward()
+    for (name, p), q in zip(flex.named_parameters(), sdpa.parameters()):
+        assert p.grad is not None and torch.isfinite(p.grad).all(), name
+        if dtype == torch.float32:
+            assert (p.grad - q.grad).abs().max() <= 1e-4 * q.grad.abs().max().clamp_min(1e-6), name
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-4), (torch.bfloat16, 0.1)])
 def test_rl_forward_logp_packed_chunked_equals_padded_full_logits_on_cuda(tiny_path, tokenizer, dtype, tol):
     """The RL scripts' forward (`core.rl.forward_logp`: packed rows, the chunked LM head on the generated positions)
     against the padded forward with the model's full logits, log-probs and entropies, gradients included in fp32."""

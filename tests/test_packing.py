@@ -59,6 +59,34 @@ def test_packed_logprobs_equal_padded(model, tokenizer, seed, row_len):
         assert (a[mask] < 0).all()  # real log-probs at every target (a cross-sample leak would be caught above)
 
 
+@pytest.mark.parametrize("row_len", [None, 45])  # one row (the layout flex_attention gets); two rows with a pad segment
+def test_flex_attention_packed_logprobs_equal_padded(tiny_path, tokenizer, row_len):
+    """FlexAttention's block mask, which transformers builds from the restarting position ids (no dense (L, L) mask;
+    blocks across samples skipped), keeps packed samples apart: its packed log-probs equal the padded sdpa forward's.
+    Forward only: torch has no FlexAttention backward on CPU (tests/test_gpu.py trains through it on CUDA)."""
+    flex = AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.float32, attn_implementation="flex_attention")
+    sdpa = AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.float32, attn_implementation="sdpa")
+    examples = random_examples(5)
+    packed = packing.collate_packed(examples, row_len=row_len)
+    padded = packing.collate_padded(examples, tokenizer.pad_token_id)
+    with torch.no_grad():
+        lp_packed = packing.unpack(packing.token_logprobs(flex.eval(), packed), packed["segments"])
+        lp_padded = packing.token_logprobs(sdpa.eval(), padded)
+    for ex, a, b in zip(examples, lp_packed, lp_padded):
+        torch.testing.assert_close(a, b[: len(ex["input_ids"])], rtol=0, atol=1e-5)  # fp32 sums over ≤ 240 terms
+
+
+def test_flex_attention_on_cpu_is_refused_with_the_flag_named(tiny_path):
+    """`--model.attn-implementation flex_attention` without CUDA would fail in the first backward, deep in torch: the
+    loader refuses it up front, naming the flag and what to use instead. Packing decisions treat it as one-row."""
+    if torch.cuda.is_available():
+        pytest.skip("CUDA present: flex_attention is allowed")
+    with pytest.raises(ValueError, match=r"--model.attn-implementation flex_attention: .*no backward pass on CPU"):
+        models.load_causal_lm(ModelConfig(name_or_path=str(tiny_path), attn_implementation="flex_attention"))
+    assert models.packs_in_one_row("flex_attention") and models.packs_in_one_row("flash_attention_2")
+    assert not models.packs_in_one_row("sdpa") and not models.packs_in_one_row("eager")
+
+
 def test_padded_logprobs_are_the_reference_log_softmax(model, tokenizer):
     """The padded path itself is right: it equals log_softmax of each sample run alone, at temperature T too."""
     examples = random_examples(7, n=3)
