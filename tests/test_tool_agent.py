@@ -2,7 +2,8 @@
 and (slow) tool use that learns: after a short SFT on demonstrations where a quarter of the first answers are calls,
 GRPO through the agent raises both the tool-call rate and the reward on 2-digit multiplication. And the SFT
 demonstrations of the native tool-call agent (agents/examples/calculator_tools_agent.py): their prompts are the ones
-the agent server builds, token for token."""
+the agent server builds, token for token; and (slow) the recipe they feed, SFT in two stages then GRPO, raises the
+tool-call rate and pass@1."""
 
 from __future__ import annotations
 
@@ -177,3 +178,56 @@ def test_grpo_learns_to_call_the_calculator(tmp_path, one_thread):
 
 # The run recorded in docs/agents.md went 0.25 -> 0.99 (calls) and 0.24 -> 0.90 (reward) by step 7.
 STEPS, CALL_GAIN, REWARD_GAIN = 8, 0.4, 0.3
+
+
+@pytest.mark.slow
+def test_native_tool_calls_on_tiny_chat_rise_with_the_recipe_as_written(tmp_path, one_thread):
+    """The native tool-call recipe, run as `calculator_tools_agent.py --out DIR` prints it: SFT of tiny-chat on the
+    demonstrations without the tool list (`STAGE1_FLAGS`), then as the server renders them (`STAGE2_FLAGS`), then GRPO
+    through the Hermes-tool agent (`GRPO_FLAGS`, 15 steps). Within the run the tool-call rate
+    (`rollout/agent_tool_calls_mean`: calls the server parsed per episode) and pass@1 of the sampling policy (the
+    rollout's reward: the share of temperature-1 episodes answered right) both rise, and greedy eval pass@1 through
+    the agent ends high. (Greedy pass@1 after SFT ranged 0.44-0.91 over three runs: the rise is asserted on the
+    sampled one, whose start is well below its ceiling.)"""
+    import shlex
+
+    import tyro
+
+    from algos import grpo, sft
+    from core import models
+    from core.embedded import resolve_model
+
+    task, short, full = tools.write_data(tmp_path / "data", models.load_tokenizer(resolve_model("cleanrlhf/tiny-chat")))
+    model = "cleanrlhf/tiny-chat"
+    for stage, (flags, data) in enumerate(((tools.STAGE1_FLAGS, short), (tools.STAGE2_FLAGS, full)), 1):
+        s = sft.cli(["--model.name-or-path", model, "--data.path", str(data), *shlex.split(flags)])
+        s.ckpt.every, s.logger.quiet, s.logger.tensorboard = 0, True, False
+        s.run_dir, s.export_dir = str(tmp_path / f"sft{stage}-run"), str(tmp_path / f"sft{stage}-model")
+        sft.main(s)
+        model = s.export_dir
+
+    g = tyro.cli(grpo.Args, args=["--actor.model.name-or-path", model, "--data.path", str(task),
+                                  "--rollout.agent-file", str(TOOLS_EXAMPLE), *shlex.split(tools.GRPO_FLAGS)])  # fmt: skip
+    g.logger.quiet, g.logger.tensorboard, g.run_dir = True, False, str(tmp_path / "grpo")
+    summary = grpo.main(g)
+    rows = [json.loads(line) for line in open(Path(summary["run_dir"]) / "metrics.jsonl")]
+    steps = [r for r in rows if "rollout/agent_tool_calls_mean" in r]
+    evals = [r["eval/pass@1"] for r in rows if "eval/pass@1" in r]
+    assert len(steps) == g.train.max_steps <= 30 and all(r["rollout/agent_errors"] == 0 for r in steps)
+
+    def first_and_last(key: str) -> tuple[float, float]:  # the SFT policy's rollout; the mean of the last three steps
+        return steps[0][key], sum(r[key] for r in steps[-3:]) / 3
+
+    calls_first, calls_last = first_and_last("rollout/agent_tool_calls_mean")
+    pass_first, pass_last = first_and_last("rollout/reward_mean")
+    print(f"tool-call rate {calls_first:.3f} -> {calls_last:.3f}, sampled pass@1 {pass_first:.3f} -> {pass_last:.3f}, "
+          f"greedy eval pass@1 {' '.join(f'{e:.3f}' for e in evals)}")  # fmt: skip
+    assert calls_last > calls_first + NATIVE_CALL_GAIN, (calls_first, calls_last)
+    assert pass_last > pass_first + NATIVE_PASS_GAIN, (pass_first, pass_last)
+    assert evals[-1] >= max(NATIVE_EVAL_END, evals[0] - 0.05), evals
+
+
+# Measured (docs/agents.md, "Native tool calls on tiny-chat"): the recipe as written, calls 0.57 -> 0.97, sampled pass@1
+# 0.55 -> 0.87, greedy eval 0.91 -> 0.94; twice with 800 stage-2 and 20 GRPO steps, calls 0.31-0.35 -> 0.97, sampled
+# 0.30-0.34 -> 0.87-0.94, greedy eval 0.44-0.55 -> 0.95-0.98.
+NATIVE_CALL_GAIN, NATIVE_PASS_GAIN, NATIVE_EVAL_END = 0.25, 0.15, 0.85

@@ -152,10 +152,10 @@ def write_data(out: Path, tokenizer, tool_share: float = 0.5, seed: int = 0) -> 
 # over to the ~500-token prompts with the tool list; a call and its answer are ~80 tokens, far above the task's 8.
 STAGE1_FLAGS = ("--train.max-steps 1000 --train.lr 3e-3 --train.min-lr-ratio 0.5 --train.batch-size 32 "
                 "--train.warmup-steps 0 --eval.every 200 --eval.max-samples 64 --eval.no-generate")  # fmt: skip
-STAGE2_FLAGS = ("--train.max-steps 800 --train.lr 1e-3 --train.min-lr-ratio 0.5 --train.batch-size 32 "
+STAGE2_FLAGS = ("--train.max-steps 300 --train.lr 1e-3 --train.min-lr-ratio 0.5 --train.batch-size 32 "
                 "--train.warmup-steps 0 --train.pack-row-len 640 --eval.every 200 --eval.max-samples 64 "
                 "--eval.no-generate")  # fmt: skip
-GRPO_FLAGS = ("--rollout.max-new-tokens 96 --rollout.batch-size 16 --train.max-steps 20 --eval.every 5 "
+GRPO_FLAGS = ("--rollout.max-new-tokens 96 --rollout.batch-size 16 --train.max-steps 15 --eval.every 5 "
               "--eval.max-samples 64")  # fmt: skip
 
 
