@@ -17,9 +17,11 @@ token), so an SFT model sees at RL time what it was trained on:
 
     python agents/examples/calculator_tools_agent.py --out runs/calc-tools    # writes the task and the SFT data
 
-The embedded `cleanrlhf/tiny-chat` (~0.1 M parameters) learns the call's layout from them but not yet the copies
-(of the question's expression into the call, of the result into the answer), so GRPO has nothing to reinforce
-there: docs/agents.md ("Native tool calls on tiny-chat") has the runs.
+It also prints the recipe for the embedded `cleanrlhf/tiny-chat` (~0.1 M parameters): SFT on the short prompts
+(`STAGE1_FLAGS`: the copies of the question's expression into the call and of the result into the answer form
+there), SFT on the prompts as served (`STAGE2_FLAGS`), then GRPO through this agent (`GRPO_FLAGS`), in which the
+tool-call rate and pass@1 rise (tests/test_tool_agent.py runs it; docs/agents.md, "Native tool calls on tiny-chat",
+has the runs).
 
 It is also the agent of `tests/benchmarks/bench_agents.py --parts tools`, which times the server's path with tools
 rendered into the prompt and every answer streamed on the untrained `cleanrlhf/tiny-chat`: there nearly every

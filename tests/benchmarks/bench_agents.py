@@ -100,7 +100,10 @@ import asyncio, json, sys
 BODY = json.dumps({"id": "cmpl-0", "object": "text_completion", "created": 0, "model": "policy",
                    "choices": [{"index": 0, "text": "12", "finish_reason": "stop", "logprobs": None}],
                    "usage": {"prompt_tokens": 6, "completion_tokens": 3, "total_tokens": 9}}).encode()
-HEAD = (b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: " + str(len(BODY)).encode()
+KIND = b"application/json"
+if len(sys.argv) > 1:  # another answer, e.g. a streamed chat answer: its body on stdin, its content type in argv
+    BODY, KIND = sys.stdin.buffer.read(), sys.argv[1].encode()
+HEAD = (b"HTTP/1.1 200 OK\r\ncontent-type: " + KIND + b"\r\ncontent-length: " + str(len(BODY)).encode()
         + b"\r\n\r\n")
 
 
@@ -151,6 +154,45 @@ def client_floor(port: int, prompts: list[str], concurrency: int) -> list[str]:
     async def run_all():
         gate = asyncio.Semaphore(concurrency)
         return await asyncio.gather(*[episode(gate, p) for p in prompts])
+
+    return asyncio.run(run_all())
+
+
+def streamed_chat_answer(prompt_ids: list[int], token_ids: list[int], text: str) -> bytes:
+    """A streamed chat answer of one call as this project's server sends it (role chunk with the prompt's ids,
+    content chunk with the tokens' ids, final chunk, `[DONE]`), with no tool call: what the canned server replays."""
+    head = {"id": "chatcmpl-0", "created": 0, "object": "chat.completion.chunk", "model": "policy"}
+    chunks = [
+        {**head, "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                              "finish_reason": None}], "prompt_token_ids": prompt_ids},
+        {**head, "choices": [{"index": 0, "delta": {"content": text}, "logprobs": None, "finish_reason": None,
+                              "token_ids": token_ids}]},
+        {**head, "choices": [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": "length", "token_ids": []}]},
+    ]  # fmt: skip
+    return ("".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n").encode()
+
+
+def agent_floor(port: int, agent, rows: list[dict], concurrency: int) -> list[float]:
+    """The agent side alone: `agent(client, row)` for each row (an httpx pool and an AsyncOpenAI client per episode,
+    as OpenAIAgentExecutor gives it) against the canned server on `port`; the rewards it returned."""
+    import asyncio
+    import ssl
+
+    import httpx
+    import openai
+
+    context = ssl.create_default_context()
+
+    async def episode(gate, row):
+        async with gate:
+            async with httpx.AsyncClient(timeout=60, trust_env=False, verify=context) as http:
+                client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", http_client=http,
+                                            max_retries=0)  # fmt: skip
+                return await agent(client, row)
+
+    async def run_all():
+        gate = asyncio.Semaphore(concurrency)
+        return await asyncio.gather(*[episode(gate, r) for r in rows])
 
     return asyncio.run(run_all())
 
@@ -288,6 +330,9 @@ def server_parts(opts) -> dict:
 def tools_part(opts) -> dict:
     """(d) on `cleanrlhf/tiny-chat`: episodes/s of the tools-and-streaming agent at each N, the plain chat call and
     the engine direct beside it; the summary printed."""
+    import subprocess
+    import sys
+
     import torch
 
     from agents.openai_agent import OpenAIAgentExecutor
@@ -332,13 +377,25 @@ def tools_part(opts) -> dict:
         for kind, executor in executors.items():
             sides[f"{kind}@{n}"] = lambda n=n, executor=executor: run_agents(executor, n)
         sides[f"direct@{n}"] = lambda n=n: direct(n)
-    times: dict[str, list[tuple[float, float]]] = {k: [] for k in sides}
-    outputs = {}
+    outputs, canned = {}, None
     try:
-        for k, fn in sides.items():  # warm-up, and the outputs the checks below compare
+        for k, fn in list(sides.items()):  # warm-up, and the outputs the checks below compare
             outputs[k] = fn()
             if k.startswith("tools@") and not first_prompts:
                 first_prompts += [e.prompt_ids for e in outputs[k].episodes]
+        # the agent side alone: the same agent against a canned server replaying a streamed answer of this size
+        sample = outputs[f"tools@{opts.concurrency[0]}"].episodes[0]
+        body = streamed_chat_answer(first_prompts[0], sample.token_ids[-T:], "12")
+        canned = subprocess.Popen([sys.executable, "-c", CANNED_SERVER, "text/event-stream"], stdin=subprocess.PIPE,
+                                  stdout=subprocess.PIPE)  # fmt: skip
+        canned.stdin.write(body)
+        canned.stdin.close()
+        port = int(canned.stdout.readline())
+        agent_fn = runpy.run_path(str(TOOLS_AGENT))["agent"]
+        for n in opts.concurrency:
+            sides[f"floor@{n}"] = lambda n=n: agent_floor(port, agent_fn, rows, n)
+            outputs[f"floor@{n}"] = sides[f"floor@{n}"]()
+        times: dict[str, list[tuple[float, float]]] = {k: [] for k in sides}
         for _ in range(opts.repeats):
             for k, fn in sides.items():
                 wall, cpu, _ = timed(fn)
@@ -347,6 +404,8 @@ def tools_part(opts) -> dict:
         for executor in executors.values():
             executor.close()
         engines.shutdown()
+        if canned is not None:
+            canned.kill()
 
     # the same episodes at every N; the tools were in the prompt (the Hermes layout: tiny-chat's template ignores them)
     n0 = opts.concurrency[0]
@@ -359,6 +418,7 @@ def tools_part(opts) -> dict:
             ref = outputs[f"{kind}@{n0}"]
             same = [e.token_ids for e in ro.episodes] == [e.token_ids for e in ref.episodes]
             assert same, f"{kind} N={n}: other episodes"
+        assert len(outputs[f"floor@{n}"]) == E, f"N={n}: the canned server's answers did not all come back"
 
     med = {k: statistics.median(w for w, _ in v) for k, v in times.items()}
     best = {k: min(w for w, _ in v) for k, v in times.items()}
@@ -376,7 +436,11 @@ def tools_part(opts) -> dict:
                 ("cpu_ms_per_call", 1000 * cpu[f"{kind}@{n}"] / E),
                 ("speedup", med[f"{kind}@{n0}"] / med[f"{kind}@{n}"]),
                 ("speedup_cpu", cpu[f"{kind}@{n0}"] / cpu[f"{kind}@{n}"]))},
-            "direct_ms_per_call": 1000 * med[f"direct@{n}"] / E, "direct_cpu_ms_per_call": 1000 * cpu[f"direct@{n}"] / E}
+            "direct_ms_per_call": 1000 * med[f"direct@{n}"] / E, "direct_cpu_ms_per_call": 1000 * cpu[f"direct@{n}"] / E,
+            "floor_ms_per_call": 1000 * med[f"floor@{n}"] / E, "floor_cpu_ms_per_call": 1000 * cpu[f"floor@{n}"] / E,
+            # a server costing nothing at every N: the agent side alone plus the engine's batched calls
+            "bound": (med[f"floor@{n0}"] + med[f"direct@{n0}"]) / (med[f"floor@{n}"] + med[f"direct@{n}"]),
+            "bound_cpu": (cpu[f"floor@{n0}"] + cpu[f"direct@{n0}"]) / (cpu[f"floor@{n}"] + cpu[f"direct@{n}"])}
         for n in opts.concurrency
     }  # fmt: skip
     result = {
@@ -402,6 +466,12 @@ def tools_part(opts) -> dict:
         print(f"    concurrency {n:>3}: {', '.join(cells)}; both (the agent) {r['ms_per_call']:.2f} / "
               f"{r['cpu_ms_per_call']:.2f}; engine direct on the tools prompts {r['direct_ms_per_call']:.2f} / "
               f"{r['direct_cpu_ms_per_call']:.2f}")  # fmt: skip
+    print("    the agent side alone against a canned server in another process replaying a streamed answer (its floor), "
+          "ms/call wall / CPU, and the speed-up a server costing nothing at every N would give, (floor + engine direct) "
+          "at the first N over the same at N, wall / CPU:")  # fmt: skip
+    for n, r in throughput.items():
+        print(f"    concurrency {n:>3}: floor {r['floor_ms_per_call']:.2f} / {r['floor_cpu_ms_per_call']:.2f}, "
+              f"zero-cost server {r['bound']:.2f}x / {r['bound_cpu']:.2f}x")  # fmt: skip
     return result
 
 
