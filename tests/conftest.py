@@ -10,6 +10,10 @@ on Ray actors or a subprocess the other computes. Tests that listen on fixed add
 cluster on 127.0.0.2/.3 (tests/slurm_cluster.py), the two-node Ray test on 127.0.0.4/.5, `ray_nodes` heads on free
 ports. (`--dist loadgroup` would have let files share a worker, but under pytest 9.2 its groups have no effect:
 xdist 3.8 marks a test's group by rewriting `item._nodeid`, which pytest 9 no longer reads.)
+
+The files whose tests take longest go first (`LONGEST_FIRST`, `pytest_collection_modifyitems`), and xdist's own order
+(files with the most tests first) is turned off: a file of three tests can take six minutes, and one dealt out last
+leaves the other worker idle at the end (the longest-first rule for dividing jobs among workers).
 """
 
 import contextlib
@@ -30,6 +34,25 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 torch.set_num_threads(1)  # OpenMP threads oversubscribe a busy 2-core machine badly; the models are tiny
+
+
+# Test files by their time in the full suite on the 2-core AMD EPYC, longest first (summed from `--durations` of the
+# CI runs of 2026-11-27; each takes 3-8 minutes on one worker): dealt out to the two workers before the rest.
+LONGEST_FIRST = ("test_tool_agent.py", "test_crash_resume.py", "test_slurm.py", "test_faults_scale.py",
+                 "test_model_groups.py", "test_real_size.py", "test_grpo_async.py", "test_course.py", "test_fork.py",
+                 "test_grpo.py")  # fmt: skip
+
+
+def pytest_configure(config):
+    if hasattr(config.option, "loadscopereorder"):  # pytest-xdist: keep the order below, not "most tests first"
+        config.option.loadscopereorder = False
+
+
+def pytest_collection_modifyitems(config, items):
+    """`LONGEST_FIRST`'s files first, in its order; every other file after them in collection order (a stable sort:
+    the tests of a file keep theirs)."""
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))
 
 
 # Unit roundoff of float32 (half the gap between 1 and the next float32).
