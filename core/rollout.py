@@ -726,7 +726,8 @@ class HFEngine:
     the log-probs of that processed distribution; at temperature 0 greedy with plain log-softmax log-probs. Prompt i
     is sampled under the torch seed `seed + i * n` (its n samples in one batch), so a sample does not depend on the
     other prompts of the call. Slow next to vLLM (no KV-cache paging, no continuous batching): for models vLLM cannot
-    serve here, and tests. Pictures: each prompt's `images[i]` through the model's image processor; a vision-language
+    serve here, and tests; with CUDA it runs on this process's GPU, in bf16 under `--vllm.dtype auto` (one-process
+    GRPO where vLLM is not installed). Pictures: each prompt's `images[i]` through the model's image processor; a vision-language
     model never samples its image token (a response holding one fails the trainer's forward: the model looks for a
     picture's features for every image token)."""
 
@@ -734,10 +735,13 @@ class HFEngine:
                  tokenizer: str | None = None):  # fmt: skip
         from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText, AutoTokenizer
 
-        dtype = {"auto": torch.float32, "float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.dtype]
+        cuda = torch.cuda.is_available()  # the trainer's GPU (this process's current device), as vLLM's engine would
+        self.device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+        auto_dtype = torch.bfloat16 if cuda else torch.float32  # `--vllm.dtype auto`, as create_engines reads it
+        dtype = {"auto": auto_dtype, "float32": torch.float32, "bfloat16": torch.bfloat16}[cfg.dtype]
         vision = getattr(AutoConfig.from_pretrained(model_path), "vision_config", None) is not None
         auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
-        self.model = auto.from_pretrained(model_path, dtype=dtype).eval()
+        self.model = auto.from_pretrained(model_path, dtype=dtype).to(self.device).eval()
         self.processor = None
         if vision:
             from transformers import AutoImageProcessor
@@ -761,7 +765,8 @@ class HFEngine:
         keys = ("pixel_values", "image_grid_thw")
         rows = [None if i is None else {**dict(zip(keys, vision.process([i], self.processor))), "image_token_id": pad}
                 for i in images]  # fmt: skip
-        return vision.model_kwargs(vision.add_pixels({"input_ids": ids}, rows))
+        return {k: v.to(self.device) if torch.is_tensor(v) else v
+                for k, v in vision.model_kwargs(vision.add_pixels({"input_ids": ids.cpu()}, rows)).items()}
 
     @torch.no_grad()
     def generate(self, prompt_token_ids: list[list[int]], n: int = 1, max_new_tokens: int = 256,
@@ -773,7 +778,7 @@ class HFEngine:
         groups = []
         for i, prompt in enumerate(prompt_token_ids):
             s = seed[i] if isinstance(seed, list) else (None if seed is None else seed + i * n)
-            ids = torch.tensor([list(prompt)] * n)
+            ids = torch.tensor([list(prompt)] * n, device=self.device)
             extra = self._vision(ids, None if images is None else [images[i]] * n)
             sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if temperature > 0 else \
                 dict(do_sample=False)  # fmt: skip
@@ -813,7 +818,7 @@ class HFEngine:
     def prompt_logprobs(self, token_ids: list[list[int]], images: list | None = None) -> list[list[float]]:
         out = []
         for i, seq in enumerate(token_ids):
-            ids = torch.tensor([list(seq)])
+            ids = torch.tensor([list(seq)], device=self.device)
             extra = self._vision(ids, None if images is None else [images[i]])
             logits = self.model(input_ids=ids, attention_mask=torch.ones_like(ids), use_cache=False, **extra).logits
             logp = torch.log_softmax(logits[0, :-1].float(), dim=-1).gather(-1, ids[0, 1:, None])[:, 0]

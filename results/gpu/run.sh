@@ -5,7 +5,9 @@
 #   bash results/gpu/run.sh tests      # tests/test_gpu.py (DeepSpeed over NCCL, packing, hybrid engine, CUDA IPC sync)
 #   bash results/gpu/run.sh bench      # weight transports; SFT and DPO against TRL; packed RL step; LM-head memory
 #   bash results/gpu/run.sh rl         # grpo.py on the GPU with vLLM, --debug after every sync; with 2+ GPUs also
-#                                      #   --train.ranks 2 with the NCCL weight broadcast to a separate engine GPU
+#                                      #   --train.ranks 2 with the NCCL weight broadcast to a separate engine GPU;
+#                                      #   without vLLM, 80 steps in one process with --vllm.engine hf
+#   bash results/gpu/run.sh grpo       # bench_grpo.py --device cuda: one-process GRPO against TRL's GRPOTrainer
 #
 # Each part's output goes to $OUT (default results/gpu/out-<date>) as a .txt file, and a summary is printed at the end.
 # Python: .venv/bin/python when the project's venv exists (the GPU install of README.md), else python3. On a machine
@@ -78,8 +80,16 @@ if [[ $MODE == rl || $MODE == all ]]; then
             echo "rl_grpo_2ranks: skipped, needs 3 GPUs (2 trainer ranks + 1 engine GPU)" | tee "$OUT/rl_grpo_2ranks.txt"
         fi
     else
-        echo "rl: skipped, vLLM is not installed (pip install vllm)" | tee "$OUT/rl_grpo_1gpu.txt"
+        # one process, no vLLM: the policy's own copy generates with transformers on the trainer's GPU
+        part rl_grpo_hf 900 $PY algos/grpo.py --vllm.engine hf --train.max-steps 80 --eval.every 20 \
+            --run-dir "$OUT/runs/grpo_hf"
     fi
+fi
+if [[ $MODE == grpo || $MODE == all ]]; then
+    # one-process GRPO (--vllm.engine hf) against TRL's GRPOTrainer on the GPU, bf16, the gen/train split of both
+    part bench_grpo_gpu 900 bash -c "$PY tests/benchmarks/bench_grpo.py --device cuda --steps 10 --warmup 2 \
+        --out $OUT/bench_grpo && $PY tests/benchmarks/bench_grpo.py --device cuda --model 0.5b --steps 5 \
+        --warmup 1 --out $OUT/bench_grpo_05b"
 fi
 
 echo

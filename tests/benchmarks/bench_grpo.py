@@ -2,6 +2,15 @@
 
     .venv/bin/pip install --no-deps trl==1.16.0       # the peer (not a project dependency)
     .venv/bin/python tests/benchmarks/bench_grpo.py --steps 10              # --threads 1 when the cores are shared
+    .venv/bin/python tests/benchmarks/bench_grpo.py --model 0.5b --steps 3 --warmup 1 --sides ours ours-hf trl
+    .venv/bin/python tests/benchmarks/bench_grpo.py --device cuda --steps 20   # a GPU: grpo.py --vllm.engine hf vs TRL
+
+`--model 0.5b` is the Qwen2-0.5B shape (24 layers, hidden 896, MLP 4864, 14 heads / 2 KV heads: 358 M parameters with
+the embedded tokenizer's small vocabulary) with random weights, built once by tests/benchmarks/bench_real_size.py;
+random weights change nothing here, since every sample is forced to 64 tokens. `--device cuda` runs both sides on
+the GPU in bf16 (`--dtype` changes it): ours as `ours-hf`, grpo.py in one process with `--vllm.engine hf`
+(transformers' `generate` on the trainer's GPU: vLLM is not on the lent machines), TRL with `model.generate` as
+always. The `ours-hf` side runs on CPU too, which is how its code path is checked without a GPU.
 
 Each step on both sides: 8 prompts of the embedded task `cleanrlhf/add2` x 4 samples (the group) x exactly 64 new
 tokens at temperature 1.0 from the SFT warm start `cleanrlhf/tiny-sft`, rewards/arithmetic.py as the reward, then one
@@ -38,12 +47,23 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
 PROMPTS, GROUP, TOKENS, LR = 8, 4, 64, 3e-4
-SIDES = ("ours", "ours-compiled", "async", "async-compiled", "trl")
-NAMES = {"ours": "grpo.py", "ours-compiled": "grpo.py, vLLM compiled", "async": "grpo_async.py",
+SIDES = ("ours", "ours-compiled", "ours-hf", "async", "async-compiled", "trl")
+NAMES = {"ours": "grpo.py", "ours-compiled": "grpo.py, vLLM compiled", "ours-hf": "grpo.py --vllm.engine hf",
+         "async": "grpo_async.py",
          "async-compiled": "grpo_async.py, vLLM compiled", "trl": "TRL GRPOTrainer"}  # fmt: skip
 
 
-def run_ours(steps: int, warmup: int, out: Path, compiled: bool = False, script: str = "grpo") -> dict:
+def model_path(spec: str, out: Path) -> str:
+    """`--model`: an embedded name or a folder, or `0.5b` (the Qwen2-0.5B-shaped model, built once under `out`)."""
+    if spec != "0.5b":
+        return spec
+    from bench_real_size import build_model  # tests/benchmarks/ is sys.path[0] when run as a script
+
+    return str(build_model(out / "qwen2-0.5b-shape", layers=24))
+
+
+def run_ours(steps: int, warmup: int, out: Path, compiled: bool = False, script: str = "grpo",
+             model: str = "cleanrlhf/tiny-sft", dtype: str = "fp32", engine: str = "vllm") -> dict:  # fmt: skip
     sys.argv = [sys.argv[0]]
     import importlib
 
@@ -57,6 +77,8 @@ def run_ours(steps: int, warmup: int, out: Path, compiled: bool = False, script:
     rollout.RolloutEngines.generate = lambda self, *a, **k: generate(self, *a, **{**k, "ignore_eos": True})
     shutil.rmtree(out / "ours", ignore_errors=True)  # metrics.jsonl appends; a stale run would mix into the timing
     args = grpo.Args()
+    args.actor.model.name_or_path, args.actor.model.dtype = model, dtype
+    args.vllm.engine, args.vllm.dtype = engine, {"fp32": "float32", "bf16": "bfloat16"}[dtype]
     args.rollout.batch_size, args.rollout.n_samples, args.rollout.max_new_tokens = PROMPTS, GROUP, TOKENS
     args.rollout.temperature, args.actor.lr, args.algo.kl_coef, args.algo.filter_zero_variance = 1.0, LR, 0.0, False
     args.train.max_steps, args.train.minibatches = warmup + steps, 1
@@ -71,7 +93,8 @@ def run_ours(steps: int, warmup: int, out: Path, compiled: bool = False, script:
     return {**res, "step_s": (ends[-1] - ends[warmup - 1]) / steps, "threads": torch.get_num_threads()}
 
 
-def run_trl(steps: int, warmup: int, out: Path) -> dict:
+def run_trl(steps: int, warmup: int, out: Path, model: str = "cleanrlhf/tiny-sft", dtype: str = "fp32",
+            device: str = "cpu") -> dict:  # fmt: skip
     import torch
     from datasets import Dataset
     from transformers import AutoModelForCausalLM, TrainerCallback
@@ -80,9 +103,9 @@ def run_trl(steps: int, warmup: int, out: Path) -> dict:
     from core import embedded, models
     from rewards.arithmetic import reward_func
 
-    path = embedded.resolve_model("cleanrlhf/tiny-sft")
+    path = embedded.resolve_model(model)
     tokenizer = models.load_tokenizer(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=models.torch_dtype(dtype))
     rows = [json.loads(line) for line in open(Path(embedded.resolve_data("cleanrlhf/add2")) / "train.jsonl")]
     ds = Dataset.from_list([{"prompt": r["prompt"], "answer": r["answer"]} for r in rows])
     gens, ends, lens = [], [], []
@@ -108,7 +131,7 @@ def run_trl(steps: int, warmup: int, out: Path) -> dict:
         output_dir=str(out / "trl"), per_device_train_batch_size=PROMPTS * GROUP, num_generations=GROUP,
         generation_batch_size=PROMPTS * GROUP, max_completion_length=TOKENS, generation_kwargs={"min_new_tokens": TOKENS},
         temperature=1.0, beta=0.0, learning_rate=LR, lr_scheduler_type="constant", warmup_steps=0, adam_beta2=0.95,
-        max_grad_norm=1.0, max_steps=warmup + steps, use_cpu=True, bf16=False, report_to="none", logging_steps=10**6,
+        max_grad_norm=1.0, max_steps=warmup + steps, use_cpu=device == "cpu", bf16=dtype == "bf16", report_to="none", logging_steps=10**6,
         save_strategy="no", gradient_checkpointing=False, dataloader_num_workers=0, seed=1,
     )  # fmt: skip
     trainer = GRPOTrainer(model=model, reward_funcs=reward, args=cfg, train_dataset=ds, processing_class=tokenizer,
@@ -125,33 +148,49 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup", type=int, default=2)
     p.add_argument("--threads", type=int, default=2, help="torch threads on each side")
+    p.add_argument("--model", default="cleanrlhf/tiny-sft", help="embedded name, folder, or 0.5b (the Qwen2-0.5B shape)")
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: both sides on the GPU")
+    p.add_argument("--dtype", choices=("fp32", "bf16"), default=None, help="default: fp32 on cpu, bf16 on cuda")
     p.add_argument("--side", choices=SIDES, default=None, help=argparse.SUPPRESS)
-    p.add_argument("--sides", nargs="+", choices=SIDES, default=list(SIDES), help="which sides to run (default all)")
+    p.add_argument("--sides", nargs="+", choices=SIDES, default=None,
+                   help="which sides to run (default: all on cpu; ours-hf and trl on cuda)")  # fmt: skip
     p.add_argument("--out", default="/tmp/cleanrlhf-bench-grpo")
     a = p.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
+    dtype = a.dtype or ("bf16" if a.device == "cuda" else "fp32")
     if a.side:
         import torch
 
+        if a.device == "cuda" and not torch.cuda.is_available():
+            raise SystemExit("--device cuda: this machine has no CUDA device")
         torch.set_num_threads(a.threads)
         if a.side == "trl":
-            res = run_trl(a.steps, max(1, a.warmup), out)
+            res = run_trl(a.steps, max(1, a.warmup), out, a.model, dtype, a.device)
         else:
             script = "grpo_async" if a.side.startswith("async") else "grpo"
-            res = run_ours(a.steps, max(1, a.warmup), out, compiled=a.side.endswith("compiled"), script=script)
+            res = run_ours(a.steps, max(1, a.warmup), out, compiled=a.side.endswith("compiled"), script=script,
+                           model=a.model, dtype=dtype, engine="hf" if a.side == "ours-hf" else "vllm")  # fmt: skip
         (out / f"{a.side}.json").write_text(json.dumps(res))
         return
+    model = model_path(a.model, out)  # built once here, before the sides
     env = {**os.environ, "OMP_NUM_THREADS": str(a.threads), "TOKENIZERS_PARALLELISM": "false"}
-    sides = [s for s in SIDES if s in a.sides]
+    if a.device == "cpu":
+        env["CUDA_VISIBLE_DEVICES"] = ""  # a CPU measurement on a GPU machine stays on the CPU
+    wanted = a.sides or (["ours-hf", "trl"] if a.device == "cuda" else [s for s in SIDES if s != "ours-hf"])
+    sides = [s for s in SIDES if s in wanted]
     for side in sides:
         (out / f"{side}.json").unlink(missing_ok=True)
         cmd = [sys.executable, __file__, "--side", side, "--steps", str(a.steps), "--warmup", str(a.warmup),
-               "--threads", str(a.threads), "--out", str(out)]  # fmt: skip
-        subprocess.run(cmd, check=True, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+               "--threads", str(a.threads), "--out", str(out), "--model", model, "--device", a.device,
+               "--dtype", dtype]  # fmt: skip
+        with open(out / f"{side}.log", "w") as log:
+            if subprocess.run(cmd, env=env, cwd=REPO, stdout=log, stderr=subprocess.STDOUT).returncode:
+                raise SystemExit(f"side {side} failed: see {out / f'{side}.log'}")
     res = {side: json.loads((out / f"{side}.json").read_text()) for side in sides}
-    print(f"GRPO, cleanrlhf/tiny-sft on cleanrlhf/add2, {PROMPTS} prompts x {GROUP} samples x {TOKENS} tokens per step, "
-          f"{a.steps} timed steps, fp32, torch threads: " + ", ".join(f"{s} {r['threads']}" for s, r in res.items()))  # fmt: skip
+    print(f"GRPO, {a.model} on cleanrlhf/add2, {PROMPTS} prompts x {GROUP} samples x {TOKENS} tokens per step, "
+          f"{a.steps} timed steps, {dtype} on {a.device}, torch threads: "
+          + ", ".join(f"{s} {r['threads']}" for s, r in res.items()))  # fmt: skip
     print(f"{'':30}{'s/step':>9}{'gen s':>9}{'train s':>9}{'sync s':>9}{'wait s':>9}{'tokens':>8}{'tokens/s':>10}")
     for side, r in res.items():
         sync = f"{r['sync_s']:>9.4f}" if side != "trl" else f"{'n/a':>9}"
