@@ -537,7 +537,8 @@ def model_inputs(model, batch: dict) -> tuple[dict, torch.Tensor]:
     """The forward inputs for a (b, L) table of `sequences`, and `index` (b, L): where token (b, t)'s output lands
     in the forward's flattened (R · W) output, −1 at padding. Packed (default): the real tokens only, in rows
     (core.packing.pack_padded) of twice the longest sequence for sdpa/eager attention (whose block-diagonal mask
-    costs O(row length²)), one row for flash-attention's varlen kernels and FlexAttention's block mask. Unpacked: the padded table itself."""
+    costs O(row length²)), one row for flash-attention's varlen kernels and FlexAttention's block mask
+    (`models.packs_in_one_row`). Unpacked: the padded table itself."""
     lengths = batch["attention_mask"].sum(1).tolist()
     if not batch.get("packed", True) or batch.get("pixel_values") is not None:  # pictures: multimodal RoPE, padded
         width = batch["input_ids"].shape[1]

@@ -135,27 +135,12 @@ asyncio.run(main())
 def client_floor(port: int, prompts: list[str], concurrency: int) -> list[str]:
     """The agent side of one completions call per prompt (as OpenAIAgentExecutor runs a one-call agent: an httpx
     pool and an AsyncOpenAI client per episode), against the canned server on `port`: the texts it got back."""
-    import asyncio
-    import ssl
 
-    import httpx
-    import openai
+    async def one_completion(client, row):
+        out = await client.completions.create(model="policy", prompt=row["prompt"])
+        return out.choices[0].text
 
-    context = ssl.create_default_context()
-
-    async def episode(gate, prompt):
-        async with gate:
-            async with httpx.AsyncClient(timeout=60, trust_env=False, verify=context) as http:
-                client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", http_client=http,
-                                            max_retries=0)  # fmt: skip
-                out = await client.completions.create(model="policy", prompt=prompt)
-                return out.choices[0].text
-
-    async def run_all():
-        gate = asyncio.Semaphore(concurrency)
-        return await asyncio.gather(*[episode(gate, p) for p in prompts])
-
-    return asyncio.run(run_all())
+    return agent_floor(port, one_completion, [{"prompt": p} for p in prompts], concurrency)
 
 
 def streamed_chat_answer(prompt_ids: list[int], token_ids: list[int], text: str) -> bytes:
@@ -172,7 +157,7 @@ def streamed_chat_answer(prompt_ids: list[int], token_ids: list[int], text: str)
     return ("".join(f"data: {json.dumps(c)}\n\n" for c in chunks) + "data: [DONE]\n\n").encode()
 
 
-def agent_floor(port: int, agent, rows: list[dict], concurrency: int) -> list[float]:
+def agent_floor(port: int, agent, rows: list[dict], concurrency: int) -> list:
     """The agent side alone: `agent(client, row)` for each row (an httpx pool and an AsyncOpenAI client per episode,
     as OpenAIAgentExecutor gives it) against the canned server on `port`; the rewards it returned."""
     import asyncio
