@@ -15,11 +15,14 @@ DAPO filter: the reward clipped to [0, 1]). The trained trajectory is rebuilt fr
 log-probs, everything else in between with mask 0. Up to `--rollout.agent-concurrency` episodes run at once, and
 their concurrent requests are batched into the engines.
 
-Each episode's agent runs on an event loop of its own in a thread of its own (idle ones are reused), so an agent that
-blocks its loop (a synchronous `time.sleep`, `requests.get` or a CPU loop inside
-`async def agent`) stalls only its own episode: the executor's loop still ends it at `--rollout.agent-timeout-s`, and
-the other episodes go on. Loop-bound objects (asyncio locks, HTTP clients) therefore belong inside the agent function;
-state shared between episodes at module level needs a `threading.Lock`.
+The agents run on an event loop of their own in a thread of its own, all episodes on one loop, while the executor's
+loop keeps their time and watches that loop. An agent that blocks it (a synchronous `time.sleep`, `requests.get` or
+a CPU loop inside `async def agent`) for longer than `block_s` (0.5 s, or a quarter of the timeout if that is less)
+gets the loop to itself: the other episodes on it start again from the start on loops and threads of their own
+(their seeds give them the same samples), every later episode does too (a warning says where the agent blocked),
+and the blocking episode still ends at `--rollout.agent-timeout-s`. So a blocking agent holds up the others for at most `block_s`,
+and agents that never block pay for one thread, not one per episode. Loop-bound objects (asyncio locks, HTTP clients)
+belong inside the agent function; state shared between episodes at module level needs a `threading.Lock`.
 
 A failed episode ends without stopping the run: the agent raised (`raised`; an HTTP 4xx it did not catch:
 `bad_request`), did not return within `--rollout.agent-timeout-s` (`timeout`; it is cancelled, and a thread still
@@ -41,6 +44,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextvars
 import ctypes
 import importlib.util
 import inspect
@@ -49,6 +53,7 @@ import math
 import ssl
 import sys
 import threading
+import time
 import traceback
 from collections import Counter
 from collections.abc import Callable
@@ -98,20 +103,36 @@ def load_agent(path: str):
     return fn
 
 
+_EPISODE: contextvars.ContextVar[str | None] = contextvars.ContextVar("cleanrlhf_agent_episode", default=None)
+
+
+class _Restart(Exception):
+    """An episode's loop was taken by another episode's agent blocking it: run the episode again on a loop of its
+    own (its server record so far is dropped; its seeds give it the same samples)."""
+
+
 class _AgentLoop:
-    """A daemon thread running an event loop of its own, for one episode's agent at a time (the executor reuses idle
-    ones across episodes and steps, saving the ~0.3 ms of CPU a new thread and loop cost here).
+    """A daemon thread running an event loop for agents: all the executor's episodes while no agent has blocked it
+    (the shared loop), or one episode's at a time (after an agent blocked the shared loop: a loop per episode).
 
-    `asyncio.wait_for` on one shared loop cannot end an agent that blocks that loop (nothing runs until it yields,
-    the timeout included), so each running agent has a loop and a thread to itself, and the executor's loop keeps the
-    time. A loop whose agent timed out is retired, never reused: its task is cancelled, the loop stops when the task
-    ends, and if the thread still runs a second later (the loop is blocked, so the cancel cannot run) `AgentAbandoned`
-    is raised inside it."""
+    One loop for all episodes is the fast way: 16 agents on 16 loops in 16 threads cost ~2 ms of CPU more per call
+    than on one (each thread's every select() drops and retakes the GIL against the others). But `asyncio.wait_for`
+    cannot end an agent that blocks the loop it runs on (a synchronous `time.sleep` or a CPU loop inside `async def
+    agent`: nothing else on that loop runs until it yields), so the executor's own loop keeps the time and watches
+    the shared one (`answering`): a loop that has not run a callback for `block_s` while an agent's task holds it is
+    given to that agent, and the other episodes on it start again on loops of their own. A loop whose agent timed out
+    is retired, never reused: its tasks are cancelled, the loop stops when they end, and if the thread still runs a
+    second later (the loop is blocked, so the cancel cannot run) `AgentAbandoned` is raised inside it."""
 
-    def __init__(self):
+    def __init__(self, shared: bool = False):
+        self.shared = shared
         self.loop = asyncio.new_event_loop()
-        self.task: asyncio.Task | None = None
-        self.thread = threading.Thread(target=self._serve, name=f"agent-loop-{id(self):x}", daemon=True)
+        self.loop.set_task_factory(self._new_task)
+        self.owner: dict[asyncio.Task, str] = {}  # every live task an agent started (its main task too) -> episode
+        self.futures: dict[str, asyncio.Future] = {}  # episode -> the executor loop's future of its outcome
+        self.asked: float | None = None  # when the executor's unanswered question to this loop was posted
+        name = "agent-loop-shared" if shared else f"agent-loop-{id(self):x}"
+        self.thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self.thread.start()
 
     def _serve(self) -> None:
@@ -123,25 +144,42 @@ class _AgentLoop:
         finally:
             self.loop.close()
 
-    def start(self, main: Callable) -> asyncio.Future:
-        """Run the coroutine `main()` on this loop; returns a future of the calling (executor's) loop that gets its
-        result or exception."""
+    def _new_task(self, loop, coro, context=None):
+        """Every task on this loop, tagged with the episode whose agent started it (so that it ends with the
+        episode, and a task blocking the loop names its episode)."""
+        task = asyncio.Task(coro, loop=loop, context=context)
+        episode = (context.get(_EPISODE) if context is not None else _EPISODE.get())
+        if episode is not None:
+            self.owner[task] = episode
+            task.add_done_callback(self._forget)
+        return task
+
+    def _forget(self, task: asyncio.Task) -> None:
+        self.owner.pop(task, None)
+
+    def start(self, main: Callable, episode: str) -> asyncio.Future:
+        """Run the coroutine `main()` on this loop as `episode`; returns a future of the calling (executor's) loop
+        that gets its result or exception."""
         executor_loop = asyncio.get_running_loop()
         done: asyncio.Future = executor_loop.create_future()
+        self.futures[episode] = done
 
         async def body():
-            self.task = asyncio.current_task()
+            me = asyncio.current_task()
+            self.owner[me] = episode
+            _EPISODE.set(episode)  # the tasks the agent starts inherit it
             try:
                 return await main()
             finally:  # tasks the agent left running end with it, as `asyncio.run` would end them
-                for task in asyncio.all_tasks():
-                    if task is not self.task:
-                        task.cancel()
-                self.task = None  # an idle loop holds nothing of the episode
+                self.owner.pop(me, None)
+                for task in [t for t, e in list(self.owner.items()) if e == episode]:
+                    task.cancel()
 
         def settle(f: concurrent.futures.Future) -> None:  # in this thread: hand the outcome to the executor's loop
             def put() -> None:
-                if done.done():  # timed out and cancelled meanwhile
+                if self.futures.get(episode) is done:
+                    del self.futures[episode]
+                if done.done():  # timed out, cancelled or restarted meanwhile
                     return
                 if f.cancelled():  # only a retired loop's task is cancelled, and nobody waits for that one
                     done.set_exception(RuntimeError("the agent's task was cancelled"))
@@ -158,6 +196,57 @@ class _AgentLoop:
         asyncio.run_coroutine_threadsafe(body(), self.loop).add_done_callback(settle)
         return done
 
+    # -- the executor's watch over the shared loop ---------------------------------------------------------------
+    def answering(self) -> float:
+        """Seconds since this loop was asked to run a callback and has not (0 when it has): called from the
+        executor's loop, each call asks again once the last question was answered."""
+        if self.asked is None:
+            self.asked = time.monotonic()
+            self.loop.call_soon_threadsafe(self._answer)
+            return 0.0
+        return time.monotonic() - self.asked
+
+    def _answer(self) -> None:
+        self.asked = None
+
+    def blocking_episode(self) -> str | None:
+        """The episode whose agent's task is running on this loop now (from another thread: the task a blocked loop
+        is stuck in), or None when the loop is not inside an agent's task."""
+        task = asyncio.current_task(self.loop)
+        return None if task is None else self.owner.get(task)
+
+    def give_to(self, episode: str) -> list[str]:
+        """Leave this loop to `episode` alone: every other episode on it gets `_Restart` on the executor's side now,
+        and its tasks here are cancelled once the loop runs again. Returns the episodes restarted. Called from the
+        executor's loop."""
+        others = [e for e in list(self.futures) if e != episode]
+        for e in others:
+            future = self.futures.pop(e)
+            if not future.done():
+                future.set_exception(_Restart())
+
+        def cancel() -> None:
+            for task, e in list(self.owner.items()):
+                if e != episode:
+                    task.cancel()
+
+        self.loop.call_soon_threadsafe(cancel)
+        return others
+
+    def cancel_episode(self, episode: str) -> None:
+        """End one episode's tasks (timed out while it awaits: the loop itself runs) and leave the others alone."""
+        self.futures.pop(episode, None)
+
+        def cancel() -> None:
+            for task, e in list(self.owner.items()):
+                if e == episode:
+                    task.cancel()
+
+        try:
+            self.loop.call_soon_threadsafe(cancel)
+        except RuntimeError:  # already closed
+            pass
+
     def blocked_at(self, file: Path) -> str | None:
         """`line N (function)` of `file` where the thread runs now: the agent holds its loop there (a coroutine that
         awaits is not on the thread's stack); None when it is not running the file's code."""
@@ -169,16 +258,24 @@ class _AgentLoop:
         return None
 
     def retire(self, grace_s: float = 1.0) -> None:
-        """Cancel the agent's task and stop the loop once it has ended; raise `AgentAbandoned` in the thread if it
+        """Cancel every task on the loop and stop it once they have ended; raise `AgentAbandoned` in the thread if it
         still runs after `grace_s`. That ends Python code (a CPU loop) at once and a blocking call (`time.sleep`) when
         it returns; either way the episode is already over and its server URL answers 404."""
 
         def cancel() -> None:  # on this loop, when it gets to run
-            if self.task is None or self.task.done():
+            pending = [t for t in asyncio.all_tasks(self.loop) if not t.done()]
+            left = [len(pending)]
+
+            def ended(_) -> None:
+                left[0] -= 1
+                if left[0] == 0:
+                    self.loop.stop()
+
+            if not pending:
                 self.loop.stop()
-            else:
-                self.task.add_done_callback(lambda _: self.loop.stop())
-                self.task.cancel()
+            for task in pending:
+                task.add_done_callback(ended)
+                task.cancel()
 
         try:
             self.loop.call_soon_threadsafe(cancel)
@@ -217,10 +314,17 @@ class OpenAIAgentExecutor:
                                    max_request_bytes)  # fmt: skip
         self.server.start()
         self._ssl = ssl.create_default_context()  # made once: httpx builds one per client otherwise (~17 ms each here)
-        self._idle: list[_AgentLoop] = []  # agent loops free for the next episode
+        # an agent holding its loop longer than this is blocking it (a synchronous call), not computing between awaits
+        self.block_s = min(0.5, timeout_s / 4)
+        self._shared: _AgentLoop | None = None  # every episode's loop, until an agent blocks it
+        self.isolated = False  # an agent blocked the shared loop: each episode runs on a loop of its own from then on
+        self._idle: list[_AgentLoop] = []  # one-episode loops free for the next episode
 
     def close(self) -> None:
         self.server.close()
+        if self._shared is not None:
+            self._shared.stop()
+            self._shared = None
         while self._idle:
             self._idle.pop().stop()
 
@@ -288,17 +392,52 @@ class OpenAIAgentExecutor:
 
     async def _run_all(self, rows: list[dict], seeds: list[int | None], temperature: float) -> list:
         gate = asyncio.Semaphore(self.concurrency)
-        return await asyncio.gather(*[self._episode(gate, e, s, temperature) for e, s in zip(rows, seeds)])
+        watch = None if self.isolated else asyncio.create_task(self._watch())
+        try:
+            return await asyncio.gather(*[self._episode(gate, e, s, temperature) for e, s in zip(rows, seeds)])
+        finally:
+            if watch is not None:
+                watch.cancel()
+
+    async def _watch(self) -> None:
+        """While episodes run on the shared loop: every `block_s / 4` seconds ask it to run a callback. When it has
+        not for `block_s` and an agent's task holds it, that agent is blocking it: the loop is left to that episode,
+        the others on it start again on loops of their own, and so does every later episode (the agent file blocks;
+        a warning says where)."""
+        while not self.isolated:
+            shared = self._shared
+            if shared is not None and shared.answering() > self.block_s:
+                episode = shared.blocking_episode()
+                if episode is not None:
+                    self._leave_shared_loop_to(episode)
+                    return
+            await asyncio.sleep(self.block_s / 4)
+
+    def _leave_shared_loop_to(self, episode: str) -> None:
+        """The agent of `episode` blocks the shared loop: the loop is its own now, the other episodes on it start
+        again, and each episode from now on gets a loop of its own."""
+        shared, self._shared, self.isolated = self._shared, None, True
+        where = shared.blocked_at(self._agent_path)
+        restarted = shared.give_to(episode)
+        log.warning(f"[agents] {self.agent_file}: an agent held its event loop for over {self.block_s:g} s"
+                    f"{f' at {where}' if where else ''} (a synchronous call inside `async def agent`?): from now on "
+                    f"each episode runs on a loop and thread of its own, which costs more CPU per call; "
+                    f"{len(restarted)} episodes that shared its loop start again")  # fmt: skip
 
     async def _episode(self, gate: asyncio.Semaphore, example: dict, seed: int | None, temperature: float):
         """(reward, error (kind, message) or None, the server's record) of one episode."""
         async with gate:
-            eid = self.server.open_episode(temperature, seed)
-            try:
-                reward, error = await self._play(eid, example)
-            finally:
-                record = self.server.close_episode(eid)
-            return reward, error, record
+            while True:
+                eid = self.server.open_episode(temperature, seed)
+                try:
+                    reward, error = await self._play(eid, example)
+                except _Restart:  # its loop was left to a blocking agent: again from the start, on a loop of its own
+                    self.server.close_episode(eid)
+                    continue
+                except BaseException:
+                    self.server.close_episode(eid)
+                    raise
+                return reward, error, self.server.close_episode(eid)
 
     async def _agent_main(self, eid: str, example: dict):
         """The agent's coroutine as its thread runs it, with a client of its own."""
@@ -313,34 +452,59 @@ class OpenAIAgentExecutor:
                                         max_retries=0)  # fmt: skip
             return await self.agent(client, example)
 
+    def _loop(self) -> _AgentLoop:
+        """The loop for the next episode: the shared one, or after an agent blocked it, an idle one-episode loop or a
+        new one."""
+        if not self.isolated:
+            if self._shared is None:
+                self._shared = _AgentLoop(shared=True)
+            return self._shared
+        while self._idle:
+            worker = self._idle.pop()
+            if worker.thread.is_alive():  # not an agent that stopped its own loop
+                return worker
+        return _AgentLoop()
+
+    def _release(self, worker: _AgentLoop) -> None:
+        """An episode ended normally: its one-episode loop is free again; the shared loop stays; a shared loop that
+        was left to a blocking agent (which then returned in time) ends."""
+        if not worker.shared:
+            self._idle.append(worker)
+        elif worker is not self._shared:
+            worker.retire()
+
     async def _play(self, eid: str, example: dict) -> tuple[float, tuple[str, str] | None]:
-        """Run the agent on one example in a thread of its own: (reward, None), or (0.0, (kind, message)) when it
-        failed."""
+        """Run the agent on one example on an agent loop: (reward, None), or (0.0, (kind, message)) when it failed.
+        Raises `_Restart` when its loop was left to another episode's blocking agent."""
         import openai
 
-        worker = None
-        while self._idle and worker is None:
-            worker = self._idle.pop()
-            worker = worker if worker.thread.is_alive() else None  # an agent that stopped its own loop
-        worker = worker or _AgentLoop()
+        worker = self._loop()
         try:
-            value = await asyncio.wait_for(worker.start(partial(self._agent_main, eid, dict(example))), self.timeout_s)
+            value = await asyncio.wait_for(worker.start(partial(self._agent_main, eid, dict(example)), eid),
+                                           self.timeout_s)  # fmt: skip
+        except _Restart:
+            raise
         except TimeoutError:
+            message = f"did not return within {self.timeout_s:g} s (--rollout.agent-timeout-s)"
+            if worker is self._shared and worker.blocking_episode() != eid:
+                worker.cancel_episode(eid)  # it awaited too long; the loop runs, and the other episodes on it go on
+                return 0.0, ("timeout", message)
+            if worker is self._shared:  # it blocks the shared loop (and the watch has not seen it yet)
+                self._leave_shared_loop_to(eid)
             blocked = worker.blocked_at(self._agent_path)
             worker.retire()
-            message = f"did not return within {self.timeout_s:g} s (--rollout.agent-timeout-s)"
             if blocked:
                 message += (f"; it was blocking its event loop at {self.agent_file} {blocked}: a synchronous call "
                             "inside `async def agent` (use `await asyncio.sleep`, `await asyncio.to_thread(f, ...)` "
                             "or an async client)")  # fmt: skip
             return 0.0, ("timeout", message)
         except openai.APIStatusError as e:
-            self._idle.append(worker)
+            self._release(worker)
             return 0.0, ("bad_request" if 400 <= e.status_code < 500 else "raised", f"{type(e).__name__}: {e}")
         except Exception as e:  # the agent's own bug or an unreachable tool: this episode fails, the run goes on
-            self._idle.append(worker)
+            self._release(worker)
             return 0.0, ("raised", f"{type(e).__name__}: {e}")
-        self._idle.append(worker)
+        self._release(worker)
         if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
             return 0.0, ("bad_reward", f"returned {value!r}; the agent must return a finite number (the reward)")
         return float(value), None

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import re
 import threading
 import time
 
@@ -564,6 +565,99 @@ def test_the_timeout_message_names_where_the_agent_blocks(sft_tok, tmp_path):
     assert reward == 0.0 and error[0] == "timeout"
     assert "did not return within 0.5 s (--rollout.agent-timeout-s)" in error[1]
     assert f"blocking its event loop at {path} line " in error[1] and "(agent)" in error[1]
+
+
+PAUSING_AGENT = """
+import time
+
+async def agent(client, example):
+    first = await client.completions.create(model="policy", prompt=example["prompt"])
+    if example["label"] == "pause":
+        time.sleep(0.8)  # blocks the loop it runs on, for less than the timeout
+    second = await client.completions.create(model="policy", prompt=example["prompt"] + first.choices[0].text)
+    return 1.0
+"""
+
+
+def test_agents_share_one_loop_until_one_blocks_it_and_the_others_restart_with_the_same_samples(sft_tok, tmp_path,
+                                                                                                 caplog):  # fmt: skip
+    """Episodes that never block run on one agent loop (one thread, not one per episode). An agent that blocks that
+    loop (`time.sleep(0.8)`, over `block_s` = 0.5 s, under the 3 s timeout) gets it to itself: the episodes stuck
+    behind it start again on loops of their own and sample exactly what they would have (the same seeds), the blocking
+    one still returns, every episode's reward counts, and a warning names the line where it blocked."""
+    path = tmp_path / "pausing_agent.py"
+    path.write_text(PAUSING_AGENT)
+
+    def reply(prompt, seed):  # the tokens depend on the call's seed
+        return [5 + seed % 5, 6 + seed % 3, 2]
+
+    def run(labels):
+        engine = Scripted(reply)
+        ex = OpenAIAgentExecutor(engine, sft_tok, str(path), SFT, 8, 64, timeout_s=3.0)
+        batch = [{"prompt": "37+05=", "prompt_ids": sft_tok.encode("37+05="), "label": k} for k in labels]
+        before = set(agent_threads())
+        try:
+            ro = ex.run(batch, n=2, seed=100, step=1)
+            threads = set(agent_threads()) - before
+        finally:
+            ex.close()
+        return ro, ex, engine, threads
+
+    calm, ex, engine, threads = run(["ok", "ok", "ok"])
+    assert not ex.isolated and [t.name for t in threads] == ["agent-loop-shared"]
+    assert calm.rewards.tolist() == [1.0] * 6 and len(engine.seen) == 12
+    with caplog.at_level(logging.WARNING, logger="agents.openai_agent"):
+        paused, ex, engine, threads = run(["ok", "pause", "ok"])
+    assert ex.isolated and len(threads) > 1
+    assert paused.rewards.tolist() == [1.0] * 6 and paused.logs["rollout/agent_errors"] == 0
+    assert [e.token_ids for e in paused.episodes] == [e.token_ids for e in calm.episodes]
+    assert [e.prompt_ids for e in paused.episodes] == [e.prompt_ids for e in calm.episodes]
+    assert paused.logs["rollout/agent_dropped_calls"] == 0  # a restarted episode's first attempt left no call behind
+    warning = next(r.getMessage() for r in caplog.records if "held its event loop" in r.getMessage())
+    assert str(path) in warning and "for over 0.5 s at line 7 (agent)" in warning
+    assert int(re.search(r"(\d+) episodes that shared its loop start again", warning)[1]) >= 1
+
+
+LINGERING_AGENT = """
+import asyncio
+
+ENDED = []
+
+
+async def agent(client, example):
+    async def watch():
+        try:
+            await asyncio.sleep(60)
+        except asyncio.CancelledError:
+            ENDED.append(example["label"])
+            raise
+
+    asyncio.create_task(watch())  # left running when the agent returns
+    await client.completions.create(model="policy", prompt=example["prompt"])
+    if example["label"] == "slow":
+        await asyncio.sleep(60)  # awaits: the loop runs on, this episode alone times out
+    return 1.0
+"""
+
+
+def test_an_awaiting_agent_times_out_alone_and_the_tasks_an_agent_leaves_end_with_its_episode(sft_tok, tmp_path):
+    path = tmp_path / "lingering_agent.py"
+    path.write_text(LINGERING_AGENT)
+    ex = OpenAIAgentExecutor(Scripted(lambda p, s: [5, 6, 2]), sft_tok, str(path), SFT, 8, 64, timeout_s=1.0)
+    batch = [{"prompt": "37+05=", "prompt_ids": sft_tok.encode("37+05="), "label": k} for k in ["a", "slow", "b"]]
+    try:
+        t0 = time.monotonic()
+        ro = ex.run(batch, n=1, seed=0, step=1)
+        wall = time.monotonic() - t0
+        deadline = time.monotonic() + 5
+        ended = ex.agent.__globals__["ENDED"]
+        while len(ended) < 3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+    finally:
+        ex.close()
+    assert wall < 5.0 and not ex.isolated, wall
+    assert ro.rewards.tolist() == [1.0, 0.0, 1.0] and ro.logs["rollout/agent_timeouts"] == 1
+    assert sorted(ended) == ["a", "b", "slow"]  # each episode's own task, cancelled when it ended or timed out
 
 
 def test_an_agent_file_that_does_not_import_names_the_file_and_line(tmp_path):
