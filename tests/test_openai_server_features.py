@@ -660,6 +660,44 @@ def test_an_awaiting_agent_times_out_alone_and_the_tasks_an_agent_leaves_end_wit
     assert sorted(ended) == ["a", "b", "slow"]  # each episode's own task, cancelled when it ended or timed out
 
 
+POOL_AGENT = """
+SEEN = []
+
+
+async def agent(client, example):
+    SEEN.append((example["label"], client._client))  # the HTTP pool the executor gave this episode
+    await client.completions.create(model="policy", prompt=example["prompt"])
+    if example["label"] == "close":
+        await client.close()  # closes the pool too: it must not be given to the next episode
+    if example["label"] == "raise":
+        raise RuntimeError("a failing tool")
+    return 1.0
+"""
+
+
+def test_an_episode_that_returned_hands_its_http_pool_to_the_next_and_a_closed_or_failed_ones_pool_is_not_kept(
+    sft_tok, tmp_path
+):  # fmt: skip
+    path = tmp_path / "pool_agent.py"
+    path.write_text(POOL_AGENT)
+    ex = OpenAIAgentExecutor(Scripted(lambda p, s: [5, 6, 2]), sft_tok, str(path), SFT, 8, 64, concurrency=1)
+    labels = ["a", "b", "close", "c", "raise", "d"]
+    batch = [{"prompt": "37+05=", "prompt_ids": sft_tok.encode("37+05="), "label": k} for k in labels]
+    try:
+        ro = ex.run(batch, n=1, seed=0, step=1)
+    finally:
+        ex.close()
+    assert ro.rewards.tolist() == [1.0, 1.0, 1.0, 1.0, 0.0, 1.0]
+    seen = ex.agent.__globals__["SEEN"]
+    assert [label for label, _ in seen] == labels
+    pool = [http for _, http in seen]
+    assert pool[0] is pool[1] is pool[2]  # kept after a, b
+    assert pool[3] is not pool[2] and pool[2].is_closed  # the agent closed it: a new one for c
+    assert pool[4] is pool[3]
+    assert pool[5] is not pool[4] and pool[4].is_closed  # its agent raised: closed, not kept
+    assert all(http.is_closed for http in pool)  # the executor closed the kept one when it closed
+
+
 def test_an_agent_file_that_does_not_import_names_the_file_and_line(tmp_path):
     syntax = tmp_path / "bad_syntax.py"
     syntax.write_text("import asyncio\n\nasync def agent(client, example):\n    return 1 +\n")
