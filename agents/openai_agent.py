@@ -157,7 +157,7 @@ class _AgentLoop:
         """Every task on this loop, tagged with the episode whose agent started it (so that it ends with the
         episode, and a task blocking the loop names its episode)."""
         task = asyncio.Task(coro, loop=loop, context=context)
-        episode = (context.get(_EPISODE) if context is not None else _EPISODE.get())
+        episode = context.get(_EPISODE) if context is not None else _EPISODE.get()
         if episode is not None:
             self.owner[task] = episode
             task.add_done_callback(self._forget)

@@ -65,9 +65,12 @@ that drops earlier reasoning), branched, or the choices it did not continue) are
 
 import asyncio
 import concurrent.futures
+import functools
 import inspect
 import json
+import logging
 import queue
+import re
 import socket
 import threading
 import time
@@ -81,6 +84,11 @@ MAX_CHOICES = 128  # `n` at most (OpenAI's limit)
 MAX_REQUEST_BYTES = 8 << 20  # a request body larger than this is refused (413) before it is parsed
 INLINE_BYTES = 1 << 16  # bodies up to this are parsed and tokenized on the event loop (~1 ms); larger ones off it
 STREAM_CHUNK_TOKENS = 8  # tokens per streamed chunk (more when a character spans the boundary)
+PIECE_CACHE = 512  # prompt pieces (the text from one added token to the next) whose ids the server keeps
+PIECE_CACHE_CHARS = 16_384  # pieces longer than this are tokenized every time, not kept
+PIECE_CHECKS = 16  # prompts tokenized both whole and by pieces before the pieces are trusted
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -392,6 +400,20 @@ def _byte_decoder() -> dict[str, int]:
     return {chr(b): b for b in kept} | {chr(256 + i): b for i, b in enumerate(moved)}
 
 
+def _added_token_split(tokenizer) -> re.Pattern | None:
+    """A pattern splitting text just before each of the tokenizer's added tokens (`<|im_start|>`, ...), or None where
+    pieces cut there might not tokenize as the whole does: a slow tokenizer, an added token that strips the spaces
+    next to it or must stand as a word, or one that holds another."""
+    added = list(getattr(tokenizer, "added_tokens_decoder", {}).values())
+    contents = sorted({t.content for t in added}, key=len, reverse=True)
+    if not getattr(tokenizer, "is_fast", False) or not contents:
+        return None
+    if any(t.lstrip or t.rstrip or t.single_word for t in added):
+        return None
+    if any(a != b and a in b for a in contents for b in contents):
+        return None
+    return re.compile("(?=" + "|".join(re.escape(c) for c in contents) + ")")
+
 
 def _event_stream(events):
     """A streamed answer: its server-sent events (all built already: the whole answer is generated before the first
@@ -424,7 +446,10 @@ class OpenAIServer:
         self.native_tools = template_renders_tools(tokenizer)
         decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
         self._bytes_of = _byte_decoder() if "ByteLevel" in repr(decoder) else None
-        self._encode("warm-up", False)  # settles the fast tokenizer's truncation/padding state before threads share it
+        self._piece_split = _added_token_split(tokenizer)
+        self._piece_ids = functools.lru_cache(maxsize=PIECE_CACHE)(self._whole)
+        self._piece_checks = PIECE_CHECKS
+        self._whole("warm-up")  # settles the fast tokenizer's truncation/padding state before threads share it
         self.episodes: dict[str, EpisodeLog] = {}
         self.lock = threading.Lock()
         self.url = ""
@@ -586,8 +611,29 @@ class OpenAIServer:
         return p
 
     # -- prompts ------------------------------------------------------------------------------------------------
-    def _encode(self, text: str, special: bool) -> list[int]:
+    def _whole(self, text: str, special: bool = False) -> list[int]:
         return self.tokenizer(text, add_special_tokens=special)["input_ids"] if text else []
+
+    def _encode(self, text: str, special: bool) -> list[int]:
+        """The ids of `text`. A chat prompt is tokenized piece by piece, each piece running from one added token (a
+        turn's `<|im_start|>`) to the next, and short pieces are kept: the system turn that renders the tools is the
+        same in every episode and is tokenized once. A fast tokenizer splits its input at added tokens before anything
+        else, so the pieces' ids joined are the whole text's; the first `PIECE_CHECKS` prompts are tokenized both ways
+        to check that for this tokenizer, and at the first difference the server tokenizes whole texts from then on."""
+        if special or self._piece_split is None:
+            return self._whole(text, special)
+        ids: list[int] = []
+        for piece in self._piece_split.split(text):
+            ids += self._piece_ids(piece) if len(piece) <= PIECE_CACHE_CHARS else self._whole(piece)
+        if self._piece_checks > 0:
+            self._piece_checks -= 1
+            whole = self._whole(text)
+            if whole != ids:
+                self._piece_split = None
+                log.warning("[agents] the tokenizer's ids of a prompt tokenized by pieces (split before added tokens) "
+                            "differ from the whole prompt's: the server tokenizes whole prompts from now on")  # fmt: skip
+                return whole
+        return ids
 
     def _decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)

@@ -246,6 +246,47 @@ def test_an_unparseable_tool_call_is_text_counted_and_logged_by_the_executor(cha
 
 
 # ------------------------------------------------------------------------------------------------- streaming
+def test_prompts_tokenized_by_pieces_are_the_whole_prompts_ids_and_the_tools_turn_is_tokenized_once(chat_tok):
+    """The server tokenizes a chat prompt in pieces cut before each added token, keeping the pieces' ids: the same ids
+    as the whole text for random texts around the template's special tokens (spaces, newlines and non-ASCII next to
+    them), and a system turn that every episode sends is tokenized once."""
+    import random
+
+    server = OpenAIServer(Scripted(lambda p, s: [2]), chat_tok, "chat", max_new_tokens=8, max_context=4096)
+    assert server._piece_split is not None
+    rng = random.Random(0)
+    alphabet = ["a", "b", " ", "  ", "\n", "\n\n", "é", "ü", "12", "+", "<", "|", ">", "tool", "_call", "{", "}", "\t"]
+    specials = ["<|im_start|>", "<|im_end|>", "<|endoftext|>"]
+    for _ in range(300):
+        text = "".join(rng.choice(specials) if rng.random() < 0.15 else rng.choice(alphabet)
+                       for _ in range(rng.randint(1, 40)))  # fmt: skip
+        assert server._encode(text, False) == chat_tok(text, add_special_tokens=False)["input_ids"], repr(text)
+    assert server._piece_split is not None  # no difference seen: still by pieces
+    tools = [{"type": "function", "function": {"name": "calculator", "description": "adds",
+                                               "parameters": {"type": "object", "properties": {}}}}]  # fmt: skip
+    log = server.episodes[server.open_episode(1.0, 0)]
+    p = server._params({"model": "chat", "tools": tools}, chat_request=True)
+    before = server._piece_ids.cache_info()
+    prompts = [server.chat_prompt(log, {"messages": [{"role": "user", "content": f"{a}+{a}="}]}, p) for a in (1, 2, 3)]
+    after = server._piece_ids.cache_info()
+    for ids, _, text in prompts:
+        assert ids == chat_tok(text, add_special_tokens=False)["input_ids"]
+    assert after.hits - before.hits >= 2  # the tools' system turn, tokenized for the first prompt only
+
+
+def test_a_tokenizer_whose_pieces_differ_from_the_whole_is_caught_and_whole_prompts_are_tokenized(chat_tok, caplog):
+    server = OpenAIServer(Scripted(lambda p, s: [2]), chat_tok, "chat", max_new_tokens=8, max_context=4096)
+    server._piece_split = re.compile("(?=ber)")  # cuts inside words: the pieces' merges differ from the whole's
+    text = "the number is a member of the numbers"
+    whole = chat_tok(text, add_special_tokens=False)["input_ids"]
+    pieces = [t for piece in server._piece_split.split(text) for t in chat_tok(piece)["input_ids"]]
+    assert pieces != whole  # the premise: this split changes the ids
+    with caplog.at_level(logging.WARNING, logger="agents.openai_server"):
+        assert server._encode(text, False) == whole
+    assert server._piece_split is None and "tokenizes whole prompts from now on" in caplog.text
+    assert server._encode(text, False) == whole
+
+
 def test_a_streamed_answer_is_the_same_recorded_call_in_chunks(chat_tok):
     """`stream: true` sends the call the non-streamed request records (same seed, same ids, same log-probs): the
     content pieces join to the non-streamed content, the chunks' token ids and log-probs to the recorded ones, the

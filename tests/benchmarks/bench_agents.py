@@ -32,8 +32,9 @@ other jobs on the machine: the engine runs in this process, so both sides' CPU i
 speed-ups, as the ratio of the CPU seconds of the runs (on a busy machine the wall times move by 2-3x, the CPU
 seconds by ~30 %).
 
-(c) The client's floor. The same one-call agent code path on the agent's side (an httpx pool and an
-`openai.AsyncOpenAI` client per episode, one completions request, the answer parsed) against a stand-in server in a
+(c) The client's floor. The same one-call agent code path on the agent's side (an `openai.AsyncOpenAI` client per
+episode over an httpx pool of its own, kept for the next episode once it returned, as the executor does; one
+completions request, the answer parsed) against a stand-in server in a
 separate process that answers every request at once with a fixed completion (no engine, no tokenizer, no FastAPI),
 at concurrency B. Its time per call is what the agent side alone costs: a lower bound on the overhead of any server
 the agents reach through the official `openai` client from the trainer's process, whatever the server does:
@@ -133,8 +134,8 @@ asyncio.run(main())
 
 
 def client_floor(port: int, prompts: list[str], concurrency: int) -> list[str]:
-    """The agent side of one completions call per prompt (as OpenAIAgentExecutor runs a one-call agent: an httpx
-    pool and an AsyncOpenAI client per episode), against the canned server on `port`: the texts it got back."""
+    """The agent side of one completions call per prompt (as OpenAIAgentExecutor runs a one-call agent, see
+    `agent_floor`), against the canned server on `port`: the texts it got back."""
 
     async def one_completion(client, row):
         out = await client.completions.create(model="policy", prompt=row["prompt"])
@@ -158,8 +159,9 @@ def streamed_chat_answer(prompt_ids: list[int], token_ids: list[int], text: str)
 
 
 def agent_floor(port: int, agent, rows: list[dict], concurrency: int) -> list:
-    """The agent side alone: `agent(client, row)` for each row (an httpx pool and an AsyncOpenAI client per episode,
-    as OpenAIAgentExecutor gives it) against the canned server on `port`; the rewards it returned."""
+    """The agent side alone: `agent(client, row)` for each row (an AsyncOpenAI client per episode over an httpx pool
+    of its own while it runs, a returned episode's pool kept for the next one, as OpenAIAgentExecutor gives them)
+    against the canned server on `port`; the rewards it returned."""
     import asyncio
     import ssl
 
@@ -168,16 +170,22 @@ def agent_floor(port: int, agent, rows: list[dict], concurrency: int) -> list:
 
     context = ssl.create_default_context()
 
-    async def episode(gate, row):
+    async def episode(gate, row, kept):
         async with gate:
-            async with httpx.AsyncClient(timeout=60, trust_env=False, verify=context) as http:
-                client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", http_client=http,
-                                            max_retries=0)  # fmt: skip
-                return await agent(client, row)
+            http = kept.pop() if kept else httpx.AsyncClient(timeout=60, trust_env=False, verify=context)
+            client = openai.AsyncOpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="x", http_client=http,
+                                        max_retries=0)  # fmt: skip
+            value = await agent(client, row)
+            kept.append(http)
+            return value
 
     async def run_all():
-        gate = asyncio.Semaphore(concurrency)
-        return await asyncio.gather(*[episode(gate, r) for r in rows])
+        gate, kept = asyncio.Semaphore(concurrency), []
+        try:
+            return await asyncio.gather(*[episode(gate, r, kept) for r in rows])
+        finally:
+            for http in kept:
+                await http.aclose()
 
     return asyncio.run(run_all())
 
