@@ -210,8 +210,11 @@ class _AgentLoop:
         """Seconds since this loop was asked to run a callback and has not (0 when it has): called from the
         executor's loop, each call asks again once the last question was answered."""
         if self.asked is None:
-            self.asked = time.monotonic()
-            self.loop.call_soon_threadsafe(self._answer)
+            self.asked = time.monotonic()  # before posting: the loop may answer at once
+            try:
+                self.loop.call_soon_threadsafe(self._answer)
+            except RuntimeError:  # closed: nothing runs on it any more
+                self.asked = None
             return 0.0
         return time.monotonic() - self.asked
 
