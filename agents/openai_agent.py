@@ -18,11 +18,16 @@ their concurrent requests are batched into the engines.
 The agents run on an event loop of their own in a thread of its own, all episodes on one loop, while the executor's
 loop keeps their time and watches that loop. An agent that blocks it (a synchronous `time.sleep`, `requests.get` or
 a CPU loop inside `async def agent`) for longer than `block_s` (0.5 s, or a quarter of the timeout if that is less)
-gets the loop to itself: the other episodes on it start again from the start on loops and threads of their own
-(their seeds give them the same samples), every later episode does too (a warning says where the agent blocked),
-and the blocking episode still ends at `--rollout.agent-timeout-s`. So a blocking agent holds up the others for at most `block_s`,
-and agents that never block pay for one thread, not one per episode. Loop-bound objects (asyncio locks, HTTP clients)
-belong inside the agent function; state shared between episodes at module level needs a `threading.Lock`.
+gets the loop to itself, and the other episodes on it start again from the start (their seeds give them the same
+samples) on a new shared loop; the second time an agent blocks, on loops and threads of their own, as does every
+later episode (a warning says where the agent blocked). The blocking episode still ends at
+`--rollout.agent-timeout-s`. So a blocking agent holds up the others for at most `block_s`, and agents that never
+block pay for one thread, not one per episode. Loop-bound objects (asyncio locks, HTTP clients) belong inside the
+agent function, and an agent closes the clients it makes (`async with`): one left to the garbage collector may be
+closed from another thread's loop (the `openai` client's `__del__` schedules its `aclose` on whatever loop runs
+where the collection happens): with agents/examples/pydantic_ai_agent.py's own client left open, about one episode
+in 1,000 waited until its timeout.
+State shared between episodes at module level needs a `threading.Lock`.
 
 A failed episode ends without stopping the run: the agent raised (`raised`; an HTTP 4xx it did not catch:
 `bad_request`), did not return within `--rollout.agent-timeout-s` (`timeout`; it is cancelled, and a thread still
@@ -106,6 +111,7 @@ def load_agent(path: str):
 _EPISODE: contextvars.ContextVar[str | None] = contextvars.ContextVar("cleanrlhf_agent_episode", default=None)
 
 
+ISOLATE_AFTER_BLOCKS = 2  # agents that blocked the shared loop this often get a loop each from then on
 HTTP_CLIENT_EPISODES = 64  # episodes one kept HTTP pool serves before it is closed and a new one made
 
 
@@ -123,7 +129,7 @@ class _AgentLoop:
     cannot end an agent that blocks the loop it runs on (a synchronous `time.sleep` or a CPU loop inside `async def
     agent`: nothing else on that loop runs until it yields), so the executor's own loop keeps the time and watches
     the shared one (`answering`): a loop that has not run a callback for `block_s` while an agent's task holds it is
-    given to that agent, and the other episodes on it start again on loops of their own. A loop whose agent timed out
+    given to that agent, and the other episodes on it start again elsewhere. A loop whose agent timed out
     is retired, never reused: its tasks are cancelled, the loop stops when they end, and if the thread still runs a
     second later (the loop is blocked, so the cancel cannot run) `AgentAbandoned` is raised inside it."""
 
@@ -358,7 +364,8 @@ class OpenAIAgentExecutor:
         # an agent holding its loop longer than this is blocking it (a synchronous call), not computing between awaits
         self.block_s = min(0.5, timeout_s / 4)
         self._shared: _AgentLoop | None = None  # every episode's loop, until an agent blocks it
-        self.isolated = False  # an agent blocked the shared loop: each episode runs on a loop of its own from then on
+        self.blocks = 0  # times an agent blocked the shared loop
+        self.isolated = False  # agents blocked it ISOLATE_AFTER_BLOCKS times: each episode gets a loop of its own
         self._idle: list[_AgentLoop] = []  # one-episode loops free for the next episode
 
     def close(self) -> None:
@@ -442,29 +449,42 @@ class OpenAIAgentExecutor:
                 watch.cancel()
 
     async def _watch(self) -> None:
-        """While episodes run on the shared loop: every `block_s / 4` seconds ask it to run a callback. When it has
-        not for `block_s` and an agent's task holds it, that agent is blocking it: the loop is left to that episode,
-        the others on it start again on loops of their own, and so does every later episode (the agent file blocks;
-        a warning says where)."""
+        """While episodes run on the shared loop: every `block_s / 4` seconds ask it to run a callback, and note which
+        task it is in. When it has not answered for `block_s` and one agent's task has been running all that while
+        (not a loop busy with many tasks' short steps, as when a hundred agents start at once), that agent is blocking
+        it: the loop is left to that episode and the others on it start again elsewhere (a warning says where)."""
+        holder, since = None, time.monotonic()
         while not self.isolated:
             shared = self._shared
-            if shared is not None and shared.answering() > self.block_s:
-                episode = shared.blocking_episode()
+            task = None if shared is None else asyncio.current_task(shared.loop)
+            now = time.monotonic()
+            if task is None or task is not holder:
+                holder, since = task, now
+            elif shared.answering() > self.block_s and now - since > self.block_s:
+                episode = shared.owner.get(task)
                 if episode is not None:
                     self._leave_shared_loop_to(episode)
-                    return
+                    holder, since = None, now
+                    continue  # watch the next shared loop, if there is one
+            if shared is not None:
+                shared.answering()  # asks again once the last question was answered
             await asyncio.sleep(self.block_s / 4)
 
     def _leave_shared_loop_to(self, episode: str) -> None:
-        """The agent of `episode` blocks the shared loop: the loop is its own now, the other episodes on it start
-        again, and each episode from now on gets a loop of its own."""
-        shared, self._shared, self.isolated = self._shared, None, True
+        """The agent of `episode` blocks the shared loop: the loop is its own now and the other episodes on it start
+        again, on a new shared loop the first time (a block may be a one-off: a first import, a cache being built), on
+        loops of their own after that, as is every later episode then."""
+        shared, self._shared = self._shared, None
+        self.blocks += 1
+        self.isolated = self.blocks >= ISOLATE_AFTER_BLOCKS
         where = shared.blocked_at(self._agent_path)
         restarted = shared.give_to(episode)
-        log.warning(f"[agents] {self.agent_file}: an agent held its event loop for over {self.block_s:g} s"
-                    f"{f' at {where}' if where else ''} (a synchronous call inside `async def agent`?): from now on "
-                    f"each episode runs on a loop and thread of its own, which costs more CPU per call; "
-                    f"{len(restarted)} episodes that shared its loop start again")  # fmt: skip
+        then = ("from now on each episode runs on a loop and thread of its own, which costs more CPU per call"
+                if self.isolated else "the next time one does, each episode gets a loop and thread of its own")  # fmt: skip
+        log.warning(f"[agents] {self.agent_file}: an agent held the agents' event loop for over {self.block_s:g} s"
+                    f"{f' at {where}' if where else ''} (a synchronous call inside `async def agent`?); {len(restarted)} "
+                    f"episodes that shared the loop start again on {'their own' if self.isolated else 'a new one'}; "
+                    f"{then}")  # fmt: skip
 
     async def _episode(self, gate: asyncio.Semaphore, example: dict, seed: int | None, temperature: float):
         """(reward, error (kind, message) or None, the server's record) of one episode."""

@@ -147,6 +147,7 @@ def test_grpo_trains_on_pydantic_ai_episodes(tmp_path, one_thread):
 
     args = Args()
     args.rollout.agent_file = str(PYDANTIC_AI)
+    args.rollout.agent_timeout_s = 60  # an episode left waiting (an unclosed client) fails the test in a minute
     args.train.max_steps, args.rollout.batch_size, args.train.micro_batch_size = 2, 16, 64
     args.eval.every, args.eval.max_samples = 2, 32
     # the tiny model rarely earns a reward in chat form: keep every group, so that each step updates on the

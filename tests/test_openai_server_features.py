@@ -624,8 +624,9 @@ def test_agents_share_one_loop_until_one_blocks_it_and_the_others_restart_with_t
                                                                                                  caplog):  # fmt: skip
     """Episodes that never block run on one agent loop (one thread, not one per episode). An agent that blocks that
     loop (`time.sleep(0.8)`, over `block_s` = 0.5 s, under the 3 s timeout) gets it to itself: the episodes stuck
-    behind it start again on loops of their own and sample exactly what they would have (the same seeds), the blocking
-    one still returns, every episode's reward counts, and a warning names the line where it blocked."""
+    behind it start again on a new shared loop and sample exactly what they would have (the same seeds), the blocking
+    one still returns, every episode's reward counts, and a warning names the line where it blocked. When agents
+    block a second time, every episode gets a loop of its own from then on."""
     path = tmp_path / "pausing_agent.py"
     path.write_text(PAUSING_AGENT)
 
@@ -638,25 +639,34 @@ def test_agents_share_one_loop_until_one_blocks_it_and_the_others_restart_with_t
         batch = [{"prompt": "37+05=", "prompt_ids": sft_tok.encode("37+05="), "label": k} for k in labels]
         before = set(agent_threads())
         try:
-            ro = ex.run(batch, n=2, seed=100, step=1)
+            ro = ex.run(batch, n=1, seed=100, step=1)
             threads = set(agent_threads()) - before
         finally:
             ex.close()
-        return ro, ex, engine, threads
+        return ro, ex, threads
 
-    calm, ex, engine, threads = run(["ok", "ok", "ok"])
-    assert not ex.isolated and [t.name for t in threads] == ["agent-loop-shared"]
-    assert calm.rewards.tolist() == [1.0] * 6 and len(engine.seen) == 12
+    def same_samples(ro, ref):
+        assert ro.rewards.tolist() == [1.0] * 6 and ro.logs["rollout/agent_errors"] == 0
+        assert [e.token_ids for e in ro.episodes] == [e.token_ids for e in ref.episodes]
+        assert [e.prompt_ids for e in ro.episodes] == [e.prompt_ids for e in ref.episodes]
+        assert ro.logs["rollout/agent_dropped_calls"] == 0  # a restarted episode's first attempt left no call behind
+
+    calm, ex, threads = run(["ok"] * 6)
+    assert ex.blocks == 0 and not ex.isolated and [t.name for t in threads] == ["agent-loop-shared"]
+    assert calm.rewards.tolist() == [1.0] * 6
     with caplog.at_level(logging.WARNING, logger="agents.openai_agent"):
-        paused, ex, engine, threads = run(["ok", "pause", "ok"])
-    assert ex.isolated and len(threads) > 1
-    assert paused.rewards.tolist() == [1.0] * 6 and paused.logs["rollout/agent_errors"] == 0
-    assert [e.token_ids for e in paused.episodes] == [e.token_ids for e in calm.episodes]
-    assert [e.prompt_ids for e in paused.episodes] == [e.prompt_ids for e in calm.episodes]
-    assert paused.logs["rollout/agent_dropped_calls"] == 0  # a restarted episode's first attempt left no call behind
-    warning = next(r.getMessage() for r in caplog.records if "held its event loop" in r.getMessage())
+        paused, ex, threads = run(["ok"] * 5 + ["pause"])
+    same_samples(paused, calm)
+    assert ex.blocks == 1 and not ex.isolated and {t.name for t in threads} == {"agent-loop-shared"}
+    warning = next(r.getMessage() for r in caplog.records if "held the agents' event loop" in r.getMessage())
     assert str(path) in warning and "for over 0.5 s at line 7 (agent)" in warning
-    assert int(re.search(r"(\d+) episodes that shared its loop start again", warning)[1]) >= 1
+    assert int(re.search(r"(\d+) episodes that shared the loop start again on a new one", warning)[1]) >= 1
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="agents.openai_agent"):
+        twice, ex, threads = run(["pause", "ok", "ok", "pause", "ok", "ok"])  # two: a second block
+    same_samples(twice, calm)
+    assert ex.blocks == 2 and ex.isolated and any(t.name != "agent-loop-shared" for t in threads)
+    assert "from now on each episode runs on a loop and thread of its own" in caplog.text
 
 
 LINGERING_AGENT = """

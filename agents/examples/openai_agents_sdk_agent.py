@@ -29,12 +29,13 @@ set_tracing_disabled(True)
 
 async def agent(client, example: dict) -> float:
     name = (await client.models.list()).data[0].id
-    # the SDK's own client on the episode's URL; max_retries=0: a retry would be a second generation of the turn
-    episode = AsyncOpenAI(base_url=str(client.base_url), api_key="cleanrlhf", max_retries=0)
-    adder = Agent(name="adder", model=OpenAIChatCompletionsModel(model=name, openai_client=episode))
-    first = await Runner.run(adder, example["prompt"], max_turns=1)
-    if score(str(first.final_output), example["label"]) > 0:
-        return 1.0
-    retry = first.to_input_list() + [{"role": "user", "content": "Wrong, try again."}]
-    second = await Runner.run(adder, retry, max_turns=1)
-    return 0.5 * score(str(second.final_output), example["label"])
+    # the SDK's own client on the episode's URL; max_retries=0: a retry would be a second generation of the turn;
+    # closed when the episode ends (`async with`; see agents/examples/pydantic_ai_agent.py)
+    async with AsyncOpenAI(base_url=str(client.base_url), api_key="cleanrlhf", max_retries=0) as episode:
+        adder = Agent(name="adder", model=OpenAIChatCompletionsModel(model=name, openai_client=episode))
+        first = await Runner.run(adder, example["prompt"], max_turns=1)
+        if score(str(first.final_output), example["label"]) > 0:
+            return 1.0
+        retry = first.to_input_list() + [{"role": "user", "content": "Wrong, try again."}]
+        second = await Runner.run(adder, retry, max_turns=1)
+        return 0.5 * score(str(second.final_output), example["label"])

@@ -23,11 +23,13 @@ from rewards.arithmetic import score
 
 async def agent(client, example: dict) -> float:
     name = (await client.models.list()).data[0].id
-    # the provider's own client on the episode's URL; max_retries=0: a retry would be a second generation of the turn
-    episode = AsyncOpenAI(base_url=str(client.base_url), api_key="cleanrlhf", max_retries=0)
-    adder = Agent(OpenAIChatModel(name, provider=OpenAIProvider(openai_client=episode)), retries=0)
-    first = await adder.run(example["prompt"])
-    if score(first.output, example["label"]) > 0:
-        return 1.0
-    second = await adder.run("Wrong, try again.", message_history=first.all_messages())
-    return 0.5 * score(second.output, example["label"])
+    # The provider's own client on the episode's URL; max_retries=0: a retry would be a second generation of the turn.
+    # Closed when the episode ends (`async with`): left to the garbage collector, it may be closed from another
+    # thread's event loop, which once left another episode's request unanswered until its timeout.
+    async with AsyncOpenAI(base_url=str(client.base_url), api_key="cleanrlhf", max_retries=0) as episode:
+        adder = Agent(OpenAIChatModel(name, provider=OpenAIProvider(openai_client=episode)), retries=0)
+        first = await adder.run(example["prompt"])
+        if score(first.output, example["label"]) > 0:
+            return 1.0
+        second = await adder.run("Wrong, try again.", message_history=first.all_messages())
+        return 0.5 * score(second.output, example["label"])
