@@ -457,17 +457,14 @@ class OpenAIAgentExecutor:
         while not self.isolated:
             shared = self._shared
             task = None if shared is None else asyncio.current_task(shared.loop)
+            waited = 0.0 if shared is None else shared.answering()  # asks again once the last question was answered
             now = time.monotonic()
             if task is None or task is not holder:
                 holder, since = task, now
-            elif shared.answering() > self.block_s and now - since > self.block_s:
-                episode = shared.owner.get(task)
-                if episode is not None:
-                    self._leave_shared_loop_to(episode)
-                    holder, since = None, now
-                    continue  # watch the next shared loop, if there is one
-            if shared is not None:
-                shared.answering()  # asks again once the last question was answered
+            elif waited > self.block_s and now - since > self.block_s and task in shared.owner:
+                self._leave_shared_loop_to(shared.owner[task])
+                holder, since = None, now
+                continue  # watch the next shared loop, if there is one
             await asyncio.sleep(self.block_s / 4)
 
     def _leave_shared_loop_to(self, episode: str) -> None:

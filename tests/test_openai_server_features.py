@@ -568,14 +568,19 @@ async def agent(client, example):
 """
 
 
+def labelled(tok, labels: list[str]) -> list[dict]:
+    """One row per label, all the same prompt: the test agents act on `example["label"]`."""
+    return [{"prompt": "37+05=", "prompt_ids": tok.encode("37+05="), "label": k} for k in labels]
+
+
 def test_an_agent_that_blocks_its_event_loop_times_out_and_the_run_goes_on(sft_tok, tmp_path):
-    """`time.sleep` and a CPU loop inside `async def agent` (one shared event loop could not time them out: nothing
-    runs while they hold it): each episode runs in a thread of its own, so both end at the timeout naming the file
-    and line, the good episodes train, and the spinning thread is stopped a second later."""
+    """`time.sleep` and a CPU loop inside `async def agent` (nothing else on its loop runs while they hold it): the
+    blocking agents get loops of their own, so both end at the timeout naming the file and line, the good episodes
+    train, and the spinning thread is stopped a second later."""
     path = tmp_path / "blocking_agent.py"
     path.write_text(BLOCKING_AGENT)
     ex = OpenAIAgentExecutor(Scripted(lambda p, s: [5, 6, 2]), sft_tok, str(path), SFT, 8, 64, timeout_s=1.0)
-    batch = [{"prompt": "37+05=", "prompt_ids": sft_tok.encode("37+05="), "label": k} for k in ["ok", "sleep", "spin"]]
+    batch = labelled(sft_tok, ["ok", "sleep", "spin"])
     try:
         t0 = time.monotonic()
         ro = ex.run(batch, n=2, seed=0, step=1)
@@ -636,7 +641,7 @@ def test_agents_share_one_loop_until_one_blocks_it_and_the_others_restart_with_t
     def run(labels):
         engine = Scripted(reply)
         ex = OpenAIAgentExecutor(engine, sft_tok, str(path), SFT, 8, 64, timeout_s=3.0)
-        batch = [{"prompt": "37+05=", "prompt_ids": sft_tok.encode("37+05="), "label": k} for k in labels]
+        batch = labelled(sft_tok, labels)
         before = set(agent_threads())
         try:
             ro = ex.run(batch, n=1, seed=100, step=1)
@@ -695,7 +700,7 @@ def test_an_awaiting_agent_times_out_alone_and_the_tasks_an_agent_leaves_end_wit
     path = tmp_path / "lingering_agent.py"
     path.write_text(LINGERING_AGENT)
     ex = OpenAIAgentExecutor(Scripted(lambda p, s: [5, 6, 2]), sft_tok, str(path), SFT, 8, 64, timeout_s=1.0)
-    batch = [{"prompt": "37+05=", "prompt_ids": sft_tok.encode("37+05="), "label": k} for k in ["a", "slow", "b"]]
+    batch = labelled(sft_tok, ["a", "slow", "b"])
     try:
         t0 = time.monotonic()
         ro = ex.run(batch, n=1, seed=0, step=1)
@@ -733,7 +738,7 @@ def test_an_episode_that_returned_hands_its_http_pool_to_the_next_and_a_closed_o
     path.write_text(POOL_AGENT)
     ex = OpenAIAgentExecutor(Scripted(lambda p, s: [5, 6, 2]), sft_tok, str(path), SFT, 8, 64, concurrency=1)
     labels = ["a", "b", "close", "c", "raise", "d"]
-    batch = [{"prompt": "37+05=", "prompt_ids": sft_tok.encode("37+05="), "label": k} for k in labels]
+    batch = labelled(sft_tok, labels)
     try:
         ro = ex.run(batch, n=1, seed=0, step=1)
     finally:
