@@ -76,6 +76,30 @@ def _destroy_world() -> None:
             print(f"[cleanrlhf] destroy_process_group at exit: {e}", file=sys.stderr, flush=True)
 
 
+_one_process = False  # this process made its own world of one (a plain `python algos/x.py`): no launcher's env
+
+
+def _loopback_store(port: int, timeout_s: int) -> dist.TCPStore:
+    """The store of a one-process world, listening on 127.0.0.1:`port` only. torch's `env://` store listens on every
+    interface whatever MASTER_ADDR says (torch 2.13: `*:<MASTER_PORT>`), opening a port to the network for a world no
+    other process joins; a socket bound here and handed over (`master_listen_fd`, as vLLM does) keeps it local."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind(("127.0.0.1", port))
+        sock.listen()
+    except OSError as e:
+        sock.close()
+        raise ValueError(f"MASTER_PORT {port}: cannot listen on 127.0.0.1:{port} for this run's process group ({e}); "
+                         "unset MASTER_PORT (a free port is picked) or give a free one") from None  # fmt: skip
+    fd = sock.detach()
+    try:
+        return dist.TCPStore("127.0.0.1", port, 1, True, timedelta(seconds=timeout_s), master_listen_fd=fd)
+    except Exception:
+        os.close(fd)
+        raise
+
+
 def init_distributed(backend: str = "auto", timeout_s: int = 600) -> tuple[int, int, torch.device]:
     """Join (or create, for a plain `python` run) the torch.distributed world; returns (rank, world_size, device).
 
@@ -83,9 +107,11 @@ def init_distributed(backend: str = "auto", timeout_s: int = 600) -> tuple[int, 
     box each process gets its share of the cores (oversubscribed threads make steps 10x slower)."""
     import deepspeed
 
+    global _one_process
     if "RANK" not in os.environ:  # single process: a world of one
         os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
         os.environ.setdefault("MASTER_PORT", str(free_port()))
+        _one_process = True
     local_rank, world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ["WORLD_SIZE"])
     if backend == "auto":
         backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -108,6 +134,9 @@ def init_distributed(backend: str = "auto", timeout_s: int = 600) -> tuple[int, 
     if not dist.is_initialized() or not ds_comm.is_initialized():  # a world of someone else's: DeepSpeed wraps it
         if not dist.is_initialized() and not torch.cuda.is_available():
             clear_stale_build_lock()
+        if not dist.is_initialized() and _one_process and world == 1:  # a world of ours: its store on loopback only
+            dist.init_process_group(backend, store=_loopback_store(int(os.environ["MASTER_PORT"]), timeout_s), rank=0,
+                                    world_size=1, timeout=timedelta(seconds=timeout_s))  # fmt: skip
         deepspeed.init_distributed(dist_backend=backend, timeout=timedelta(seconds=timeout_s), auto_mpi_discovery=False)
     atexit.unregister(_destroy_world)  # once, however many times a process (re)joins a world
     atexit.register(_destroy_world)
