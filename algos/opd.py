@@ -74,7 +74,10 @@ from rewards.loader import RewardConfig
 class AlgoArgs:
     reward_coef: float = 0.0
     """λ: weight of GRPO's group-relative advantage of the task reward (`--reward.*`), added to every token's
-    distillation advantage (needs --rollout.n-samples >= 2); 0: pure distillation, the task reward is only logged."""
+    distillation advantage (needs --rollout.n-samples >= 2); 0: pure distillation, the task reward is only logged.
+    A negative λ trains the student away from the task: refused unless `--algo.negative-reward-coef`."""
+    negative_reward_coef: bool = False
+    """allow `--algo.reward-coef` < 0 (the student is pushed to fail the task reward)."""
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
     """loss aggregation (see core/rl_math.aggregate_loss)."""
     kl_coef: float = 0.0
@@ -171,7 +174,9 @@ def load_teacher(args: Args, device: torch.device):
 
 
 def check_teacher(args: Args) -> None:
-    """The teacher scores the student's token ids, so both must read them alike: the same tokenizer vocabulary."""
+    """The teacher scores the student's token ids, so both must read them alike: the same tokenizer vocabulary; and
+    its log-probs come from a language model's head (a reward model's export has none)."""
+    models.check_causal_lm(args.teacher.model, "--teacher.model")
     student = models.load_tokenizer(args.actor.model.tokenizer or args.actor.model.name_or_path,
                                     "--actor.model.name-or-path / --actor.model.tokenizer")  # fmt: skip
     teacher = models.load_tokenizer(args.teacher.model, "--teacher.model")
@@ -259,6 +264,9 @@ def main(args: Args, engines: rollout.RolloutEngines | None = None, groups: dict
     if args.algo.reward_coef != 0 and args.rollout.n_samples < 2:  # ALGO LOGIC: a group of one has no baseline
         raise ValueError(f"--algo.reward-coef {args.algo.reward_coef}: the group-relative task advantage needs "
                          f"--rollout.n-samples >= 2, got {args.rollout.n_samples}")  # fmt: skip
+    if args.algo.reward_coef < 0 and not args.algo.negative_reward_coef:  # a sign slip would unlearn the task
+        raise ValueError(f"--algo.reward-coef {args.algo.reward_coef}: a negative weight trains the student to fail "
+                         "the task reward; add --algo.negative-reward-coef if that is meant")  # fmt: skip
     if args.teacher.ranks is not None and args.train.sp_size > 1:  # as --ref.ranks (rl.make_actor)
         raise ValueError("--teacher.ranks with --train.sp-size > 1: a teacher on ranks of its own is not built for SP")
     check_teacher(args)  # ALGO LOGIC: the teacher must read the student's token ids (builds an embedded teacher once)

@@ -321,7 +321,7 @@ class EvalArgs:
 # ------------------------------------------------------------------------------------------------- flag checks
 # The rules of `check_args`, by field name wherever the field sits in a script's `Args` (`--rollout.batch-size` and
 # `--train.batch-size` are both `batch_size`). They hold for int and float fields alike; None always passes (it
-# means "off" or "the default"), bools and strings are not numbers here.
+# means "off" or "the default"), bools and strings are not numbers here; `INTERVALS` are (low, high) pairs.
 POSITIVE = frozenset({
     # sizes and counts: 0 trains nothing, divides by zero or gives NaN metrics
     "batch_size", "n_samples", "micro_batch_size", "max_tokens_per_micro", "max_new_tokens", "minibatches",
@@ -345,6 +345,10 @@ NON_NEGATIVE = frozenset({
 AT_MOST_ONE = frozenset({"top_p", "gpu_memory_utilization", "min_lr_ratio", "lora_dropout", "gamma", "lam",
                          "stop_at_accuracy", "muon_momentum", "ema_beta"})  # fmt: skip
 ABOVE_ONE = frozenset({"dual_clip"})  # the dual-clip constant c bounds a loss at c·|A| > |A|
+# (low, high) pairs: "weight" bounds multiply a gradient, so 0 <= low <= high and high > 0 (a negative bound turns
+# the gradient's sign: `clamp(w, -1, -2)` is -2 everywhere); "open" intervals keep what lies strictly inside, so
+# low < high (an empty one keeps nothing).
+INTERVALS = {"is_threshold": "weight", "dynamic_filter_range": "open"}
 MODEL_PATHS = frozenset({"name_or_path", "tokenizer", "model"})  # str fields naming a model; local ones must exist
 FLOAT32_MAX = 3.4028234663852886e38  # every float flag ends up in float32 tensors (rewards, losses, clip bounds)
 
@@ -384,6 +388,21 @@ def _check_value(flag: str, name: str, value) -> list[str]:
     return []
 
 
+def _check_interval(flag: str, kind: str, value) -> list[str]:
+    if value is None or len(value) != 2 or _check_value(flag, "", value):
+        return []  # None is off; a non-finite bound is reported by _check_value
+    low, high = value
+    shown = f"{flag} {low:g} {high:g}"
+    if kind == "open" and not low < high:
+        return [f"{shown}: the interval ({low:g}, {high:g}) is empty; give LOW < HIGH"]
+    if kind == "weight" and not 0 <= low <= high:
+        return [f"{shown}: weight bounds need 0 <= LOW <= HIGH (a negative or reversed bound flips or zeroes the "
+                f"gradient it multiplies)"]  # fmt: skip
+    if kind == "weight" and high <= 0:
+        return [f"{shown}: HIGH must be > 0 (every weight would be 0: no gradient)"]
+    return []
+
+
 def _errors(args, path: tuple[str, ...]) -> list[str]:
     out = []
     for f in dataclasses.fields(args):
@@ -392,6 +411,8 @@ def _errors(args, path: tuple[str, ...]) -> list[str]:
             out += _errors(value, (*path, f.name))
         else:
             out += _check_value(flag_name((*path, f.name)), f.name, value)
+            if f.name in INTERVALS:
+                out += _check_interval(flag_name((*path, f.name)), INTERVALS[f.name], value)
     return out
 
 

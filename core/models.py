@@ -88,6 +88,27 @@ def max_positions(name_or_path: str, flag: str = "--model.name-or-path") -> int 
     return int(n) if n else None
 
 
+# Architectures whose head is not a language model's: a reward model's export (algos/rm.py writes
+# `...ForSequenceClassification`) loads as a causal LM without an error (its body under the tied embeddings' head),
+# and would score or generate from a model trained for another job.
+NOT_CAUSAL_LM = ("ForSequenceClassification", "ForTokenClassification", "ForQuestionAnswering")
+
+
+def check_causal_lm(name_or_path: str, flag: str = "--model.name-or-path") -> None:
+    """Refuse a model whose config names only non-LM heads (`NOT_CAUSAL_LM`: a reward model's export), with one
+    ValueError naming `flag`; reads the config only. A config without `architectures` passes."""
+    from transformers import AutoConfig
+
+    path = _check_model_path(name_or_path, flag)
+    try:
+        archs = list(getattr(AutoConfig.from_pretrained(path), "architectures", None) or [])
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{flag} {name_or_path!r}: cannot read the model's config: {e}") from None
+    if archs and all(a.endswith(NOT_CAUSAL_LM) for a in archs):
+        raise ValueError(f"{flag} {name_or_path!r}: a {', '.join(archs)} (a reward model's export, or another "
+                         "non-LM head), not a causal LM; give a policy or SFT model")  # fmt: skip
+
+
 def load_causal_lm(cfg: ModelConfig, flag: str = "--model.name-or-path"):
     """Load the policy as an HF causal LM in `cfg.dtype`, with gradient checkpointing and LoRA as configured.
     A missing path or hub id gives one clear ValueError naming `flag` (the flag `cfg.name_or_path` came from, e.g.
@@ -96,6 +117,7 @@ def load_causal_lm(cfg: ModelConfig, flag: str = "--model.name-or-path"):
     its vision tower (trained too)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
+    check_causal_lm(cfg.name_or_path, flag)
     path = _check_model_path(cfg.name_or_path, flag)
     try:
         dtype = torch_dtype(cfg.dtype)
