@@ -43,13 +43,23 @@ class RewardConfig:
     judge_url: str | None = None
     """a judge as the reward: base URL of an OpenAI-compatible chat endpoint (e.g. `http://host:8000/v1`, a vLLM
     server or `python -m agents.openai_server --model <run>/hf`) that scores each response with `judge-prompt`
-    (rewards/judge.py: a fraction, a number or a yes/no verdict is read from its answer); instead of `func`."""
+    (rewards/judge.py: only the answer's last line is read, `Score: x` with x from 0 to 1 or `Verdict: yes|no`, so
+    every reward is in [0, 1]); checked at start (a judge that does not answer stops the run); instead of `func`."""
     judge_prompt: str | None = None
-    """with `judge-url`: the judge's message, a text file with {prompt}, {response} and {label} placeholders."""
+    """with `judge-url`: the judge's message, a text file with {prompt}, {response} and {label} placeholders that asks
+    for a last line `Score: x` (x from 0 to 1) or `Verdict: yes|no` (rewards/judge_prompt.txt is an example)."""
     judge_model: str | None = None
     """with `judge-url`: the model name to ask for (default: the endpoint's first model)."""
     judge_concurrency: int = 8
     """with `judge-url`: requests in flight at once."""
+    judge_max_tokens: int = 256
+    """with `judge-url`: the most tokens the judge may answer with (its reasoning and the final line)."""
+    api_key_env: str = "CLEANRLHF_API_KEY"
+    """with `remote-url` or `judge-url`: the environment variable holding the key sent to the server as
+    `Authorization: Bearer KEY` (what `python -m rewards.server --api-key` and `python -m agents.openai_server
+    --api-key` check; e.g. OPENAI_API_KEY for a hosted judge). The default may be unset (no key is sent); another
+    variable, named on purpose, must be set. A variable, not the key itself: a flag would show in `ps` and be saved
+    in the run's config.json."""
     normalize: bool = False
     """with `model`: score (r − reward_mean) / reward_std using the statistics `algos/rm.py` saved."""
     ranks: int | None = None
@@ -64,11 +74,13 @@ class RewardConfig:
     default)."""
     timeout_s: float = 60.0
     """seconds a python reward function (`func`, or the default rule) may take on one batch before the run stops with
-    an error naming the file and the batch (it runs in a daemon thread, which is left behind); with `remote_url`,
-    seconds per request before it is retried. 0: no limit (a python function then runs in the calling thread, e.g.
+    an error naming the file and the batch (it runs in a daemon thread, which is left behind); with `remote-url` or
+    `judge-url`, seconds one request may take in all (connecting, waiting and reading the answer) before it is
+    retried. 0: no limit (a python function then runs in the calling thread, e.g.
     for reward code that sets signal handlers, which only the main thread may). `model` is not timed."""
     retries: int = 3
-    """with `remote_url`: retries per request (after a timeout, connection error or 5xx) before a clear error."""
+    """with `remote-url` or `judge-url`: retries per request (after a timeout, connection error or 5xx) before a clear
+    error."""
     clip: float = 10.0
     """rewards are clipped to [−clip, clip]."""
     stop_properly_penalty: float | None = None
@@ -96,10 +108,11 @@ def load_reward_func(cfg: RewardConfig, group=None):
         raise ValueError("--reward.judge-url and --reward.judge-prompt go together: the endpoint and the prompt file")
     if cfg.judge_url:
         judge = JudgeReward(cfg.judge_url, cfg.judge_prompt, cfg.judge_model, cfg.timeout_s or None, cfg.retries,
-                            cfg.judge_concurrency)  # fmt: skip
+                            cfg.judge_concurrency, cfg.judge_max_tokens, cfg.api_key_env)  # fmt: skip
         return judge, f"judge {cfg.judge_url}"
     if cfg.remote_url:
-        return RemoteReward(cfg.remote_url, cfg.timeout_s or None, cfg.retries), ", ".join(cfg.remote_url)
+        remote = RemoteReward(cfg.remote_url, cfg.timeout_s or None, cfg.retries, cfg.api_key_env)
+        return remote, ", ".join(cfg.remote_url)
     if cfg.model:
         if group is not None:
             return GroupReward(group), f"{cfg.model} ({len(group)} replicas)"

@@ -1,7 +1,7 @@
 """Reward sources with the `reward_func(queries, prompts, labels)` contract, for the RL scripts' `--reward.*` flags:
 
 - `RemoteReward(urls)`: HTTP reward servers (`rewards/server.py`, or any server speaking OpenRLHF's
-  `POST {"query", "prompts", "labels"} -> {"rewards": [...]}`), batches split across the URLs, with a timeout and
+  `POST {"query", "prompts", "labels"} -> {"rewards": [...]}`), batches split across the URLs, with a time limit and
   retries per request, then one clear error naming the URL.
 - `ModelReward(path)`: a reward model (an `algos/rm.py` export) scored in-process, no server needed.
 - `GroupReward(group)`: the same reward model in a Ray group of replicas (`--reward.ranks N`, a
@@ -9,32 +9,102 @@
   split over the replicas. The replicas run no collective, so several trainer ranks may call the group at once.
 
 All return `{"rewards": tensor, "scores": tensor}` so the scripts treat them exactly like a python reward file.
+
+HTTP calls (`call_json`) are bounded as a whole: `requests`' own timeout bounds each socket read, so a server that
+answers 200 and then sends a byte every 2 s would hold a call forever; here the call runs in a daemon thread and the
+caller stops waiting at `--reward.timeout-s`. A key (`--reward.api-key-env`, the environment variable holding it) is
+sent as `Authorization: Bearer KEY`, as `python -m rewards.server --api-key` and the agent server expect.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import threading
 import time
 
 import requests
 import torch
 
+DEFAULT_KEY_ENV = "CLEANRLHF_API_KEY"
+"""the environment variable the reward server, the agent server and the RL scripts' client read the key from."""
+
+
+def key_session(key_env: str | None) -> requests.Session:
+    """A session that sends the key held by the environment variable `key_env` as a Bearer token. The default
+    variable (`CLEANRLHF_API_KEY`) may be unset (no key is sent); another one, named on purpose, must be set."""
+    session = requests.Session()
+    key = os.environ.get(key_env) if key_env else None
+    if key_env and key_env != DEFAULT_KEY_ENV and not key:
+        raise ValueError(f"--reward.api-key-env {key_env}: the environment variable {key_env} is not set (or empty)")
+    if key:
+        session.headers["Authorization"] = f"Bearer {key}"
+    return session
+
+
+def _auth_hint(status: int, session) -> str:
+    if status not in (401, 403):
+        return ""
+    sent = "a key was sent" if "Authorization" in session.headers else "no key was sent"
+    return (f" ({sent}; the key is read from the environment variable named by --reward.api-key-env, default "
+            f"{DEFAULT_KEY_ENV})")  # fmt: skip
+
+
+def call_json(session, method: str, url: str, body: dict | None, timeout_s: float | None) -> tuple[int, bytes]:
+    """One HTTP request (`body` sent as JSON when given): (status, the answer's bytes). The whole call (connect,
+    headers and body) ends within `timeout_s` seconds (None: no limit) with `requests.Timeout`: it runs in a daemon
+    thread the caller stops waiting for at the deadline. That thread stops itself at the next byte past the deadline
+    (or at `requests`' per-read timeout, the same `timeout_s`), so a server that trickles leaves no reader behind."""
+    deadline = None if not timeout_s else time.monotonic() + timeout_s
+    result: dict = {}
+    done = threading.Event()
+
+    def call() -> None:
+        try:
+            with session.request(method, url, json=body, timeout=timeout_s, stream=True) as resp:
+                chunks = []
+                while chunk := resp.raw.read1(65536, decode_content=True):  # one socket read at most
+                    chunks.append(chunk)
+                    if deadline is not None and time.monotonic() > deadline:
+                        raise requests.Timeout("past the deadline")  # nobody waits for this call any more
+                result["out"] = (resp.status_code, b"".join(chunks))
+        except BaseException as e:  # handed to the caller below
+            result["error"] = e
+        finally:
+            done.set()
+
+    if deadline is None:
+        call()
+    else:
+        threading.Thread(target=call, name="http-call", daemon=True).start()
+        if not done.wait(timeout_s):
+            raise requests.Timeout(f"no whole answer within {timeout_s:g} s (--reward.timeout-s bounds the call)")
+    if "error" in result:
+        raise result["error"]
+    return result["out"]
+
 
 def post_with_retries(session, url: str, body: dict, timeout_s: float | None, retries: int, name: str):
-    """POST `body` as JSON and return the (< 400) response, retried `retries` times (1 s, 2 s, ... pauses) after a
-    timeout, a connection error or a 5xx; a 4xx fails at once (a bad request will not get better). The error names
-    `name` (e.g. "reward server URL") and the last failure."""
+    """POST `body` as JSON and return the (< 400) answer parsed from JSON, retried `retries` times (1 s, 2 s, ...
+    pauses) after a timeout, a connection error or a 5xx; a 4xx fails at once (a bad request will not get better).
+    Each attempt ends within `timeout_s` (`call_json`). The error names `name` (e.g. "reward server URL") and the last
+    failure; an answer that is not JSON is a RuntimeError naming `name` too."""
     error, attempts = "", 0
     for attempt in range(retries + 1):
         attempts += 1
         try:
-            resp = session.post(url, json=body, timeout=timeout_s)
+            status, content = call_json(session, "POST", url, body, timeout_s)
         except requests.RequestException as e:  # timeout, refused connection, ...
             error = f"{type(e).__name__}: {e}"
         else:
-            if resp.status_code < 400:
-                return resp
-            error = f"HTTP {resp.status_code}: {resp.text[:500]}"
-            if resp.status_code < 500:
+            if status < 400:
+                try:
+                    return json.loads(content)
+                except ValueError:  # also a UnicodeDecodeError
+                    raise RuntimeError(f"{name} answered HTTP {status} with something that is not JSON: "
+                                       f"{content[:300]!r}") from None  # fmt: skip
+            error = f"HTTP {status}: {content[:500].decode('utf-8', 'replace')}{_auth_hint(status, session)}"
+            if status < 500:
                 break
         if attempt < retries:
             time.sleep(attempt + 1)
@@ -44,18 +114,20 @@ def post_with_retries(session, url: str, body: dict, timeout_s: float | None, re
 class RemoteReward:
     """Score queries with one or more reward servers: the batch is split into one contiguous chunk per URL, so
     several servers share the work; each request is retried `retries` times (with 1 s, 2 s, ... pauses) after a
-    timeout, a connection error or a 5xx, and fails at once on a 4xx (a bad request will not get better)."""
+    timeout, a connection error or a 5xx, and fails at once on a 4xx (a bad request will not get better). The key in
+    the environment variable `key_env` (if set) is sent as a Bearer token."""
 
-    def __init__(self, urls: list[str], timeout_s: float | None = 60.0, retries: int = 3):  # None: no time limit
+    def __init__(self, urls: list[str], timeout_s: float | None = 60.0, retries: int = 3,
+                 key_env: str | None = DEFAULT_KEY_ENV):  # None timeout: no time limit  # fmt: skip
         if not urls:
             raise ValueError("RemoteReward needs at least one URL")
         self.urls = [u if u.rstrip("/").endswith("/get_reward") else u.rstrip("/") + "/get_reward" for u in urls]
         self.timeout_s, self.retries = timeout_s, retries
-        self.session = requests.Session()
+        self.session = key_session(key_env)
 
     def _post(self, url: str, body: dict) -> list[float]:
-        resp = post_with_retries(self.session, url, body, self.timeout_s, self.retries, f"reward server {url}")
-        rewards = resp.json().get("rewards")
+        answer = post_with_retries(self.session, url, body, self.timeout_s, self.retries, f"reward server {url}")
+        rewards = answer.get("rewards") if isinstance(answer, dict) else None
         if not isinstance(rewards, list) or len(rewards) != len(body["query"]):
             raise ValueError(f"reward server {url} answered {str(rewards)[:200]!r}: expected a list "
                              f"'rewards' of {len(body['query'])} numbers")  # fmt: skip

@@ -1,6 +1,7 @@
-"""`--reward.judge-url URL --reward.judge-prompt FILE` (rewards/judge.py): what is read from a judge's answer, the
-prompt file's checks, and the HTTP path against a stand-in OpenAI chat endpoint that answers, fails, stalls and
-rambles on cue."""
+"""`--reward.judge-url URL --reward.judge-prompt FILE` (rewards/judge.py): what is read from a judge's answer (its last
+line, `Score: x` or `Verdict: yes|no`), the prompt file's checks, and the HTTP path against a stand-in OpenAI chat
+endpoint that answers, fails, stalls and rambles on cue. The judge's misreadings, trickling answers, dead judges and
+keys: tests/test_judge_faults.py."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import re
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 
@@ -17,12 +19,12 @@ from rewards.loader import RewardConfig, load_reward_func, score
 
 
 @pytest.mark.parametrize(("answer", "reward"), [
-    ("Score: 7/10", 0.7), ("0.25", 0.25), ("Rating: 4 out of 5", 4.0), ("YES, it is right.", 1.0),
-    ("The answer is incorrect.", 0.0), ("Verdict: pass", 1.0), ("no", 0.0), ("-1", -1.0),
-    ("I cannot tell.", None), ("", None), ("3/0", None),
+    ("Score: 7/10", 0.7), ("Score: 0.25", 0.25), ("The sum is right.\n\nScore: 1", 1.0), ("score:0", 0.0),
+    ("**Score:** 0.8", 0.8), ("Score: 2.5e-1.", 0.25), ("Verdict: yes", 1.0), ("VERDICT: No.", 0.0),
+    ("Step 1 ... Verdict: no\nVerdict: yes\n\n", 1.0), ("`Verdict: yes`", 1.0),
 ])  # fmt: skip
-def test_a_fraction_then_a_number_then_a_verdict_word_is_read(answer, reward):
-    assert parse_verdict(answer) == (None if reward is None else pytest.approx(reward))
+def test_the_last_line_is_read(answer, reward):
+    assert parse_verdict(answer) == pytest.approx(reward)
 
 
 def test_the_prompt_file_is_checked_naming_it(tmp_path):
@@ -37,15 +39,17 @@ def test_the_prompt_file_is_checked_naming_it(tmp_path):
     with pytest.raises(ValueError, match=r"blind.txt: no \{response\} placeholder"):
         load_prompt(str(blind))
     braces = tmp_path / "braces.txt"
-    braces.write_text("Answer in JSON {{\"ok\": true}}: {response}")
-    assert load_prompt(str(braces)).format(prompt="", response="x", label="") == 'Answer in JSON {"ok": true}: x'
+    braces.write_text('Answer in JSON {{"ok": true}}: {response}\nVerdict: yes|no')
+    assert load_prompt(str(braces)).format(prompt="", response="x", label="") == (
+        'Answer in JSON {"ok": true}: x\nVerdict: yes|no'
+    )
     with pytest.raises(ValueError, match="go together"):
         load_reward_func(RewardConfig(judge_url="http://127.0.0.1:1/v1"))
 
 
 class Judge:
-    """A stand-in chat endpoint on a free local port: answers "yes" when the message holds the label's text after
-    "Answer:", else "no"; `fail_first` requests get a 503, `status` forces a status, `delay_s` stalls each answer,
+    """A stand-in chat endpoint on a free local port: answers "Verdict: yes" when the message holds the label's text
+    after "Answer:", else "Verdict: no"; `fail_first` requests get a 503, `status` forces a status, `delay_s` stalls each answer,
     `answer` forces the text."""
 
     def __init__(self):
@@ -81,7 +85,7 @@ class Judge:
                     return self._send(judge.status, {"error": {"message": "bad request"}})
                 text = body["messages"][0]["content"]
                 label, answer = text.split("Label: ")[1].split("\n")[0], text.split("Answer: ")[1].split("\n")[0]
-                verdict = judge.answer if judge.answer is not None else ("yes" if answer == label else "no")
+                verdict = judge.answer if judge.answer is not None else f"Verdict: {'yes' if answer == label else 'no'}"
                 self._send(200, {"choices": [{"index": 0, "message": {"role": "assistant", "content": verdict},
                                               "finish_reason": "stop"}]})  # fmt: skip
 
@@ -103,7 +107,8 @@ def judge():
 @pytest.fixture
 def prompt_file(tmp_path):
     path = tmp_path / "judge.txt"
-    path.write_text("Question: {prompt}\nLabel: {label}\nAnswer: {response}\nIs the answer right? yes or no.")
+    path.write_text("Question: {prompt}\nLabel: {label}\nAnswer: {response}\nIs the answer right? End with the line "
+                    "`Verdict: yes` or `Verdict: no`.")  # fmt: skip
     return str(path)
 
 
@@ -135,7 +140,7 @@ def test_a_stalled_judge_times_out_with_its_url(judge, prompt_file):
     judge.delay_s = 2.0
     fn = JudgeReward(judge.url, prompt_file, model="m", timeout_s=0.3, retries=1, concurrency=1)
     t0 = time.monotonic()
-    with pytest.raises(RuntimeError, match=r"failed after 2 attempt\(s\): ReadTimeout"):
+    with pytest.raises(RuntimeError, match=r"failed after 2 attempt\(s\): (Read)?Timeout"):
         fn(QUERIES[:1], PROMPTS[:1], LABELS[:1])
     assert time.monotonic() - t0 < 5
 
@@ -143,8 +148,9 @@ def test_a_stalled_judge_times_out_with_its_url(judge, prompt_file):
 def test_an_answer_without_a_verdict_stops_the_run_naming_the_query(judge, prompt_file):
     judge.answer = "Hard to say."
     fn, name = load_reward_func(RewardConfig(judge_url=judge.url, judge_prompt=prompt_file))
-    with pytest.raises(ValueError, match=r"judge .* raised on batch 5: ValueError: judge .*query 0 of the batch holds "
-                                         r"no number and no verdict word: 'Hard to say.'"):  # fmt: skip
+    with pytest.raises(ValueError, match=r"judge .* raised on batch 5: ValueError: judge .*: the answer for query 0 of "
+                                         r"the batch is refused: its last line 'Hard to say.' is not `Verdict: yes` or "
+                                         r"`Verdict: no`: 'Hard to say.' \(--reward.judge-prompt .*judge.txt asks"):  # fmt: skip
         score(fn, name, QUERIES, PROMPTS, LABELS, step=5)
 
 
@@ -155,13 +161,12 @@ def test_our_own_server_hosting_a_model_is_a_judge(tmp_path):
     `/v1/models`, every query is asked at temperature 0, and what the judge reads is exactly the server's greedy
     answer (the same request through the `openai` client gives the same text). What it does not show: a verdict that
     parses. The embedded tiny-chat model is untrained on judging and answers this prompt with blank lines (measured,
-    greedy, so deterministic), which must stop the run with the documented error naming the query and the answer."""
+    greedy, so deterministic), which must stop the run with the documented error naming the query and the answer.
+    The prompt is the shipped example, rewards/judge_prompt.txt."""
     import openai
     from test_serve import MODEL, served
 
-    path = tmp_path / "judge.txt"
-    path.write_text("You grade arithmetic.\nQuestion: {prompt}\nReference answer: {label}\nStudent answer: {response}\n"
-                    "Is the student answer correct? Reply with one word: yes or no.")  # fmt: skip
+    path = Path(__file__).resolve().parents[1] / "rewards" / "judge_prompt.txt"
     with served(MODEL, tmp_path / "serve.log") as (_, url):
         fn, name = load_reward_func(RewardConfig(judge_url=url, judge_prompt=str(path), judge_concurrency=2))
         assert name == f"judge {url}" and fn.model == MODEL
@@ -172,9 +177,11 @@ def test_our_own_server_hosting_a_model_is_a_judge(tmp_path):
             answers.append(client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": text}],
                                                           temperature=0, max_tokens=fn.max_tokens)
                            .choices[0].message.content)  # fmt: skip
-            assert fn.ask(text) == answers[-1]  # the judge reads the server's greedy answer, unchanged
-        assert all(parse_verdict(a) is None for a in answers), f"tiny-chat now answers with a verdict: {answers}"
+            assert fn.ask(text)[0] == answers[-1]  # the judge reads the server's greedy answer, unchanged
+        for a in answers:
+            with pytest.raises(ValueError):
+                parse_verdict(a)  # tiny-chat does not answer with a verdict line
         with pytest.raises(ValueError, match=rf"judge .* raised on batch 2: ValueError: judge {re.escape(url)}: the "
-                                             r"answer for query 0 of the batch holds no number and no verdict word: "
-                                             + re.escape(repr(answers[0][:200]))):  # fmt: skip
+                                             r"answer for query 0 of the batch is refused: .*"
+                                             + re.escape(repr(answers[0][-200:]))):  # fmt: skip
             score(fn, name, QUERIES, PROMPTS, LABELS, step=2)
