@@ -17,6 +17,7 @@ import importlib.util
 import math
 import numbers
 import threading
+import traceback
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -121,12 +122,21 @@ def load_reward_func(cfg: RewardConfig, group=None):
         from rewards.arithmetic import reward_func
 
         return with_timeout(reward_func, cfg.timeout_s), "rewards/arithmetic.py"
-    path = cfg.func
-    if not Path(path).is_file():
+    path, file = cfg.func, Path(cfg.func).resolve()
+    if not file.is_file():
         raise ValueError(f"--reward.func {path}: no such file")
     spec = importlib.util.spec_from_file_location("user_reward", path)
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
+    try:
+        spec.loader.exec_module(module)
+    except SyntaxError as e:  # named like an agent file's (agents/openai_agent.py), not a bare SyntaxError
+        where = f"line {e.lineno}" + (f", column {e.offset}" if e.offset else "")
+        code = f": {e.text.strip()!r}" if e.text and e.text.strip() else ""
+        raise ValueError(f"--reward.func {path}, {where}: {e.msg}{code}") from None
+    except Exception as e:  # an import, a name or a call at the top of the file failed
+        lines = [f.lineno for f in traceback.extract_tb(e.__traceback__) if Path(f.filename).resolve() == file]
+        where = f", line {lines[-1]}" if lines else ""
+        raise ValueError(f"--reward.func {path}{where}: importing it raised {type(e).__name__}: {e}") from e
     if not hasattr(module, "reward_func"):
         raise ValueError(f"--reward.func {path}: defines no `reward_func(queries, prompts, labels)`")
     return with_timeout(module.reward_func, cfg.timeout_s), path

@@ -167,3 +167,16 @@ def test_an_eval_call_is_named_as_such_and_a_nan_extra_log_warns_once(tmp_path):
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # the second time: logged, no second warning
         score(nan_log, "nan_reward.py", ["a"], ["a"], ["1"], step=4)
+
+
+def test_a_reward_file_that_does_not_import_is_named_with_its_line(tmp_path):
+    """A syntax error ended on a bare `SyntaxError`; like an agent file's, it names the flag, file, line and column."""
+    path = tmp_path / "broken_reward.py"
+    path.write_text("import math\n\n\ndef reward_func(queries, prompts, labels)\n    return [1.0] * len(queries)\n")
+    with pytest.raises(ValueError, match=rf"^--reward.func {path}, line 4, column \d+: expected ':': "
+                                         r"'def reward_func\(queries, prompts, labels\)'$") as err:  # fmt: skip
+        load_reward_func(RewardConfig(func=str(path)))
+    assert err.value.__cause__ is None and err.value.__suppress_context__  # one line, not a SyntaxError traceback
+    path.write_text("import math\n\nSCALE = math.nope\n\n\ndef reward_func(queries, prompts, labels):\n    return 1\n")
+    with pytest.raises(ValueError, match=rf"^--reward.func {path}, line 3: importing it raised AttributeError: .*nope"):
+        load_reward_func(RewardConfig(func=str(path)))
