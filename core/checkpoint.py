@@ -260,11 +260,34 @@ def _group_load(worker, folder: str, name: str) -> dict | None:
     return state
 
 
+def refuse_finished(run_dir: str | Path, ckpt_dir: str | Path, max_steps: int, resume: bool = True) -> None:
+    """Refuse a folder whose run finished (`summary.json`, not halted, all `max_steps` done) while its newest
+    checkpoint is older (`--train.halt-after` jobs with `--ckpt.every 0`): resuming would train the last segment
+    again. Say that it is finished instead. An unreadable summary.json is named (ValueError). Reads only: callable
+    on every rank."""
+    from core.logger import read_json
+
+    run_dir, ckpt_dir = Path(run_dir), Path(ckpt_dir)
+    summary = run_dir / "summary.json"
+    if not resume or not summary.is_file():  # --ckpt.no-resume: a new run, the old files move aside
+        return
+    done = read_json(summary, f"it says whether the run in {run_dir} finished: delete it to resume the run from its "
+                              "newest checkpoint, or give another --run-dir")  # fmt: skip
+    if not isinstance(done, dict):
+        return
+    newest = latest(ckpt_dir) if ckpt_dir.is_dir() else None
+    if done.get("halted") or done.get("steps") != max_steps or newest is None or int(newest.name[5:]) + 1 >= max_steps:
+        return
+    raise ValueError(f"{run_dir} holds a finished run of {max_steps} steps (summary.json; its model is in "
+                     f"{run_dir / 'hf'}): nothing to resume, and its newest checkpoint ({newest.name}) is older, so "
+                     "resuming would train its last steps again. Give another --run-dir for a new run.")  # fmt: skip
+
+
 def resume(engines: dict, ckpt_dir: str | Path, run_dir: str | Path, args) -> tuple[int, dict]:
-    """The scripts' resume: with `--ckpt.resume` and an intact checkpoint in `ckpt_dir`, check the flags against the
-    run's saved config (`core.logger.check_config`: a run-altering change needs `--ckpt.allow-changes`), restore the
-    engines and RNG, and return (first step to run, saved client state); else (0, {}). Collective: every rank calls
-    it."""
+    """The scripts' resume: with `--ckpt.resume` and an intact checkpoint in `ckpt_dir`, refuse a finished run whose
+    newest checkpoint is older (`refuse_finished`), check the flags against the run's saved config
+    (`core.logger.check_config`: a run-altering change needs `--ckpt.allow-changes`), restore the engines and RNG,
+    and return (first step to run, saved client state); else (0, {}). Collective: every rank calls it."""
     from core.logger import check_config
 
     if not args.ckpt.resume:
@@ -272,6 +295,7 @@ def resume(engines: dict, ckpt_dir: str | Path, run_dir: str | Path, args) -> tu
     path = latest(ckpt_dir)
     if path is None:
         return 0, {}
+    refuse_finished(run_dir, ckpt_dir, args.train.max_steps)
     check_config(run_dir, args)
     client = load(engines, path)
     start_step = client["step"] + 1

@@ -107,7 +107,12 @@ def check_config(run_dir: str | Path, args) -> list[dict]:
         defaults = config_dict(type(args)()) if dataclasses.is_dataclass(args) else None
     except TypeError:  # an Args without defaults for every field
         defaults = None
-    changes = config_changes(json.loads(saved_file.read_text()), now, defaults)
+    saved = read_json(saved_file, "it holds the flags the run started with: restore it, or delete it to resume "
+                      "without comparing them (the resumed run's flags are saved in its place)")  # fmt: skip
+    if not isinstance(saved, dict):
+        raise ValueError(f"{saved_file}: not the flags of a run (a JSON object); restore it, or delete it to resume "
+                         "without comparing them")  # fmt: skip
+    changes = config_changes(saved, now, defaults)
     altering = [c for c in changes if not c["harmless"]]
     if altering and not now.get("ckpt", {}).get("allow_changes", False):
         lines = [f"  {c['flag']}: {c['saved']} -> {c['now']}{'  (harmless)' if c['harmless'] else ''}" for c in changes]
@@ -157,9 +162,10 @@ def _running(holder: dict) -> bool:
 
 
 def _read_lock(lock: Path) -> tuple[str | None, dict | None]:
-    """The lock file's text (None: it is gone) and its holder (None: not a lock's JSON, e.g. still being written)."""
+    """The lock file's text (None: it is gone) and its holder (None: not a lock's JSON, e.g. still being written, or
+    not text: bytes that are not UTF-8 are read as U+FFFD)."""
     try:
-        text = lock.read_text()
+        text = lock.read_bytes().decode("utf-8", errors="replace")
     except FileNotFoundError:
         return None, None
     try:
@@ -174,12 +180,13 @@ def lock_run_dir(run_dir: str | Path, enabled: bool = True) -> Path | None:
     anything in the folder is moved or written; the scripts call it on rank 0 (`enabled`) before they resume, and
     `RunLogger` takes it too. Held by this process already: nothing to do. Held by a running process, or by one on
     another host (whose liveness cannot be checked): `RunDirLocked` naming the folder, the holder's host and pid. Left
-    by a process of this host that is no longer running (a killed run): taken over with a warning. Released by
-    `release_run_dir` (`RunLogger.close`) or at exit. Returns the lock file (None when not `enabled`)."""
+    by a process of this host that is no longer running (a killed run): taken over with a warning, by one run at a
+    time (`_takeover`), so of several runs started at once exactly one gets it. A `run_dir` that cannot be a folder
+    (a file): ValueError naming `--run-dir` (`make_run_dir`). Released by `release_run_dir` (`RunLogger.close`) or
+    at exit. Returns the lock file (None when not `enabled`)."""
     if not enabled:
         return None
-    run_dir = Path(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    run_dir = make_run_dir(run_dir)
     lock, key = run_dir / LOCK, run_dir.resolve()
     me = {"host": socket.gethostname(), "pid": os.getpid(), "started": _process_start(os.getpid())}
     for _ in range(50):
@@ -207,15 +214,10 @@ def lock_run_dir(run_dir: str | Path, enabled: bool = True) -> Path | None:
                     f"folder has one writer. Wait for that run to end or give this run another --run-dir; if that run "
                     f"is gone (its host lost), delete {lock}"
                 ) from None  # fmt: skip
-            stale = lock.with_name(f"{LOCK}.stale.{me['pid']}")
-            try:  # a dead holder: move its lock aside; of two runs taking it over at once, one gets it
-                os.replace(lock, stale)
-            except FileNotFoundError:
-                continue
-            if _read_lock(stale)[0] != text:  # another run took the stale lock over between our read and the move
-                os.replace(stale, lock)
-                continue
-            stale.unlink(missing_ok=True)
+            with _takeover(lock):  # a dead holder: its lock is removed by one run at a time, and only while it is
+                if _read_lock(lock)[0] != text:  # still the dead run's (another run took it over meanwhile)
+                    continue
+                lock.unlink()
             print(f"[logger] warning: {lock} was left by pid {holder['pid']} on {holder['host']}, which is no longer "
                   "running (a killed run?): taken over", file=sys.stderr, flush=True)  # fmt: skip
             continue
@@ -226,6 +228,73 @@ def lock_run_dir(run_dir: str | Path, enabled: bool = True) -> Path | None:
         _hold(key, lock)
         return lock
     raise RunDirLocked(f"{run_dir}: could not take {lock} (other runs keep taking and releasing it)")
+
+
+@contextmanager
+def _takeover(lock: Path):
+    """Hold `<run>/.lock.takeover` exclusively (flock; released by the kernel if this process dies, so it is never
+    stale). Removing a dead run's lock under it makes the takeover exclusive: a run that read the dead lock and
+    removed it after another run had already taken it over (and made a new one) would remove the new lock, and a
+    third run would then hold the folder beside the second (seen once in 25 trials of 3 simultaneous starts)."""
+    import fcntl
+
+    fd = os.open(lock.with_name(LOCK + ".takeover"), os.O_CREAT | os.O_RDWR, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the flock
+
+
+def check_run_dir(run_dir: str | Path, flag: str = "--run-dir") -> Path:
+    """ValueError naming `flag` when `run_dir`, or a folder above it, is a file (it cannot be a run folder); creates
+    nothing, so a script can call it before anything loads."""
+    run_dir = Path(run_dir)
+    for path in (run_dir, *run_dir.parents):
+        if path.exists():
+            if not path.is_dir():
+                what = "is a file" if path == run_dir else f"is inside {path}, which is a file"
+                raise ValueError(f"{flag} {run_dir}: {what}, not a folder; give a folder for the run (it is created "
+                                 "if missing)")  # fmt: skip
+            break
+    return run_dir
+
+
+def make_run_dir(run_dir: str | Path, flag: str = "--run-dir") -> Path:
+    """Create the run folder (and the folders above it) if needed; ValueError naming `flag` when it cannot be one:
+    it, or a folder above it, is a file (`check_run_dir`), or it cannot be created."""
+    run_dir = check_run_dir(run_dir, flag)
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"{flag} {run_dir}: cannot create the run folder ({e.strerror or e})") from None
+    return run_dir
+
+
+def write_json(path: str | Path, value, **dumps) -> None:
+    """Write `path` as JSON by rename (a temporary file of this process beside it, then `os.replace`): a kill
+    mid-write leaves the old file or none, never a torn one."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        with open(tmp, "w") as f:
+            f.write(json.dumps(value, **dumps))
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def read_json(path: str | Path, what: str = "") -> object:
+    """`path` parsed as JSON; ValueError naming the file when it is not (a file torn by a kill mid-write, by runs
+    before files were written by rename, or edited). `what`: a sentence saying what to do about it."""
+    path = Path(path)
+    try:
+        return json.loads(path.read_bytes())
+    except (ValueError, UnicodeDecodeError) as e:
+        raise ValueError(f"{path}: unreadable, not JSON ({e}; torn by a kill mid-write, or edited?)"
+                         + (f"; {what}" if what else "")) from None  # fmt: skip
 
 
 def _hold(key: Path, lock: Path) -> None:
@@ -291,7 +360,7 @@ class RunLogger:
         else:
             self._move_previous_run()
         if not (self.run_dir / "config.json").exists():  # never overwritten: it holds the flags the run started with
-            (self.run_dir / "config.json").write_text(json.dumps(config, indent=2))
+            write_json(self.run_dir / "config.json", config, indent=2)
         self.file = open(metrics_file, "a")
         if cfg.tensorboard:
             from torch.utils.tensorboard import SummaryWriter
@@ -429,7 +498,7 @@ class RunLogger:
         if self.progress:
             self.progress.stop()
         summary = {"wall_s": round(time.time() - self.start, 1), **(summary or {})}
-        (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2, default=str))
+        write_json(self.run_dir / "summary.json", summary, indent=2, default=str)
         self.write_report()
         if not self.cfg.quiet:
             from rich.console import Console

@@ -21,6 +21,7 @@ import math
 import os
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import jinja2
@@ -203,9 +204,15 @@ def write_report(run_dir: str | Path) -> Path:
         summary={k: _shown(v) for k, v in (summary or {}).items()}, config=flat_keys(config or {}),
         samples_json=Markup(data), missing_samples=missing_samples,
     )  # fmt: skip
-    out, tmp = run_dir / "report.html", run_dir / ".report.html.tmp"
-    tmp.write_text(page, encoding="utf-8")
-    os.replace(tmp, out)
+    out = run_dir / "report.html"
+    # a temporary name of this call's own: two writers at once (the run's end and `python -m core.report`, or two
+    # such commands) each move a whole page into place, and the last one's stays
+    tmp = run_dir / f".report.html.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
+    try:
+        tmp.write_text(page, encoding="utf-8")
+        os.replace(tmp, out)
+    finally:
+        tmp.unlink(missing_ok=True)
     return out
 
 
