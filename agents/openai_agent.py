@@ -84,10 +84,14 @@ class AgentAbandoned(BaseException):
 
 def load_agent(path: str):
     """`agent` from a Python file (`--rollout.agent-file`): `async def agent(client, example) -> float`. Errors name
-    the file, and for a syntax error or an exception while importing it, the line."""
+    the file, and for a syntax error, an exception while importing it or an `agent` that is not `async def`, the
+    line. The file checked before the run loads anything (`check_agent_file`) is not imported a second time."""
     file = Path(path).expanduser()
     if not file.is_file():
         raise FileNotFoundError(f"--rollout.agent-file {path}: no such file")
+    key = _file_key(file)
+    if key in _checked:  # imported by the check at the run's start, unchanged since: that module, once
+        return _checked.pop(key)
     spec = importlib.util.spec_from_file_location(f"cleanrlhf_agent_{file.stem}", file)
     module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
     try:
@@ -103,9 +107,65 @@ def load_agent(path: str):
         where = f", line {lines[-1]}" if lines else ""
         raise ValueError(f"--rollout.agent-file {path}{where}: importing it raised {type(e).__name__}: {e}") from e
     fn = getattr(module, "agent", None)
+    if fn is None:
+        raise AttributeError(f"--rollout.agent-file {path}: defines no `agent`; write `async def agent(client, "
+                             "example) -> float`")  # fmt: skip
     if not inspect.iscoroutinefunction(fn):
-        raise AttributeError(f"--rollout.agent-file {path}: defines no `async def agent(client, example) -> float`")
+        code = getattr(inspect.unwrap(fn), "__code__", None)
+        here = code is not None and Path(code.co_filename).resolve() == file.resolve()
+        where = f", line {code.co_firstlineno}" if here else ""
+        raise AttributeError(f"--rollout.agent-file {path}{where}: `agent` is not an `async def` function (its calls "
+                             "of the client must be awaited); write `async def agent(client, example) -> float`")  # fmt: skip
     return fn
+
+
+_checked: dict[tuple, Callable] = {}  # agent files imported by `check_agent_file` -> `agent`, for `load_agent`
+
+
+def _file_key(file: Path) -> tuple:
+    stat = file.stat()
+    return str(file.resolve()), stat.st_mtime_ns, stat.st_size
+
+
+def check_agent_file(path: str, keep: bool = True) -> None:
+    """Import the agent file (`load_agent`) before the run loads anything (DeepSpeed, Ray, vLLM): a syntax error, an
+    import that fails or an `agent` that is not `async def` stops the run at once, naming the file and the line.
+    `keep`: the executor made later in this process uses this import (the file is not run twice)."""
+    fn = load_agent(path)
+    if keep:
+        _checked[_file_key(Path(path).expanduser())] = fn
+
+
+def _unawaited(file: Path) -> list[tuple[int, str]]:
+    """(line, code) of the calls in an agent file whose value is a coroutine and that are used as they are (a
+    statement, assigned or returned; not under `await`, nor handed to another call such as `asyncio.gather`): a
+    method of the client (the first parameter of `agent`, or a name `client`) or an `async def` of the file. For
+    the message of an episode that failed on a coroutine (an `await` left out): a hint, not a rule."""
+    import ast
+
+    try:
+        source = file.read_text(encoding="utf-8")
+        tree = ast.parse(source)
+    except (OSError, ValueError, SyntaxError):
+        return []
+    own = {n.name for n in ast.walk(tree) if isinstance(n, ast.AsyncFunctionDef)}
+    clients = {"client"} | {n.args.args[0].arg for n in ast.walk(tree)
+                            if isinstance(n, ast.AsyncFunctionDef) and n.name == "agent" and n.args.args}  # fmt: skip
+    found = []
+    for node in ast.walk(tree):
+        statement = isinstance(node, ast.Expr | ast.Assign | ast.AnnAssign | ast.Return)
+        if not statement or not isinstance(node.value, ast.Call):
+            continue
+        func = root = node.value.func
+        while isinstance(root, ast.Attribute):
+            root = root.value
+        on_client = isinstance(func, ast.Attribute) and isinstance(root, ast.Name) and root.id in clients
+        if on_client and func.attr in ("with_options", "copy"):  # the client's synchronous methods
+            on_client = False
+        if on_client or (isinstance(func, ast.Name) and func.id in own):
+            code = (ast.get_source_segment(source, node) or "").splitlines()
+            found.append((node.lineno, code[0] + (" ..." if len(code) > 1 else "") if code else ""))
+    return sorted(found)
 
 
 _EPISODE: contextvars.ContextVar[str | None] = contextvars.ContextVar("cleanrlhf_agent_episode", default=None)
@@ -399,7 +459,9 @@ class OpenAIAgentExecutor:
             parse_errors += record.tool_parse_errors
             parse_error = parse_error or record.tool_parse_error
             if error is None and not record.calls:
-                error = ("no_calls", "the agent made no model call: there is nothing to train on")
+                unawaited = _unawaited(self._agent_path)  # a call of the client without `await` sends nothing
+                error = ("no_calls", "the agent made no model call: there is nothing to train on"
+                         + (self._hint() if unawaited else ""))  # fmt: skip
             if error is None:
                 prompt_ids, token_ids, logprobs, mask, n_dropped = build_trajectory(record.calls)
                 last = record.calls[-1]
@@ -574,8 +636,27 @@ class OpenAIAgentExecutor:
             return 0.0, ("bad_request" if 400 <= e.status_code < 500 else "raised", f"{type(e).__name__}: {e}")
         except Exception as e:  # the agent's own bug or an unreachable tool: this episode fails, the run goes on
             self._release(worker)
-            return 0.0, ("raised", f"{type(e).__name__}: {e}")
+            return 0.0, ("raised", f"{type(e).__name__}: {e}{self._where(e)}")
         self._release(worker)
+        if inspect.iscoroutine(value):  # `return client....create(...)` or `return helper(...)` without `await`
+            name = value.cr_code.co_qualname if hasattr(value.cr_code, "co_qualname") else value.cr_code.co_name
+            value.close()  # never run: no "was never awaited" warning for it
+            return 0.0, ("bad_reward", f"returned a coroutine of `{name}` (called without `await`){self._hint()}")
         if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
             return 0.0, ("bad_reward", f"returned {value!r}; the agent must return a finite number (the reward)")
         return float(value), None
+
+    def _where(self, e: BaseException) -> str:
+        """Where in the agent file an exception was raised (its innermost line there), and the `await`s it may lack
+        when the error is about a coroutine (`'coroutine' object has no attribute 'choices'`)."""
+        here = [f for f in traceback.extract_tb(e.__traceback__) if Path(f.filename).resolve() == self._agent_path]
+        where = f" (at {self.agent_file} line {here[-1].lineno}: `{here[-1].line}`)" if here else ""
+        return where + (self._hint() if "coroutine" in str(e) else "")
+
+    def _hint(self) -> str:
+        """The agent file's calls that look like a left-out `await` (`_unawaited`), for an episode's message."""
+        lines = _unawaited(self._agent_path)
+        if not lines:
+            return "; a value of an async call used without `await`?"
+        listed = "; ".join(f"line {n}: `{code}`" for n, code in lines[:3])
+        return f"; not awaited in {self.agent_file}: {listed} (write `await` before the call)"

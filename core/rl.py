@@ -41,7 +41,7 @@ import numpy as np
 import torch
 
 from agents.executor import Episode, MultiTurnExecutor, Rollout, SingleTurnExecutor, load_env_factory
-from agents.openai_agent import OpenAIAgentExecutor
+from agents.openai_agent import OpenAIAgentExecutor, check_agent_file
 from core import (
     checkpoint,
     data,
@@ -57,7 +57,7 @@ from core import (
 )
 from core import engine as ds_engine
 from core.config import ModelConfig
-from core.logger import RunLogger, lock_run_dir, run_name
+from core.logger import RunLogger, check_run_dir, lock_run_dir, run_name
 from core.placement import all_ranks, shard_minibatch
 from rewards.loader import load_reward_func, score
 
@@ -70,6 +70,7 @@ def launch(main, args, uses_ref: bool = False) -> dict:
     first, on the trainer's bundles or bundles of their own, and reach every rank in `groups`; the script builds its
     models there (`build_model`), the reward model's replicas are built here. Embedded model names are
     resolved (built) once here, so that the ranks agree on the models and the run folder."""
+    check_files(args)  # before Ray and the engines start
     resources = placement.init_ray(args.ray)
     gpu, n, layout = resources.get("GPU", 0) > 0, args.train.ranks, group_layout(args, uses_ref)
     pg, share, engine_options = placement.place_rl(n, args.vllm.num_engines, args.vllm.tensor_parallel_size,
@@ -204,10 +205,22 @@ def _resolve_model_names(cfg) -> None:
             setattr(cfg, f.name, embedded.resolve_model(value))
 
 
+def check_files(args) -> None:
+    """What the run reads from files the user wrote, checked before anything loads (DeepSpeed, Ray, vLLM): a
+    `--run-dir` that is a file, an agent file (`--rollout.agent-file`) that does not import or whose `agent` is not
+    `async def`. Each stops the run in one error naming the flag, the file and the line."""
+    if args.run_dir:
+        check_run_dir(args.run_dir)
+    if args.rollout.agent_file:
+        check_agent_file(args.rollout.agent_file)
+
+
 def init_rank(args, engines) -> tuple[int, int, torch.device]:
     """Join the trainer world and seed every RNG from `--train.seed` (data order and sampling seeds are derived from
     (seed, step), so they do not depend on these). Returns (rank, world, device)."""
-    if engines is None:  # an earlier run's in-process engine, dropped unclosed, would destroy this run's world later
+    if engines is None:  # this process starts the run (a rank of `launch` was checked by its driver)
+        check_files(args)
+        # an earlier run's in-process engine, dropped unclosed, would destroy this run's world later
         rollout.release_dropped_engines()
     rank, world, device = ds_engine.init_distributed(args.ds.backend, args.ds.timeout_s)
     if world > 1 and engines is None:
@@ -322,7 +335,7 @@ def start(args, engine_models: dict, engines, tokenizer, eval_set: list[dict], r
     run_dir = Path(args.run_dir or Path(args.logger.run_root) / run_name(args.exp_name, args.train.seed))
     lock_run_dir(run_dir, enabled=rank == 0)  # one run writes a run folder: a second one is refused here
     ckpt_dir = Path(args.ckpt.dir or run_dir / "checkpoints")
-    refuse_finished(run_dir, ckpt_dir, args.train.max_steps, args.ckpt.resume)
+    checkpoint.refuse_finished(run_dir, ckpt_dir, args.train.max_steps, args.ckpt.resume)  # before the engines
     own_engines = engines is None
     if engines is None:
         if args.vllm.in_process is False or args.vllm.num_engines > 1:  # engine actors: Ray as `--ray.*` says
@@ -368,21 +381,6 @@ def start(args, engine_models: dict, engines, tokenizer, eval_set: list[dict], r
     logger.print(f"[{name}] {len(eval_set)} eval prompts, {world} trainer rank(s), eval pass@1 "
                  f"{'off (--eval.every 0)' if first is None else f'{first:.3f}'} at step {start_step}")  # fmt: skip
     return run
-
-
-def refuse_finished(run_dir: Path, ckpt_dir: Path, max_steps: int, resume: bool = True) -> None:
-    """Refuse a folder whose run finished (`summary.json`) while its newest checkpoint is older (`--train.halt-after`
-    jobs with `--ckpt.every 0`): resuming would train the last segment again. Say that it is finished instead."""
-    summary = run_dir / "summary.json"
-    if not resume or not summary.is_file():  # --ckpt.no-resume: a new run, the old files move aside
-        return
-    done = json.loads(summary.read_text())
-    newest = checkpoint.latest(ckpt_dir) if ckpt_dir.is_dir() else None
-    if done.get("halted") or done.get("steps") != max_steps or newest is None or int(newest.name[5:]) + 1 >= max_steps:
-        return
-    raise ValueError(f"{run_dir} holds a finished run of {max_steps} steps (summary.json; its model is in "
-                     f"{run_dir / 'hf'}): nothing to resume, and its newest checkpoint ({newest.name}) is older, so "
-                     "resuming would train its last steps again. Give another --run-dir for a new run.")  # fmt: skip
 
 
 @torch.no_grad()
