@@ -24,14 +24,26 @@ between forward batches (`--batch-size` texts each). The event is set when the r
 not leave the abandoned job computing ahead of the retry), and on SIGTERM / SIGINT, so the server stops within a
 forward batch and a few seconds of grace (in-flight requests get 503).
 
+Access: with a key (`--api-key KEY`, or the environment variable CLEANRLHF_API_KEY, which keeps it out of `ps`)
+every request must carry `Authorization: Bearer KEY` (401 otherwise; the RL scripts' client sends the key held by
+the variable `--reward.api-key-env` names, CLEANRLHF_API_KEY by default). A bind to anything but loopback without a
+key is refused at start unless `--no-auth` says to serve anyone who can reach the port. A POST whose body is not
+`application/json` gets 415, so a web page cannot send the server a "simple" cross-origin request. The start line
+names the address the server really listens on.
+
 Run:
     python -m rewards.server --model runs/rm__1__<time>/hf --normalize --port 5000
+    CLEANRLHF_API_KEY=... python -m rewards.server --model runs/rm__1__<time>/hf --host 0.0.0.0
 """
 
 from __future__ import annotations
 
 import asyncio
+import hmac
+import ipaddress
 import math
+import os
+import socket
 import sys
 import threading
 import traceback
@@ -40,6 +52,7 @@ from dataclasses import dataclass, fields
 import torch
 import tyro
 from fastapi import FastAPI, HTTPException, Request
+from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
 from core import data, models
@@ -50,7 +63,7 @@ class ServerArgs:
     model: str
     """reward model folder (an `algos/rm.py` export) or hub id."""
     host: str = "127.0.0.1"
-    """interface to bind; 0.0.0.0 serves other machines."""
+    """interface to bind; 0.0.0.0 serves other machines (then a key is needed, or `--no-auth`)."""
     port: int = 5000
     """TCP port."""
     normalize: bool = False
@@ -67,6 +80,28 @@ class ServerArgs:
     (the default matches the RL scripts' `--reward.timeout-s`, after which they stop waiting anyway). 0: no limit."""
     dtype: str = "auto"
     """`auto` (bf16 on GPU, fp32 on CPU), `bf16` or `fp32`."""
+    api_key: str | None = None
+    """the key every request must carry as `Authorization: Bearer KEY` (401 without it). Default: the environment
+    variable CLEANRLHF_API_KEY if set, which is better: a key on the command line shows in `ps`."""
+    no_auth: bool = False
+    """serve a `--host` other than loopback without a key: anyone who can reach the port can use the server."""
+
+
+KEY_ENV = "CLEANRLHF_API_KEY"
+"""the environment variable holding the key when `--api-key` is not given."""
+
+
+def server_key(args: ServerArgs) -> str | None:
+    """The key requests must carry: `--api-key`, else $CLEANRLHF_API_KEY, else None (no key)."""
+    return args.api_key if args.api_key is not None else (os.environ.get(KEY_ENV) or None)
+
+
+def is_loopback(host: str) -> bool:
+    """Only this machine can reach `host`: `localhost` or a loopback address (127.0.0.0/8, ::1)."""
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to any interface
+        return False
 
 
 DTYPES = ("auto", "bf16", "fp32")
@@ -86,6 +121,12 @@ def check_server_args(args: ServerArgs) -> None:
             errors.append(f"{flag} {value}: must be a finite number of seconds >= 0 (0: no limit)")
         elif f.name == "dtype" and value not in DTYPES:
             errors.append(f"{flag} {value}: must be one of {', '.join(DTYPES)}")
+        elif f.name == "api_key" and value is not None and not value.strip():
+            errors.append(f"{flag} {value!r}: an empty key would let anyone in; give a key, or leave the flag out")
+    key = server_key(args)
+    if key is None and not args.no_auth and not is_loopback(args.host):
+        errors.append(f"--host {args.host}: other machines can reach it, and no key is set: give --api-key KEY (or set "
+                      f"{KEY_ENV}), or --no-auth to serve anyone who can reach the port")  # fmt: skip
     if len(errors) == 1:
         raise ValueError(errors[0])
     if errors:
@@ -168,10 +209,36 @@ class RewardScorer:
         return out
 
 
-def create_app(scorer: RewardScorer, max_texts: int = 4096, request_timeout_s: float = 60.0) -> FastAPI:
+class Guard:
+    """ASGI middleware in front of every route: 401 without the key (`Authorization: Bearer KEY`, compared in
+    constant time), then 415 for a POST whose body is not `application/json` (a form or text/plain is what a web page
+    may send across origins without asking first). A plain ASGI class: starlette's `BaseHTTPMiddleware` would change
+    how the routes see a client disconnect and a shutdown."""
+
+    def __init__(self, app, api_key: str | None = None):
+        self.app, self.expected = app, (None if api_key is None else f"Bearer {api_key}".encode())
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] == "http":
+            headers = dict(scope["headers"])  # lower-case byte names
+            if self.expected is not None and not hmac.compare_digest(headers.get(b"authorization", b""), self.expected):
+                answer = JSONResponse({"detail": "missing or wrong key: send the header 'Authorization: Bearer KEY'"},
+                                      status_code=401, headers={"WWW-Authenticate": "Bearer"})  # fmt: skip
+                return await answer(scope, receive, send)
+            kind = headers.get(b"content-type", b"").split(b";")[0].strip().lower().decode("latin-1")
+            if scope["method"] == "POST" and kind != "application/json":
+                answer = JSONResponse({"detail": f"the body is {kind or 'of no content-type'!r}: send application/json"},
+                                      status_code=415)  # fmt: skip
+                return await answer(scope, receive, send)
+        await self.app(scope, receive, send)
+
+
+def create_app(scorer: RewardScorer, max_texts: int = 4096, request_timeout_s: float = 60.0,
+               api_key: str | None = None) -> FastAPI:  # fmt: skip
     """The FastAPI app. `app.state.cancel_all()` stops every in-flight request's scoring and answers new ones 503
-    (the server is shutting down)."""
+    (the server is shutting down). With `api_key`, every request must carry it as a Bearer token (401)."""
     app = FastAPI(title="CleanRLHF reward server")
+    app.add_middleware(Guard, api_key=api_key)
     in_flight: set[threading.Event] = set()
     closing = threading.Event()
 
@@ -258,12 +325,39 @@ def create_app(scorer: RewardScorer, max_texts: int = 4096, request_timeout_s: f
     return app
 
 
+def bind(host: str, port: int) -> socket.socket:
+    """A socket bound to (`host`, `port`), not listening yet (clients are refused until the model is loaded); a
+    ValueError naming the flags when the address cannot be had (in use, not this machine's, ...)."""
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except OSError as e:
+        raise ValueError(f"--host {host} --port {port}: cannot listen there: {e.strerror or e}") from None
+    return sock
+
+
+def start_line(sock: socket.socket, key: str | None) -> str:
+    """What the server prints at start: the address it really listens on, and who may use it."""
+    host, port = sock.getsockname()[:2]
+    url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+    if ipaddress.ip_address(host).is_unspecified:
+        where = f"every interface of this machine, e.g. http://{socket.gethostname()}:{port}"
+    else:
+        where = "this machine only" if ipaddress.ip_address(host).is_loopback else "other machines too"
+    who = "requests need the key (Authorization: Bearer KEY)" if key else "no key: anyone who can reach it"
+    return f"reward server listening on {url} ({where}; {who}); POST {url}/get_reward"
+
+
 def main(args: ServerArgs) -> None:
     check_server_args(args)  # before the model loads: a server that starts can answer
     import uvicorn
 
+    key = server_key(args)
+    sock = bind(args.host, args.port)  # a port in use is named before the model loads
     scorer = RewardScorer(args.model, args.normalize, args.batch_size, args.max_len, args.dtype)
-    app = create_app(scorer, args.max_texts, args.request_timeout_s)
+    app = create_app(scorer, args.max_texts, args.request_timeout_s, key)
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:  # SIGTERM / SIGINT: stop in-flight scoring now, then shut down
@@ -271,7 +365,8 @@ def main(args: ServerArgs) -> None:
             super().handle_exit(sig, frame)
 
     config = uvicorn.Config(app, host=args.host, port=args.port, timeout_graceful_shutdown=GRACE_S)
-    Server(config).run()
+    print(start_line(sock, key), flush=True)
+    Server(config).run(sockets=[sock])
 
 
 if __name__ == "__main__":

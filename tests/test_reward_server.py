@@ -296,7 +296,7 @@ def test_remote_reward_retries_a_timeout_and_a_504_then_names_the_url(bounded_se
     from rewards.remote import RemoteReward
 
     url, n = f"{bounded_server}/get_reward", len(SLOW)
-    with pytest.raises(RuntimeError, match=rf"{url} failed after 2 attempt\(s\): ReadTimeout"):
+    with pytest.raises(RuntimeError, match=rf"{url} failed after 2 attempt\(s\): (Read)?Timeout"):
         RemoteReward([bounded_server], timeout_s=1.5, retries=1)(SLOW, SLOW, [None] * n)
     r, took = timed_post(bounded_server, TEXTS[:2])
     assert r.status_code == 200 and took < 2, (r.text, took)
@@ -322,5 +322,131 @@ def test_sigterm_stops_a_busy_server_within_seconds(rm_path, tmp_path):
         client.join(timeout=5)
         assert took < 5, f"the server took {took:.1f} s to stop"
         assert answer["r"].status_code == 503 and "shutting down" in answer["r"].text
+    finally:
+        stop(proc)
+
+
+# ------------------------------------------------------------------ keys, binds and content types
+@pytest.fixture(scope="module")
+def keyed_server(rm_path):
+    """The app with a key, in a thread on 127.0.0.1."""
+    import uvicorn
+
+    port = free_port()
+    app = create_app(RewardScorer(rm_path, batch_size=3, max_len=64), api_key="s3cret")
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.monotonic() + TIMEOUT
+        while not srv.started:
+            assert thread.is_alive() and time.monotonic() < deadline, "reward server did not start"
+            time.sleep(0.05)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        srv.should_exit = True
+        thread.join(timeout=TIMEOUT)
+
+
+def test_a_server_with_a_key_answers_only_requests_that_carry_it(keyed_server, rm_path, monkeypatch):
+    from rewards.remote import RemoteReward
+
+    body = {"query": TEXTS[:2]}
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "s3cret"}, {"Authorization": "Basic x"}):
+        r = requests.post(f"{keyed_server}/get_reward", json=body, headers=headers, timeout=TIMEOUT)
+        assert r.status_code == 401 and "Authorization: Bearer KEY" in r.text, (headers, r.text)
+        assert r.headers["WWW-Authenticate"] == "Bearer"
+    assert requests.get(f"{keyed_server}/health", timeout=TIMEOUT).status_code == 401
+    r = requests.post(f"{keyed_server}/get_reward", json=body, headers={"Authorization": "Bearer s3cret"},
+                      timeout=TIMEOUT)  # fmt: skip
+    assert r.status_code == 200 and r.json()["rewards"] == pytest.approx(in_process_scores(rm_path, TEXTS[:2]), abs=1e-5)
+    monkeypatch.delenv("CLEANRLHF_API_KEY", raising=False)  # the RL scripts' client: no key, then the key
+    with pytest.raises(RuntimeError, match=r"failed after 1 attempt\(s\): HTTP 401: .*\(no key was sent; the key is "
+                                           r"read from the environment variable named by --reward.api-key-env"):  # fmt: skip
+        RemoteReward([keyed_server], timeout_s=TIMEOUT, retries=2)(TEXTS[:2], TEXTS[:2], [None] * 2)
+    monkeypatch.setenv("CLEANRLHF_API_KEY", "s3cret")
+    out = RemoteReward([keyed_server], timeout_s=TIMEOUT)(TEXTS[:2], TEXTS[:2], [None] * 2)
+    assert out["rewards"].tolist() == pytest.approx(r.json()["rewards"], abs=1e-5)
+
+
+@pytest.mark.parametrize("headers", [{"Content-Type": "text/plain"}, {"Content-Type": "application/x-www-form-urlencoded"},
+                                     {"Content-Type": "multipart/form-data; boundary=x"}, {}])  # fmt: skip
+def test_a_body_that_is_not_json_gets_415(server, headers):
+    """What a web page may POST across origins without asking first ("simple" requests) was parsed as JSON."""
+    r = requests.post(f"{server}/get_reward", data=b'{"query": ["1+2=3"]}', headers=headers, timeout=TIMEOUT)
+    assert r.status_code == 415 and "send application/json" in r.text, r.text
+    ok = requests.post(f"{server}/get_reward", data=b'{"query": ["1+2=3"]}', timeout=TIMEOUT,
+                       headers={"Content-Type": "application/json; charset=utf-8"})  # fmt: skip
+    assert ok.status_code == 200, ok.text
+
+
+def test_a_bind_other_machines_reach_needs_a_key_or_no_auth(monkeypatch):
+    """Checked with the other flags, before the model loads and before anything binds."""
+    monkeypatch.setattr(models, "load_scalar_model", lambda *a, **k: pytest.fail("the model was loaded"))
+    monkeypatch.delenv("CLEANRLHF_API_KEY", raising=False)
+    for host in ("0.0.0.0", "::", "192.168.1.7", "myhost.example"):
+        with pytest.raises(ValueError) as err:
+            server_main(ServerArgs(model="/no/such/model", host=host))
+        assert str(err.value) == (f"--host {host}: other machines can reach it, and no key is set: give --api-key KEY "
+                                  "(or set CLEANRLHF_API_KEY), or --no-auth to serve anyone who can reach the port")  # fmt: skip
+    with pytest.raises(ValueError, match=r"^--api-key '': an empty key would let anyone in"):
+        server_main(ServerArgs(model="/no/such/model", api_key=""))
+    from rewards.server import check_server_args, server_key
+
+    for host in ("127.0.0.1", "localhost", "::1", "127.0.0.2"):
+        check_server_args(ServerArgs(model="m", host=host))
+    check_server_args(ServerArgs(model="m", host="0.0.0.0", no_auth=True))
+    check_server_args(ServerArgs(model="m", host="0.0.0.0", api_key="k"))
+    monkeypatch.setenv("CLEANRLHF_API_KEY", "from-env")
+    check_server_args(ServerArgs(model="m", host="0.0.0.0"))
+    assert server_key(ServerArgs(model="m")) == "from-env" and server_key(ServerArgs(model="m", api_key="k")) == "k"
+
+
+def test_the_start_line_names_the_address_it_really_listens_on():
+    from rewards.server import bind, start_line
+
+    port = free_port()
+    sock = bind("localhost", port)
+    try:
+        assert start_line(sock, None) == (f"reward server listening on http://127.0.0.1:{port} (this machine only; no "
+                                          f"key: anyone who can reach it); POST http://127.0.0.1:{port}/get_reward")  # fmt: skip
+        assert "requests need the key" in start_line(sock, "k")
+        sock.listen()  # a server on the port: a second one cannot have it, and says so naming the flags
+        with pytest.raises(ValueError, match=rf"^--host 127.0.0.1 --port {port}: cannot listen there: "):
+            bind("127.0.0.1", port)
+    finally:
+        sock.close()
+
+
+def test_the_server_process_prints_its_address_and_checks_the_key(rm_path, tmp_path, monkeypatch):
+    """`python -m rewards.server` with the key in CLEANRLHF_API_KEY (not on the command line): the start line names
+    the address and that a key is needed; the RL scripts' client gets in with the key and not without."""
+    from rewards.remote import RemoteReward
+
+    port, log_path = free_port(), tmp_path / "server.log"
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CLEANRLHF_API_KEY": "s3cret"}
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen([sys.executable, "-m", "rewards.server", "--model", rm_path, "--port", str(port)],
+                                cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, env=env)  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 90
+        while True:
+            assert proc.poll() is None, f"reward server exited: {log_path.read_text()[-3000:]}"
+            assert time.monotonic() < deadline, "reward server did not start"
+            try:
+                if requests.get(f"{url}/health", headers={"Authorization": "Bearer s3cret"}, timeout=1).ok:
+                    break
+            except requests.ConnectionError:
+                pass
+            time.sleep(0.2)
+        assert (f"reward server listening on {url} (this machine only; requests need the key (Authorization: Bearer "
+                "KEY)); POST") in log_path.read_text()  # fmt: skip
+        assert requests.get(f"{url}/health", timeout=TIMEOUT).status_code == 401
+        monkeypatch.delenv("CLEANRLHF_API_KEY", raising=False)
+        with pytest.raises(RuntimeError, match="HTTP 401"):
+            RemoteReward([url], timeout_s=TIMEOUT, retries=0)(TEXTS[:1], TEXTS[:1], [None])
+        monkeypatch.setenv("CLEANRLHF_API_KEY", "s3cret")
+        assert RemoteReward([url], timeout_s=TIMEOUT)(TEXTS[:1], TEXTS[:1], [None])["rewards"].shape == (1,)
     finally:
         stop(proc)
