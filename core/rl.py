@@ -59,7 +59,7 @@ from core import engine as ds_engine
 from core.config import ModelConfig
 from core.logger import RunLogger, check_run_dir, lock_run_dir, run_name
 from core.placement import all_ranks, shard_minibatch
-from rewards.loader import load_reward_func, score
+from rewards.loader import check_reward_source, load_reward_func, score
 
 
 # ----------------------------------------------------------------------------------------------------- 1. setup
@@ -71,6 +71,8 @@ def launch(main, args, uses_ref: bool = False) -> dict:
     models there (`build_model`), the reward model's replicas are built here. Embedded model names are
     resolved (built) once here, so that the ranks agree on the models and the run folder."""
     check_files(args)  # before Ray and the engines start
+    if not (args.rollout.env_file or args.rollout.agent_file):  # else the environment or the agent rewards
+        check_reward_source(args.reward)  # a judge that does not answer is named now, not after the engines load
     resources = placement.init_ray(args.ray)
     gpu, n, layout = resources.get("GPU", 0) > 0, args.train.ranks, group_layout(args, uses_ref)
     pg, share, engine_options = placement.place_rl(n, args.vllm.num_engines, args.vllm.tensor_parallel_size,
