@@ -446,9 +446,9 @@ class OpenAIAgentExecutor:
         rows = [e for e in batch for _ in range(n)]
         seeds = [None if seed is None else (seed[i // n] + i % n if isinstance(seed, list) else seed + i)
                  for i in range(len(rows))]  # fmt: skip
+        # a request the engine failed on was answered 500: its episode fails (`raised`), the others go on; an engine
+        # that fails them all ends the run in `_report` (all episodes failed)
         results = asyncio.run(self._run_all(rows, seeds, temperature))
-        if self.server.engine_error is not None:
-            raise self.server.engine_error
         episodes, rewards, errors = [], [], []
         calls = dropped = bad = tool_calls = parse_errors = 0
         parse_error = None

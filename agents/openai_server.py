@@ -23,7 +23,10 @@ URL tags its requests, whatever api key it sends; `/v1/models` also answers with
 
 Serving a checkpoint for evaluation (`serve`): `python -m agents.openai_server --model <run>/hf [--port 8000]` answers
 the same endpoints under `/v1` without an episode id: each request is an episode of its own, sampled at its own
-temperature / top_p / seed and recorded nowhere (docs/agents.md, "Serving a checkpoint").
+temperature / top_p / seed and recorded nowhere (docs/agents.md, "Serving a checkpoint"). With `--api-key KEY` (or
+CLEANRLHF_API_KEY) every request must carry `Authorization: Bearer KEY`; a `--host` other machines reach needs a key
+or `--no-auth`. The server inside a training run listens on 127.0.0.1 only and checks no key (its agents' clients,
+and the clients they make themselves, send whatever key they like; 415 keeps web pages out).
 
 Generation: `n` samples (choices) of at most `--rollout.max-new-tokens` tokens each (`max_tokens` /
 `max_completion_tokens` may ask for fewer), sampled at the temperature and top-p of the rollout (the episode's
@@ -40,10 +43,15 @@ again, its own cut deciding what is recorded: the tokens kept are exactly those 
 in one body (chunks of text and token ids, as a streaming client reads them).
 
 Refused with HTTP 4xx and a message saying why (`{"error": {"message": ...}}`, as OpenAI answers): an unknown or
-finished episode (404), an unknown model (404), a body over `max_request_bytes` (413, before it is parsed), a body that
-is not a JSON object, missing or malformed `messages` / `prompt` / `tools` / `tool_choice` / `stop` / `n`, legacy
-`functions`, several prompts in one request, a prompt that leaves no room to generate in the context
-(`--vllm.max-model-len` or the model's max_position_embeddings): 400. A request body over 64 KiB is parsed, rendered
+finished episode (404), an unknown model (404), a body over `max_request_bytes` (413, before it is parsed), a body whose
+content type is not `application/json` (415: a web page can send text/plain or a form to any address without asking),
+a request without the server's key when it has one (401), a body that is not a JSON object or holds a lone UTF-16
+surrogate, missing or malformed `messages` / `prompt` / `tools` / `tool_choice` / `stop` / `n`, a sampling value
+outside what the engine takes (`SAMPLING_RANGES`: temperature in [0, 2], a seed from -2**63 to 2**64 - 1 counting
+the choices' seed + 7919·k, ..., checked in every route, applied only in `serve`'s), legacy `functions`, several
+prompts in one request, a prompt that leaves no room to generate in the context (`--vllm.max-model-len` or the
+model's max_position_embeddings): 400, naming the field. A request the engine fails on is answered 500 (a batch that
+failed at once is tried request by request, so only the request the engine cannot serve fails) and the server goes on. A request body over 64 KiB is parsed, rendered
 and tokenized in a worker thread, so a huge prompt does not stall the other episodes' requests.
 
 The trajectory is exactly the generated tokens. A later call continues an earlier one of its episode when its prompt
@@ -66,9 +74,13 @@ that drops earlier reasoning), branched, or the choices it did not continue) are
 import asyncio
 import concurrent.futures
 import functools
+import hmac
 import inspect
+import ipaddress
 import json
 import logging
+import math
+import os
 import queue
 import re
 import socket
@@ -77,6 +89,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 MODEL_ALIAS = "policy"
 SEED_STRIDE = 7_919  # sample k of an episode samples with seed + k · SEED_STRIDE
@@ -87,6 +100,27 @@ STREAM_CHUNK_TOKENS = 8  # tokens per streamed chunk (more when a character span
 PIECE_CACHE = 512  # prompt pieces (the text from one added token to the next) whose ids the server keeps
 PIECE_CACHE_CHARS = 16_384  # pieces longer than this are tokenized every time, not kept
 PIECE_CHECKS = 16  # prompts tokenized both whole and by pieces before the pieces are trusted
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed takes (vLLM seeds each request with it)
+MAX_TOP_LOGPROBS = 20  # vLLM's default max_logprobs (OpenAI's limit too)
+RETRY_ALONE_S = 10.0  # a batched engine call that failed sooner is retried request by request (see `_Batcher`)
+KEY_ENV = "CLEANRLHF_API_KEY"  # `serve`'s key when --api-key is not given
+# Sampling fields and the values vLLM 0.32's SamplingParams accepts: (low, high, low excluded, integer). A value
+# outside them made the engine raise, and a seed outside the range even left the in-process engine spinning on its
+# half-added request (every later call hung), so each is checked before anything reaches the engine. The first three
+# are used by `serve`'s routes; the others are checked and not applied (the engines sample with temperature and
+# top-p only).
+SAMPLING_RANGES: dict[str, tuple[float, float, bool, bool]] = {
+    "temperature": (0.0, 2.0, False, False),
+    "top_p": (0.0, 1.0, True, False),
+    "seed": (SEED_MIN, SEED_MAX, False, True),
+    "top_k": (-1, math.inf, False, True),
+    "min_p": (0.0, 1.0, False, False),
+    "presence_penalty": (-2.0, 2.0, False, False),
+    "frequency_penalty": (-2.0, 2.0, False, False),
+    "repetition_penalty": (0.0, math.inf, True, False),
+    "min_tokens": (0, math.inf, False, True),
+}
+_SURROGATE = re.compile(r"[\ud800-\udfff]")
 
 log = logging.getLogger(__name__)
 
@@ -150,7 +184,8 @@ class EpisodeLog:
 
 
 class RequestError(Exception):
-    """A request the server refuses: HTTP `status` (4xx) with `message`."""
+    """A request the server refuses (HTTP `status` 4xx) or could not answer (5xx: the engine failed on it), with
+    `message`."""
 
     def __init__(self, status: int, message: str):
         super().__init__(message)
@@ -300,7 +335,7 @@ class _Batcher:
     larger than the requests submitted and not yet answered), at most `max_wait_s`: sequential agents then send full
     batches, and an agent busy with a slow tool delays the others by at most that. Each group of equal (max tokens,
     temperature, top-p, stop strings, top-k log-probs) is one engine call; results and errors go to each request's
-    future. Stop strings and top-k go to the engine only when asked for and when its `generate` takes them (a scripted
+    future (an error fails only the requests it came from: the server answers them 500 and goes on). Stop strings and top-k go to the engine only when asked for and when its `generate` takes them (a scripted
     test engine may not: the server's own cut at a stop string decides what is kept either way)."""
 
     def __init__(self, engines, open_episodes, max_wait_s: float = 0.05):
@@ -309,7 +344,8 @@ class _Batcher:
         self.queue: queue.Queue = queue.Queue()
         self.inflight = 0  # submitted and not yet answered
         self.lock = threading.Lock()
-        self.error: BaseException | None = None
+        self.error: BaseException | None = None  # the last error the engine raised on a request
+        self.failures = 0  # requests the engine failed on (each answered 500; the server goes on)
         self.thread = threading.Thread(target=self._loop, name="openai-server-batcher", daemon=True)
         self.thread.start()
 
@@ -352,26 +388,45 @@ class _Batcher:
             for item in items:
                 if item is not None:
                     groups.setdefault(item[0], []).append(item)
-            for (max_tokens, temperature, top_p, stops, top_logprobs), group in groups.items():
-                extra = {"stop": list(stops)} if stops and "stop" in self.takes else {}
-                if top_logprobs > 0 and "top_logprobs" in self.takes:
-                    extra["top_logprobs"] = top_logprobs
+            for key, group in groups.items():
+                t0 = time.monotonic()
                 try:
-                    out = self.engines.generate([g[1] for g in group], n=1, max_new_tokens=max_tokens,
-                                                temperature=temperature, top_p=top_p, seed=[g[2] for g in group],
-                                                **extra)  # fmt: skip
-                except Exception as e:  # the engine failed: every request of the batch fails; the executor re-raises
-                    self.error = self.error or e
-                    out = None
+                    results: list = self._generate(key, group)
+                except Exception as e:  # noqa: BLE001  (whatever the engine raised goes to the requests, as a 500)
+                    # DECISION: a call that failed at once may have failed for one request of the batch: each is
+                    # tried alone, so only the requests the engine cannot serve fail. One that failed after a while
+                    # (an engine that died or hung) fails the whole batch rather than waiting as long again per request.
+                    results = [e] * len(group)
+                    if len(group) > 1 and time.monotonic() - t0 < RETRY_ALONE_S:
+                        results = [self._alone(key, g) for g in group]
                 with self.lock:
                     self.inflight -= len(group)
-                for k, g in enumerate(group):
-                    if out is None:
-                        g[3].set_exception(self.error)
+                for g, r in zip(group, results):
+                    if isinstance(r, BaseException):
+                        self.failures += 1
+                        self.error = r
+                        g[3].set_exception(r)
                     else:
-                        g[3].set_result(out[k][0])
+                        g[3].set_result(r)
             if items[-1] is None:
                 return
+
+    def _generate(self, key: tuple, group: list) -> list:
+        """One engine call for `group`'s requests, all with the same `key`: their samples, in order."""
+        max_tokens, temperature, top_p, stops, top_logprobs = key
+        extra = {"stop": list(stops)} if stops and "stop" in self.takes else {}
+        if top_logprobs > 0 and "top_logprobs" in self.takes:
+            extra["top_logprobs"] = top_logprobs
+        out = self.engines.generate([g[1] for g in group], n=1, max_new_tokens=max_tokens, temperature=temperature,
+                                    top_p=top_p, seed=[g[2] for g in group], **extra)  # fmt: skip
+        return [o[0] for o in out]
+
+    def _alone(self, key: tuple, item) -> object:
+        """One request's sample, or the error the engine raised on it."""
+        try:
+            return self._generate(key, [item])[0]
+        except Exception as e:  # noqa: BLE001
+            return e
 
 
 @dataclass
@@ -415,6 +470,42 @@ def _added_token_split(tokenizer) -> re.Pattern | None:
     return re.compile("(?=" + "|".join(re.escape(c) for c in contents) + ")")
 
 
+def _bound(x: float) -> str:
+    return {SEED_MIN: "-2**63", SEED_MAX: "2**64 - 1", math.inf: "inf"}.get(x, f"{x:g}")
+
+
+def _lone_surrogate(value) -> str | None:
+    """Where in a parsed JSON body a string holds a lone UTF-16 surrogate (`"\\ud800"` unpaired: JSON allows the
+    escape, but it is no text, and the tokenizer raised on it), e.g. `messages[0].content`; None when nowhere."""
+    stack = [(value, "")]
+    while stack:
+        v, where = stack.pop()
+        if isinstance(v, str):
+            if _SURROGATE.search(v):
+                return where or "the body"
+        elif isinstance(v, dict):
+            for k, x in v.items():
+                if _SURROGATE.search(k):
+                    return f"a key of {where or 'the body'}"
+                stack.append((x, f"{where}.{k}" if where else k))
+        elif isinstance(v, list):
+            stack.extend((x, f"{where}[{i}]") for i, x in reversed(list(enumerate(v))))
+    return None
+
+
+def _parse(raw: bytes):
+    """The request body parsed as JSON (400 when it is not, or when a string in it is not text)."""
+    try:
+        body = json.loads(raw)
+    except ValueError:
+        raise RequestError(400, "the request body is not valid JSON") from None
+    where = _lone_surrogate(body)
+    if where is not None:
+        raise RequestError(400, f"{where}: holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff escape), "
+                                "which is not text")  # fmt: skip
+    return body
+
+
 def _event_stream(events):
     """A streamed answer: its server-sent events (all built already: the whole answer is generated before the first
     event) sent as one `text/event-stream` body. A client reads the same events in the same order as if they came one
@@ -432,11 +523,15 @@ class OpenAIServer:
     lists; `max_new_tokens`: the per-call token limit; `max_context`: prompt + generation at most (the engine's
     max_model_len); `top_p`: the rollout's nucleus sampling; `tool_parser`: how the model writes tool calls (a name in
     `TOOL_PARSERS`, or a function `text -> (content, [(name, arguments)])` raising `ToolParseError`);
-    `max_request_bytes`: the largest request body served (413 above)."""
+    `max_request_bytes`: the largest request body served (413 above); `api_key`: the key every request must carry as
+    `Authorization: Bearer KEY` (401 otherwise; None: no key, for a server only this machine reaches)."""
 
     def __init__(self, engines, tokenizer, model_name: str, max_new_tokens: int, max_context: int, top_p: float = 1.0,
-                 tool_parser: str | Callable = "hermes", max_request_bytes: int = MAX_REQUEST_BYTES):  # fmt: skip
-        self.engines, self.tokenizer, self.model_name = engines, tokenizer, model_name
+                 tool_parser: str | Callable = "hermes", max_request_bytes: int = MAX_REQUEST_BYTES,
+                 api_key: str | None = None):  # fmt: skip
+        if api_key is not None and not api_key.strip():
+            raise ValueError("api_key: an empty key would let anyone in; give a key or None")
+        self.engines, self.tokenizer, self.model_name, self.api_key = engines, tokenizer, model_name, api_key
         self.max_new_tokens, self.max_context, self.top_p = max_new_tokens, max_context, top_p
         if isinstance(tool_parser, str) and tool_parser not in TOOL_PARSERS:
             raise ValueError(f"tool_parser {tool_parser!r}: one of {sorted(TOOL_PARSERS)} or a function")
@@ -492,9 +587,9 @@ class OpenAIServer:
         self.engines = None
 
     @property
-    def engine_error(self) -> BaseException | None:
-        """The first error an `engines.generate` call raised (an infrastructure failure, not the agent's)."""
-        return self._batcher.error if self._batcher is not None else None
+    def engine_failures(self) -> tuple[int, BaseException | None]:
+        """(requests the engine failed on, the last error it raised): each was answered 500, the server went on."""
+        return (self._batcher.failures, self._batcher.error) if self._batcher is not None else (0, None)
 
     # -- episodes -----------------------------------------------------------------------------------------------
     def open_episode(self, temperature: float, seed: int | None) -> str:
@@ -539,11 +634,12 @@ class OpenAIServer:
         if too_big:
             raise RequestError(413, f"the request body has {max(size, int(declared or 0))} bytes, over the server's "
                                     f"limit of {limit} (max_request_bytes): send a shorter prompt")  # fmt: skip
+        kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if kind != "application/json":  # a web page may send text/plain or a form across origins without asking
+            raise RequestError(415, f"the request body is {kind or 'of no content-type'!r}: send it as "
+                                    "application/json")  # fmt: skip
         raw = b"".join(chunks)
-        try:
-            return (json.loads(raw) if size <= INLINE_BYTES else await asyncio.to_thread(json.loads, raw)), size
-        except ValueError:
-            raise RequestError(400, "the request body is not valid JSON") from None
+        return (_parse(raw) if size <= INLINE_BYTES else await asyncio.to_thread(_parse, raw)), size
 
     def _params(self, body, chat_request: bool) -> _Params:
         """The request fields besides the prompt, checked."""
@@ -810,23 +906,25 @@ class OpenAIServer:
                     content, tool_calls, error, None if top is None else top[: len(gen)])  # fmt: skip
 
     @staticmethod
-    def _request_sampling(body) -> tuple[float, float, int | None]:
-        """A plain `/v1/...` request's own `temperature` (default 1, as OpenAI's), `top_p` (default 1) and `seed`,
-        checked: served for evaluation, nothing is trained on, so the request decides how it is sampled."""
+    def _sampling(body) -> tuple[float, float, int | None]:
+        """The request's sampling fields (`SAMPLING_RANGES`) checked against what the engine accepts (400 naming the
+        field otherwise), and its own `temperature` (default 1, as OpenAI's), `top_p` (default 1) and `seed`: a plain
+        `/v1/...` request is served for evaluation, nothing is trained on, so it decides how it is sampled."""
         if not isinstance(body, dict):
             raise RequestError(400, "the request body must be a JSON object")
-        values = {"temperature": body.get("temperature"), "top_p": body.get("top_p")}
-        for name, v in values.items():
-            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or v < 0):
-                raise RequestError(400, f"{name}={v!r}: must be a non-negative number")
-        seed = body.get("seed")
-        if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int)):
-            raise RequestError(400, f"seed={seed!r}: must be an integer")
-        temperature, top_p = values["temperature"], values["top_p"]
-        top_p = 1.0 if top_p is None else float(top_p)
-        if not 0 < top_p <= 1:
-            raise RequestError(400, f"top_p={top_p!r}: must be in (0, 1]")
-        return 1.0 if temperature is None else float(temperature), top_p, seed
+        for name, (low, high, open_low, integer) in SAMPLING_RANGES.items():
+            v = body.get(name)
+            if v is None:
+                continue
+            kind = int if integer else (int, float)
+            bounds = f"{'(' if open_low else '['}{_bound(low)}, {_bound(high)}{']' if high < math.inf else ')'}"
+            if isinstance(v, bool) or not isinstance(v, kind):
+                raise RequestError(400, f"{name}={v!r}: must be {'an integer' if integer else 'a number'} in {bounds}")
+            if not (math.isfinite(v) and (low < v if open_low else low <= v) and v <= high):
+                raise RequestError(400, f"{name}={v!r}: must be in {bounds}")
+        temperature, top_p = body.get("temperature"), body.get("top_p")
+        return (1.0 if temperature is None else float(temperature), 1.0 if top_p is None else float(top_p),
+                body.get("seed"))  # fmt: skip
 
     async def generate(self, eid: str, request, chat_request: bool,
                        request_sampling: bool = False) -> tuple[list[Call], _Params]:  # fmt: skip
@@ -837,9 +935,15 @@ class OpenAIServer:
         top_p = self.top_p
         try:
             body, size = await self._body(request)
+            temperature, request_top_p, seed = self._sampling(body)
             if request_sampling:
-                log.temperature, top_p, log.seed = self._request_sampling(body)
+                log.temperature, top_p, log.seed = temperature, request_top_p, seed
             p = self._params(body, chat_request)
+            if log.seed is not None and log.seed + SEED_STRIDE * (log.requests + p.n - 1) > SEED_MAX:
+                # the seed of choice k is seed + 7919·k: each must be one the engine takes
+                raise RequestError(400, f"seed={log.seed}: with n={p.n} the seed must be at most "
+                                        f"{SEED_MAX - SEED_STRIDE * (log.requests + p.n - 1)} (2**64 - 1 - "
+                                        f"{SEED_STRIDE}·(n - 1): choice k samples with seed + {SEED_STRIDE}·k)")  # fmt: skip
             prompt = self.chat_prompt if chat_request else self.completion_prompt
             if size <= INLINE_BYTES:
                 ids, parent, text = prompt(log, body, p)
@@ -858,7 +962,11 @@ class OpenAIServer:
         seeds = [None if log.seed is None else log.seed + SEED_STRIDE * (first + j) for j in range(p.n)]
         futures = [self._batcher.submit(ids, min(p.limit, room), log.temperature, top_p, s, tuple(p.stops),
                                         p.top_logprobs) for s in seeds]  # fmt: skip
-        samples = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
+        try:
+            samples = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
+        except Exception as e:  # noqa: BLE001  (the engine failed on this request: it fails, the server goes on)
+            logging.getLogger(__name__).warning(f"[agents] the engine failed on a request (answered 500): {e!r}")
+            raise RequestError(500, f"the engine failed on this request: {e!r}") from None
         calls = [self._record(s, ids, parent, text, p, first, j) for j, s in enumerate(samples)]
         with self.lock:
             if not log.finished:  # an episode that timed out meanwhile keeps what it had
@@ -1012,8 +1120,26 @@ class OpenAIServer:
 
         @app.exception_handler(RequestError)
         async def refused(request: Request, e: RequestError):
-            kind = "not_found_error" if e.status == 404 else "invalid_request_error"
+            kind = {401: "authentication_error", 404: "not_found_error"}.get(e.status, "invalid_request_error")
+            kind = "server_error" if e.status >= 500 else kind
             return JSONResponse({"error": {"message": e.message, "type": kind, "code": e.status}}, status_code=e.status)
+
+        @app.exception_handler(Exception)
+        async def failed(request: Request, e: Exception):  # a fault of the server's own: this request fails, it goes on
+            error = {"message": f"the server failed on this request: {e!r}", "type": "server_error", "code": 500}
+            return JSONResponse({"error": error}, status_code=500)
+
+        if self.api_key is not None:
+            expected = f"Bearer {self.api_key}".encode()
+
+            @app.middleware("http")
+            async def authorize(request: Request, call_next):
+                sent = request.headers.get("authorization", "").encode("latin-1", "replace")
+                if not hmac.compare_digest(sent, expected):
+                    error = {"message": "missing or wrong API key: send the header 'Authorization: Bearer KEY' (the "
+                                        "OpenAI client's api_key)", "type": "authentication_error", "code": 401}  # fmt: skip
+                    return JSONResponse({"error": error}, status_code=401, headers={"WWW-Authenticate": "Bearer"})
+                return await call_next(request)
 
         def models() -> dict:
             return {"object": "list", "data": [{"id": self.model_name, "object": "model", "created": 0,
@@ -1081,62 +1207,136 @@ def serve_parser():
     parser.add_argument("--served-name", default=None,
                         help="the name /v1/models lists and requests give as `model` (the alias `policy` works "
                              "too); default --model")  # fmt: skip
+    parser.add_argument("--api-key", default=None,
+                        help=f"the key every request must carry as `Authorization: Bearer KEY` (the OpenAI client's "
+                             f"api_key; 401 without it); default: the environment variable {KEY_ENV}, which keeps "
+                             f"it out of `ps`")  # fmt: skip
+    parser.add_argument("--no-auth", action="store_true",
+                        help="serve a --host other machines can reach without a key (anyone who reaches the port "
+                             "can use the model); without a key such a --host is refused")  # fmt: skip
+    parser.add_argument("--log-dir", default="runs",
+                        help="folder of the log file that takes the libraries' messages (openai_server.<time>.<pid>"
+                             ".log)")  # fmt: skip
+    parser.add_argument("--verbose", action="store_true",
+                        help="show vLLM's, torch's and transformers' messages here instead of in a log file")  # fmt: skip
     return parser
+
+
+def is_loopback(host: str) -> bool:
+    """Only this machine can reach `host`: `localhost` or a loopback address (127.0.0.0/8, ::1)."""
+    try:
+        return host == "localhost" or ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve to any interface
+        return False
+
+
+def listen_url(sock: socket.socket) -> tuple[str, str]:
+    """(the URL of the address `sock` is bound to, who can reach it), for the start line."""
+    host, port = sock.getsockname()[:2]
+    url = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+    address = ipaddress.ip_address(host)
+    if address.is_unspecified:
+        return url, f"every interface of this machine; here: http://{'[::1]' if ':' in host else '127.0.0.1'}:{port}"
+    return url, "this machine only" if address.is_loopback else "other machines too"
+
+
+def check_weight_files(path: str, flag: str, name: str) -> None:
+    """A ValueError naming the first `*.safetensors` file under `path` that does not open (truncated by a full disk
+    or an interrupted copy): vLLM would fail on it deep inside its loader."""
+    from safetensors import safe_open
+
+    for file in sorted(Path(path).expanduser().glob("*.safetensors")):
+        try:
+            with safe_open(str(file), "pt"):
+                pass
+        except Exception as e:  # noqa: BLE001  (each safetensors error names what is wrong with the file)
+            raise ValueError(f"{flag} {name}: damaged weights file {file} ({e}); export or copy the model "
+                             "again") from None  # fmt: skip
 
 
 def serve(argv: list[str] | None = None) -> int:
     """Serve `--model` until SIGINT / SIGTERM, then stop cleanly (exit 0). Each `/v1/...` request is its own
     throwaway episode: sampled at its own temperature / top_p / seed (OpenAI's defaults: 1, 1, none), recorded
-    nowhere. User mistakes (a `--model` that is no model folder, a port in use) exit 2 with one line naming the flag,
-    before anything is loaded."""
+    nowhere; a request the engine fails on is answered 500 and the server goes on. User mistakes (a `--model` that is
+    no model folder or has a damaged weights file, a port in use or out of range, a `--max-context` beyond the
+    model's, a `--host` other machines reach without a key) exit 2 with one line naming the flag, before the model is
+    loaded. vLLM's, torch's and transformers' messages go to a log file (`core.noise`; `--verbose` shows them)."""
     import signal
     import sys
-    from pathlib import Path
 
-    from core import embedded
+    from core import embedded, noise
 
     parser = serve_parser()
     args = parser.parse_args(argv)
+    for flag, value in (("--max-new-tokens", args.max_new_tokens), ("--max-context", args.max_context)):
+        if value is not None and value < 1:
+            parser.error(f"{flag} {value}: must be a positive integer")
+    if not 0 <= args.port <= 65535:
+        parser.error(f"--port {args.port}: must be from 0 to 65535 (0: any free port)")
+    key = args.api_key if args.api_key is not None else (os.environ.get(KEY_ENV) or None)
+    if key is not None and not key.strip():
+        parser.error(f"--api-key {key!r}: an empty key would let anyone in; give a key, or leave the flag out")
+    if key is None and not args.no_auth and not is_loopback(args.host):
+        parser.error(f"--host {args.host}: other machines can reach it, and no key is set: give --api-key KEY (or set "
+                     f"{KEY_ENV}), or --no-auth to serve anyone who can reach the port")  # fmt: skip
+    try:
+        family = socket.getaddrinfo(args.host, args.port, type=socket.SOCK_STREAM)[0][0]
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((args.host, args.port))
+    except OSError as e:
+        parser.error(f"--host {args.host} --port {args.port}: cannot listen there ({e.strerror or e}); is another "
+                     "server running? Pick another --port")  # fmt: skip
+    if key is None and not is_loopback(sock.getsockname()[0]) and not args.no_auth:  # a name that resolved outward
+        parser.error(f"--host {args.host}: resolves to {sock.getsockname()[0]}, which other machines can reach, and "
+                     f"no key is set: give --api-key KEY (or set {KEY_ENV}), or --no-auth")  # fmt: skip
+    logged = noise.quiet_libraries(["--exp-name", "openai_server", "--logger.run-root", args.log_dir, "--logger.quiet"]
+                                   + (["--logger.verbose"] if args.verbose else []))  # fmt: skip
+    if logged is not None:
+        print(f"[openai_server] library messages: {logged} (--verbose shows them here)", flush=True)
     path = embedded.resolve_model(args.model)
     if not (Path(path).expanduser() / "config.json").is_file():
         parser.error(f"--model {args.model}: not a model folder ({path} has no config.json); give the folder an "
                      "export wrote, e.g. <run>/hf")  # fmt: skip
-    for flag, value in (("--max-new-tokens", args.max_new_tokens), ("--max-context", args.max_context)):
-        if value is not None and value < 1:
-            parser.error(f"{flag} {value}: must be a positive integer")
-    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((args.host, args.port))
-    except OSError as e:
-        sock.close()
-        parser.error(f"--host {args.host} --port {args.port}: cannot listen there ({e.strerror or e}); is another "
-                     "server running? Pick another --port")  # fmt: skip
     from core import models, rollout  # torch and vLLM: imported once the flags are known to be good
 
     try:
         tokenizer = models.load_tokenizer(path, "--model")
-        max_context = args.max_context or models.max_positions(path, "--model")
+        longest = models.max_positions(path, "--model")
+        check_weight_files(path, "--model", args.model)
     except ValueError as e:
         parser.error(str(e))
+    if longest is not None and args.max_context is not None and args.max_context > longest:
+        parser.error(f"--max-context {args.max_context}: the model {args.model} holds {longest} tokens "
+                     "(max_position_embeddings): give at most that, or leave the flag out")  # fmt: skip
+    max_context = args.max_context or longest
     if max_context is None:
         parser.error(f"--model {args.model}: its config names no context length: give --max-context")
     cfg = rollout.VLLMConfig(engine=args.engine, max_model_len=max_context)
-    engines = rollout.create_engines(path, cfg, seed=0)
-    server = OpenAIServer(engines, tokenizer, args.served_name or args.model, args.max_new_tokens, max_context)
+    try:
+        engines = rollout.create_engines(path, cfg, seed=0)
+    except (ValueError, rollout.EngineError) as e:
+        print(f"python -m agents.openai_server: error: --model {args.model}: the {args.engine} engine could not load "
+              f"it: {e}", file=sys.stderr, flush=True)  # fmt: skip
+        return 1
+    server = OpenAIServer(engines, tokenizer, args.served_name or args.model, args.max_new_tokens, max_context,
+                          api_key=key)  # fmt: skip
     stop = threading.Event()
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, lambda *_: stop.set())
-    url = server.start(sock=sock)
-    print(f"serving {args.model} as {server.model_name!r} at {url}/v1 ({args.engine}; Ctrl-C stops)", flush=True)
+    server.start(sock=sock)
+    url, reach = listen_url(sock)
+    who = "requests need the key (Authorization: Bearer KEY)" if key else "no key"
+    print(f"serving {args.model} as {server.model_name!r} at {url}/v1 ({reach}; {who}; {args.engine}; Ctrl-C "
+          "stops)", flush=True)  # fmt: skip
     while not stop.wait(0.5):
-        if server.engine_error is not None:
-            print(f"the engine failed: {server.engine_error!r}", file=sys.stderr, flush=True)
-            break
+        pass
     server.close()
     engines.shutdown()
-    print("stopped", flush=True)
-    return 0 if server.engine_error is None else 1
+    failed, error = server.engine_failures
+    print(f"stopped{f' ({failed} requests the engine failed on, answered 500; the last: {error!r})' if failed else ''}",
+          flush=True)  # fmt: skip
+    return 0
 
 
 if __name__ == "__main__":

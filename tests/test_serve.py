@@ -32,8 +32,9 @@ def served(model: str, log: Path, *flags: str, timeout_s: float = 120.0):
     embedded.resolve_model(model)  # builds the embedded model here, so the server's start-up time is the server's
     env = {**os.environ, "OMP_NUM_THREADS": "1", "VLLM_CPU_KVCACHE_SPACE": "1"}
     with open(log, "w") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "agents.openai_server", "--model", model, "--port", "0", *flags],
-                                cwd=ROOT, env=env, stdout=out, stderr=subprocess.STDOUT)  # fmt: skip
+        proc = subprocess.Popen([sys.executable, "-m", "agents.openai_server", "--model", model, "--port", "0",
+                                 "--log-dir", str(log.parent), *flags], cwd=ROOT, env=env, stdout=out,
+                                stderr=subprocess.STDOUT)  # fmt: skip
     try:
         deadline, url = time.monotonic() + timeout_s, None
         while url is None:
