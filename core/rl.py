@@ -56,7 +56,7 @@ from core import (
     vision,
 )
 from core import engine as ds_engine
-from core.config import ModelConfig
+from core.config import ModelConfig, actor_lr
 from core.logger import RunLogger, check_run_dir, lock_run_dir, run_name
 from core.placement import all_ranks, shard_minibatch
 from rewards.loader import check_reward_source, load_reward_func, score
@@ -282,8 +282,15 @@ def make_actor(args, device: torch.device, total_updates: int):
                              "(--critic.ranks, --ref.ranks) or pictures (--data.image-key: padded forwards)")  # fmt: skip
         sequence_parallel.setup(model, args.train.sp_size)
     a = args.actor
-    return ds_engine.make_engine(model, args.ds, a.lr, total_updates, a.warmup_steps, a.min_lr_ratio, a.weight_decay,
-                                 a.adam_betas, hybrid=args.vllm.enable_sleep, ema_beta=a.ema_beta)  # fmt: skip
+    return ds_engine.make_engine(model, args.ds, scaled_lr(args), total_updates, a.warmup_steps, a.min_lr_ratio,
+                                 a.weight_decay, a.adam_betas, hybrid=args.vllm.enable_sleep, ema_beta=a.ema_beta)  # fmt: skip
+
+
+def scaled_lr(args) -> float:
+    """The actor's peak lr for this run's samples per optimizer step (`core.config.actor_lr`: `--actor.lr` scaled down
+    by samples / `--actor.lr-ref-samples` for a smaller minibatch)."""
+    samples = args.rollout.batch_size * args.rollout.n_samples / args.train.minibatches
+    return actor_lr(args.actor, samples)
 
 
 def make_ref(args, device: torch.device, groups: dict | None = None, actor=None):
@@ -380,6 +387,11 @@ def start(args, engine_models: dict, engines, tokenizer, eval_set: list[dict], r
         if start_step == 0:  # a resumed run logged it when it started
             logger.log(run.first_eval, 0, shown=("eval/pass@1",))
     first = run.first_eval.get("eval/pass@1")
+    if scaled_lr(args) != args.actor.lr:
+        samples = args.rollout.batch_size * args.rollout.n_samples / args.train.minibatches
+        logger.print(f"[{name}] --actor.lr {args.actor.lr:g} scaled to {scaled_lr(args):.3g} for {samples:g} samples "
+                     f"per optimizer step ({samples:g} / --actor.lr-ref-samples {args.actor.lr_ref_samples}); "
+                     "--actor.lr-ref-samples None keeps --actor.lr)")  # fmt: skip
     logger.print(f"[{name}] {len(eval_set)} eval prompts, {world} trainer rank(s), eval pass@1 "
                  f"{'off (--eval.every 0)' if first is None else f'{first:.3f}'} at step {start_step}")  # fmt: skip
     return run

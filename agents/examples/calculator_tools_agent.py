@@ -157,8 +157,9 @@ STAGE1_FLAGS = ("--train.max-steps 1000 --train.lr 3e-3 --train.min-lr-ratio 0.5
 STAGE2_FLAGS = ("--train.max-steps 300 --train.lr 1e-3 --train.min-lr-ratio 0.5 --train.batch-size 32 "
                 "--train.warmup-steps 0 --train.pack-row-len 640 --eval.every 200 --eval.max-samples 64 "
                 "--eval.no-generate")  # fmt: skip
+# --actor.lr-ref-samples 64: the recipe's 3e-4 was tuned at its own 16 x 8 / 2 = 64 samples per optimizer step
 GRPO_FLAGS = ("--rollout.max-new-tokens 96 --rollout.batch-size 16 --train.max-steps 15 --eval.every 5 "
-              "--eval.max-samples 64")  # fmt: skip
+              "--eval.max-samples 64 --actor.lr-ref-samples 64")  # fmt: skip
 
 
 if __name__ == "__main__":
