@@ -22,6 +22,9 @@ Deviations from the paper:
    the objective (OpenRLHF's default `--aux_loss_coef 0`); add it to `loss` in `update` to keep the routing balanced.
 6. The paper does not give its ε_high^IS; the cap here is 5 (`--actor.clip-high 4`), a choice. A cap is what keeps a
    stale token's weight bounded; with `--train.minibatches 1` every ρ is 1 and CISPO is GRPO's policy gradient.
+7. The default `--actor.lr` is 1e-4, not GRPO's 3e-4: no token loses its gradient to a clip, so a step goes further at
+   the same lr. On the embedded task from a warm start built on an AVX-512 Xeon (eval pass@1 0.522), 3e-4 took the
+   reward from 0.36 to 0.19 in 3 steps and eval pass@1 to 0.312 at step 5; 1e-4 reached 0.710 at step 10.
 
 Debug (embedded tiny model and task, one CPU process, in-process vLLM):
     python algos/cispo.py --train.max-steps 5 --eval.every 5
@@ -95,7 +98,7 @@ class AlgoArgs:
 class Args:
     exp_name: str = Path(__file__).stem
     """run name prefix; defaults to this file's name, so a copied script names its own runs."""
-    actor: ActorArgs = field(default_factory=lambda: ActorArgs(clip_low=1.0, clip_high=4.0))  # DEVIATION(6): the IS cap
+    actor: ActorArgs = field(default_factory=lambda: ActorArgs(clip_low=1.0, clip_high=4.0, lr=1e-4))  # DEVIATION(6, 7)
     ref: RefConfig = field(default_factory=RefConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     rollout: RolloutArgs = field(default_factory=RolloutArgs)

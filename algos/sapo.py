@@ -21,6 +21,9 @@ Deviations from the paper:
 5. A mixture-of-experts actor's router load-balancing loss is logged (`loss/router_aux`), not trained on: J above is
    the objective (OpenRLHF's default `--aux_loss_coef 0`); add it to `loss` in `update` to keep the routing balanced.
 6. `--actor.clip-low`, `--actor.clip-high` and `--actor.dual-clip` do not apply (no clip) and are refused if changed.
+7. The default `--actor.lr` is 1e-4, not GRPO's 3e-4: the gate passes a (smaller) gradient for tokens the clip would
+   stop, so a step goes further at the same lr. On the embedded task from a warm start built on an AVX-512 Xeon
+   (eval pass@1 0.522), 3e-4 took CISPO's reward from 0.36 to 0.19 in 3 steps; at 1e-4 SAPO reached 0.794 in 20.
 
 Debug (embedded tiny model and task, one CPU process, in-process vLLM):
     python algos/sapo.py --train.max-steps 5 --eval.every 5
@@ -98,7 +101,7 @@ class AlgoArgs:
 class Args:
     exp_name: str = Path(__file__).stem
     """run name prefix; defaults to this file's name, so a copied script names its own runs."""
-    actor: ActorArgs = field(default_factory=ActorArgs)
+    actor: ActorArgs = field(default_factory=lambda: ActorArgs(lr=1e-4))  # DEVIATION(7)
     ref: RefConfig = field(default_factory=RefConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
     rollout: RolloutArgs = field(default_factory=RolloutArgs)
