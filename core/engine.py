@@ -79,10 +79,18 @@ def _destroy_world() -> None:
 _one_process = False  # this process made its own world of one (a plain `python algos/x.py`): no launcher's env
 
 
+_stores: dict[int, dist.TCPStore] = {}  # MASTER_PORT -> the loopback store of this process's worlds of one
+
+
 def _loopback_store(port: int, timeout_s: int) -> dist.TCPStore:
     """The store of a one-process world, listening on 127.0.0.1:`port` only. torch's `env://` store listens on every
     interface whatever MASTER_ADDR says (torch 2.13: `*:<MASTER_PORT>`), opening a port to the network for a world no
-    other process joins; a socket bound here and handed over (`master_listen_fd`, as vLLM does) keeps it local."""
+    other process joins; a socket bound here and handed over (`master_listen_fd`, as vLLM does) keeps it local. A
+    later world of this process on the same port (the last one destroyed by an in-process vLLM engine, or a next
+    run) gets the same store, as `env://` shares one server per port in a process."""
+    if port in _stores:
+        return _stores[port]
+    _stores.clear()  # a store on another port: closed once nothing else holds it
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
@@ -94,10 +102,12 @@ def _loopback_store(port: int, timeout_s: int) -> dist.TCPStore:
                          "unset MASTER_PORT (a free port is picked) or give a free one") from None  # fmt: skip
     fd = sock.detach()
     try:
-        return dist.TCPStore("127.0.0.1", port, 1, True, timedelta(seconds=timeout_s), master_listen_fd=fd)
+        store = dist.TCPStore("127.0.0.1", port, 1, True, timedelta(seconds=timeout_s), master_listen_fd=fd)
     except Exception:
         os.close(fd)
         raise
+    _stores[port] = store
+    return store
 
 
 def init_distributed(backend: str = "auto", timeout_s: int = 600) -> tuple[int, int, torch.device]:

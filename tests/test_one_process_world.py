@@ -1,6 +1,7 @@
 """A plain `python algos/x.py` run makes a torch.distributed world of one (`core.engine.init_distributed`): its store
 listens on 127.0.0.1 only (MASTER_ADDR), never on every interface, and the world still works after being torn down
-and made again in the same process (an in-process vLLM engine destroys it at shutdown)."""
+and made again in the same process on the same port while the last one's store is still held (an in-process vLLM
+engine destroys the world at shutdown; the next run in the process makes a new one)."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ PROBE = """
 import json, os, psutil, torch
 import torch.distributed as dist
 from core.engine import init_distributed
-seen = []
+seen, held = [], []
 for _ in range(2):
     init_distributed("gloo", 60)
     t = torch.ones(2)
@@ -25,6 +26,7 @@ for _ in range(2):
     listening = [(c.laddr.ip, c.laddr.port) for c in psutil.Process().net_connections(kind="inet")
                  if c.status == psutil.CONN_LISTEN]
     seen.append({"listening": listening, "port": int(os.environ["MASTER_PORT"]), "sum": t.tolist()})
+    held.append(dist.new_group([0], backend="gloo"))  # a group kept past the world (vLLM, DeepSpeed)
     dist.destroy_process_group()
 print("RESULT " + json.dumps(seen))
 """
