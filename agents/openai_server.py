@@ -1290,7 +1290,11 @@ def serve(argv: list[str] | None = None) -> int:
     if key is None and not is_loopback(sock.getsockname()[0]) and not args.no_auth:  # a name that resolved outward
         parser.error(f"--host {args.host}: resolves to {sock.getsockname()[0]}, which other machines can reach, and "
                      f"no key is set: give --api-key KEY (or set {KEY_ENV}), or --no-auth")  # fmt: skip
-    logged = noise.quiet_libraries(["--exp-name", "openai_server", "--logger.run-root", args.log_dir, "--logger.quiet"]
+    if not args.model.startswith(embedded.PREFIX) and not (Path(args.model).expanduser() / "config.json").is_file():
+        parser.error(f"--model {args.model}: not a model folder ({args.model} has no config.json); give the folder an "
+                     "export wrote, e.g. <run>/hf")  # fmt: skip
+    log_dir = str(Path(args.log_dir).expanduser().absolute())  # absolute: a log left empty by a refusal is removed
+    logged = noise.quiet_libraries(["--exp-name", "openai_server", "--logger.run-root", log_dir, "--logger.quiet"]
                                    + (["--logger.verbose"] if args.verbose else []))  # fmt: skip
     if logged is not None:
         print(f"[openai_server] library messages: {logged} (--verbose shows them here)", flush=True)

@@ -273,8 +273,11 @@ def test_a_host_other_machines_reach_is_refused_without_a_key(chat_dir, tmp_path
 def test_a_port_out_of_range_a_context_beyond_the_models_and_a_damaged_weights_file_are_named(chat_dir, tmp_path):
     one_line_error(run_serve("--model", chat_dir, "--port", "99999"), "--port 99999: must be from 0 to 65535")
     longest = models.max_positions(chat_dir)
-    out = run_serve("--model", chat_dir, "--port", "0", "--max-context", str(longest + 1), "--log-dir", str(tmp_path))
+    out = subprocess.run([sys.executable, "-m", "agents.openai_server", "--model", chat_dir, "--port", "0",
+                          "--max-context", str(longest + 1), "--log-dir", "logs"], cwd=tmp_path, capture_output=True,
+                         text=True, timeout=120, env={**os.environ, "PYTHONPATH": str(ROOT)})  # fmt: skip
     one_line_error(out, f"--max-context {longest + 1}: the model {chat_dir} holds {longest} tokens")
+    assert not (tmp_path / "logs").exists()  # the log of a refused command, holding nothing, is removed
     broken = tmp_path / "broken"
     shutil.copytree(chat_dir, broken)
     weights = next(broken.glob("*.safetensors"))
