@@ -367,6 +367,19 @@ MODEL_PATHS = frozenset({"name_or_path", "tokenizer", "model"})  # str fields na
 FLOAT32_MAX = 3.4028234663852886e38  # every float flag ends up in float32 tensors (rewards, losses, clip bounds)
 
 
+def run_dir_problem(run_dir: str | Path, flag: str = "--run-dir") -> str | None:
+    """Why `run_dir` cannot be a run folder (it, or a folder above it, is a file), naming `flag`; None when it can.
+    Reads the file system only, creates nothing."""
+    run_dir = Path(run_dir)
+    for path in (run_dir, *run_dir.parents):
+        if path.exists():
+            if path.is_dir():
+                return None
+            what = "is a file" if path == run_dir else f"is inside {path}, which is a file"
+            return f"{flag} {run_dir}: {what}, not a folder; give a folder for the run (it is created if missing)"
+    return None
+
+
 def flag_name(path: tuple[str, ...]) -> str:
     """The command-line flag of a field path: ("rollout", "batch_size") -> `--rollout.batch-size`."""
     return "--" + ".".join(p.replace("_", "-") for p in path)
@@ -378,6 +391,9 @@ def _check_value(flag: str, name: str, value) -> list[str]:
     if isinstance(value, tuple | list):
         return [err for v in value for err in _check_value(flag, "", v)]
     if isinstance(value, str):
+        if name == "run_dir":  # every script's run folder: a file there is named before anything loads
+            problem = run_dir_problem(value, flag)
+            return [problem] if problem else []
         local = value.startswith((".", "/", "~"))
         if name in MODEL_PATHS and local and not (Path(value).expanduser() / "config.json").exists():
             if name != "tokenizer":
@@ -433,7 +449,8 @@ def _errors(args, path: tuple[str, ...]) -> list[str]:
 def check_args(args) -> None:
     """Check a script's `Args` (nested dataclasses) against the generic flag rules before anything is loaded: sizes
     and counts (`POSITIVE`) > 0, "0 means off" values (`NON_NEGATIVE`) >= 0, fractions (`AT_MOST_ONE`) <= 1, every
-    float finite and within float32's range, local model folders (`MODEL_PATHS`) present. One ValueError lists
+    float finite and within float32's range, (low, high) pairs (`INTERVALS`) ordered, a `--run-dir` that is no file,
+    local model folders (`MODEL_PATHS`) present. One ValueError lists
     every violation, each naming its flag as typed (`--rollout.batch-size 0: must be > 0`). Cross-field rules (group
     size vs a filter, ...) stay in the scripts, next to the algorithm they protect."""
     errors = _errors(args, ())

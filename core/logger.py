@@ -33,7 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from core.config import LoggerConfig, flat_keys
+from core.config import LoggerConfig, flat_keys, run_dir_problem
 
 HARMLESS_FLAGS = (
     "exp_name", "run_dir", "export_dir", "debug", "logger.*", "ckpt.*", "train.halt_after", "ds.timeout_s", "ray.*",
@@ -248,16 +248,11 @@ def _takeover(lock: Path):
 
 def check_run_dir(run_dir: str | Path, flag: str = "--run-dir") -> Path:
     """ValueError naming `flag` when `run_dir`, or a folder above it, is a file (it cannot be a run folder); creates
-    nothing, so a script can call it before anything loads."""
-    run_dir = Path(run_dir)
-    for path in (run_dir, *run_dir.parents):
-        if path.exists():
-            if not path.is_dir():
-                what = "is a file" if path == run_dir else f"is inside {path}, which is a file"
-                raise ValueError(f"{flag} {run_dir}: {what}, not a folder; give a folder for the run (it is created "
-                                 "if missing)")  # fmt: skip
-            break
-    return run_dir
+    nothing, so a script can call it before anything loads (`core.config.run_dir_problem`)."""
+    problem = run_dir_problem(run_dir, flag)
+    if problem:
+        raise ValueError(problem)
+    return Path(run_dir)
 
 
 def make_run_dir(run_dir: str | Path, flag: str = "--run-dir") -> Path:

@@ -167,8 +167,11 @@ def quiet_libraries(argv: list[str] | None = None) -> Path | None:
     path = log_path(argv)
     full = path.absolute()
     made = [d for d in (full, full.parent, *full.parent.parents) if not d.exists()]  # removed again if unused
-    path.parent.mkdir(parents=True, exist_ok=True)
-    log = open(path, "a", buffering=1, encoding="utf-8", errors="backslashreplace")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(path, "a", buffering=1, encoding="utf-8", errors="backslashreplace")
+    except OSError:  # no log there (`--run-dir` is a file, ...): nothing changes, and the script's check names it
+        return None
     log.write(f"==== {time.strftime('%Y-%m-%dT%H:%M:%S%z')} {socket.gethostname()} pid {os.getpid()}: "
               f"{' '.join([sys.argv[0], *argv])}\n")  # fmt: skip
     atexit.register(_drop_if_unused, path, log.tell(), made)

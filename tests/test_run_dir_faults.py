@@ -112,6 +112,39 @@ def test_a_run_dir_that_is_a_file_is_named(tmp_path):
     assert a_file.read_text() == "mine" and sorted(p.name for p in tmp_path.iterdir()) == ["notes.txt"]
 
 
+@pytest.mark.parametrize("name", ["sft", "dpo", "kto", "rm", "grpo", "ppo"])
+def test_every_script_names_a_run_dir_that_is_a_file_before_anything_loads(name, tmp_path):
+    """The flag checks of every script (`check_args`) name it, before a model or a process group is set up."""
+    import importlib
+
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("mine")
+    module = importlib.import_module(f"algos.{name}")
+    args = module.Args()
+    args.run_dir = str(a_file)
+    with pytest.raises(ValueError, match=rf"^--run-dir {a_file}: is a file, not a folder"):
+        from core.config import check_args
+
+        check_args(args)
+
+
+def test_the_script_command_names_a_run_dir_that_is_a_file_in_one_line(tmp_path):
+    """As typed: the library-message routing (`quiet_libraries`, first thing in every script) cannot put its log
+    under a file, so it leaves the console as it is and the script's check names the flag; no bare FileExistsError."""
+    import sys
+
+    a_file = tmp_path / "notes.txt"
+    a_file.write_text("mine")
+    repo = Path(__file__).resolve().parent.parent
+    env = {k: v for k, v in os.environ.items() if k != "CLEANRLHF_VERBOSE"}
+    out = subprocess.run([sys.executable, str(repo / "algos" / "sft.py"), "--run-dir", str(a_file)], cwd=repo,
+                         capture_output=True, text=True, env=env, timeout=300)  # fmt: skip
+    assert out.returncode != 0
+    assert f"ValueError: --run-dir {a_file}: is a file, not a folder" in out.stderr, out.stderr[-2000:]
+    assert "FileExistsError" not in out.stderr and "NotADirectoryError" not in out.stderr, out.stderr[-2000:]
+    assert a_file.read_text() == "mine"
+
+
 def _reader(path: Path, stop: threading.Event, torn: list) -> None:
     while not stop.is_set():
         try:
