@@ -107,7 +107,25 @@ def init_ray(cfg: RayConfig, **ray_init_kwargs) -> dict[str, float]:
         if address == "local" and cfg.num_cpus is not None:
             kwargs["num_cpus"] = cfg.num_cpus
         ray.init(**(kwargs | ray_init_kwargs))
+        if address == "local":
+            start_reaper()
     return ray.cluster_resources()
+
+
+_reaper: dict = {}  # "proc": this process's reaper (core/reaper.py), started once
+
+
+def start_reaper() -> None:
+    """Start (once per process) `core/reaper.py`, which terminates what this process started if it is killed: a
+    SIGKILLed driver left Ray's `DashboardAgent` and `RuntimeEnvAgent` running for good. Linux only."""
+    import subprocess
+    import sys
+
+    if "proc" in _reaper or not sys.platform.startswith("linux"):
+        return
+    script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "reaper.py")
+    _reaper["proc"] = subprocess.Popen([sys.executable, script, str(os.getpid())], stdin=subprocess.DEVNULL,
+                                       stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)  # fmt: skip
 
 
 def _describe(resources: dict[str, float]) -> str:
