@@ -129,18 +129,63 @@ def _drop_if_unused(path: Path, header_end: int, made: list[Path]) -> None:
         pass
 
 
+# A Ray actor's project lines reach the driver through Ray's log forwarding, which the driver's router would send to
+# the log as a library's writes. The trainer ranks (`console_tag=True`) start each console line with this tag, and
+# the driver's router sends a forwarded line that holds it to the console, without Ray's "(Worker pid=N)" prefix.
+CONSOLE_TAG = "\x1ecleanrlhf\x1e"
+
+
+def _forwarded_by_ray(frame) -> bool:
+    """Is this write Ray printing a line of an actor's output on the driver (`ray._private.worker`)?"""
+    while frame is not None:
+        if frame.f_code.co_name == "print_worker_logs" and frame.f_globals.get("__name__") == "ray._private.worker":
+            return True
+        frame = frame.f_back
+    return False
+
+
+class _Tagged:
+    """An actor's console stream: every line it writes starts with `CONSOLE_TAG`."""
+
+    def __init__(self, stream):
+        self._stream, self._at_start = stream, True
+
+    def write(self, text: str) -> int:
+        out = []
+        for piece in text.splitlines(keepends=True):
+            out.append((CONSOLE_TAG if self._at_start else "") + piece)
+            self._at_start = piece.endswith(("\n", "\r"))
+        self._stream.write("".join(out))
+        return len(text)
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+
 class _Router:
     """`sys.stdout` / `sys.stderr`: each write goes to the log or to the console stream, by `_from_a_library`; every
-    other attribute (isatty, fileno, encoding, ...) is the console stream's, so rich and tqdm see the terminal."""
+    other attribute (isatty, fileno, encoding, ...) is the console stream's, so rich and tqdm see the terminal. A line
+    Ray forwards from an actor goes to the console when the actor tagged it as a project line (`CONSOLE_TAG`)."""
 
     def __init__(self, console, log):
         self._console, self._log = console, log
+        self._ray_line_shown = False  # Ray prints a line, then its "\n", in two writes
 
     def write(self, text: str) -> int:
         try:
             caller = sys._getframe(1)
         except ValueError:  # called from C with no Python frame left: the interpreter printing a traceback
             caller = None
+        if caller is not None and _forwarded_by_ray(caller):
+            if CONSOLE_TAG in text:
+                self._console.write(text[text.index(CONSOLE_TAG) + len(CONSOLE_TAG) :].replace(CONSOLE_TAG, ""))
+                self._ray_line_shown = True
+            elif text == "\n" and self._ray_line_shown:
+                self._console.write(text)
+            else:
+                self._log.write(text)
+                self._ray_line_shown = False
+            return len(text)
         (self._log if _from_a_library(caller) else self._console).write(text)
         return len(text)
 
@@ -156,10 +201,17 @@ class _Router:
         return getattr(self._console, name)
 
 
-def quiet_libraries(argv: list[str] | None = None) -> Path | None:
+def routing() -> bool:
+    """Has `quiet_libraries` taken over this process's output?"""
+    return "log" in _installed
+
+
+def quiet_libraries(argv: list[str] | None = None, console_tag: bool = False) -> Path | None:
     """Send library messages to the run's log file from now on (see the module docstring); call it before the
     libraries are imported (vLLM and DeepSpeed are imported inside functions, not by a script's imports). Returns the
-    log file, or None with `--logger.verbose` / `CLEANRLHF_VERBOSE=1` (nothing changes) or when it already ran."""
+    log file, or None with `--logger.verbose` / `CLEANRLHF_VERBOSE=1` (nothing changes) or when it already ran.
+    `console_tag`: in a Ray actor whose project lines should reach the driver's console (the trainer ranks), tag them
+    (`CONSOLE_TAG`)."""
     argv = sys.argv[1:] if argv is None else argv
     verbose = os.environ.get(VERBOSE_ENV, "").lower() in ("1", "true", "yes")
     if verbose or _switch(argv, "logger.verbose") or "log" in _installed or {"-h", "--help"} & set(argv):
@@ -185,7 +237,10 @@ def quiet_libraries(argv: list[str] | None = None) -> Path | None:
             faulthandler.enable(console_err)
     except (AttributeError, OSError, ValueError):  # no file descriptor behind sys.stderr: Python-level routing only
         pass
-    sys.stdout, sys.stderr = _Router(sys.stdout, log), _Router(console_err, log)
+    console_out = sys.stdout
+    if console_tag:
+        console_out, console_err = _Tagged(console_out), _Tagged(console_err)
+    sys.stdout, sys.stderr = _Router(console_out, log), _Router(console_err, log)
     shown = warnings.showwarning
 
     def show(message, category, filename, lineno, file=None, line=None):

@@ -93,7 +93,9 @@ def launch(main, args, uses_ref: bool = False) -> dict:
                                      num_gpus_per_rank=share if gpu else 0, timeout_s=args.ray.timeout_s,
                                      backend=args.ds.backend)  # fmt: skip
         group.timeout_s = 10 * 365 * 86400.0  # the whole run is one call; a rank that dies still ends it at once
-        summary = group.run(_run_rank, main, args, engines, groups, os.getcwd())[0]
+        from core import noise
+
+        summary = group.run(_run_rank, main, args, engines, groups, os.getcwd(), noise.routing())[0]
         if groups:  # what each group did: its ranks and how many calls its rank 0 served
             summary["groups"] = {role: {"ranks": len(g), "colocated": layout[role][1],
                                         "calls": g.run(_calls)[0]} for role, g in groups.items()}  # fmt: skip
@@ -192,8 +194,12 @@ def where_stopped(args) -> str:
             f"the same command with --run-dir {run_dir} {resume}")
 
 
-def _run_rank(worker, main, args, engines, groups: dict, cwd: str) -> dict:
+def _run_rank(worker, main, args, engines, groups: dict, cwd: str, routed: bool = False) -> dict:
     os.chdir(cwd)  # relative paths of the command line mean what they meant to the driver
+    if routed:  # as the driver: library messages to run.log, the project's lines (tagged) to the driver's console
+        from core import noise
+
+        noise.quiet_libraries(["--run-dir", args.run_dir, "--logger.quiet"], console_tag=True)
     return main(args, engines, groups)
 
 

@@ -159,3 +159,16 @@ def test_grpo_console_holds_the_project_lines_and_the_run_log_the_library_messag
     assert shown <= found((tmp_path / "quiet" / "run.log").read_text()), "library messages lost"
     for line in ("[grpo] library messages: ", "[grpo] 500 eval prompts", "summary: "):
         assert line in console, textwrap.shorten(console, 2000)
+
+
+@pytest.mark.slow
+def test_a_two_rank_run_shows_the_project_lines_of_its_ranks_on_the_console(tmp_path):
+    """`--train.ranks 2`: rank 0 runs in a Ray actor, whose output reaches the driver through Ray's log forwarding.
+    Its project lines (the start lines, the summary) are on the console without Ray's "(Worker pid=N)" prefix, and
+    the libraries' messages, the ranks' included, are in run.log (before: one console line, the rest in run.log)."""
+    console = run_grpo(tmp_path / "r2", "--train.ranks", "2", "--ray.num-cpus", "4")
+    for line in ("[grpo] library messages: ", "[grpo] 500 eval prompts, 2 trainer rank(s)", "summary: "):
+        assert line in console, textwrap.shorten(console, 2000)
+    assert "pid=" not in console and not found(console), console
+    log = (tmp_path / "r2" / "run.log").read_text()
+    assert "Worker pid=" in log  # the ranks' and engines' library messages, forwarded by Ray, are kept there
