@@ -21,7 +21,6 @@ def test_the_lr_scales_down_with_fewer_samples_per_optimizer_step_and_never_up()
 
 def test_grpo_defaults_train_at_the_given_lr_and_a_small_batch_at_a_scaled_one():
     from algos.grpo import Args
-
     from core import rl
 
     args = Args()
