@@ -40,7 +40,7 @@ torch.set_num_threads(1)  # OpenMP threads oversubscribe a busy 2-core machine b
 # CI runs of 2026-11-27; each takes 3-8 minutes on one worker): dealt out to the two workers before the rest.
 LONGEST_FIRST = ("test_tool_agent.py", "test_crash_resume.py", "test_slurm.py", "test_faults_scale.py",
                  "test_model_groups.py", "test_real_size.py", "test_grpo_async.py", "test_course.py", "test_fork.py",
-                 "test_grpo.py")  # fmt: skip
+                 "test_grpo.py", "test_course_sandbox.py", "test_server_faults.py")  # fmt: skip
 
 
 def pytest_configure(config):
