@@ -275,6 +275,7 @@ def test_dpo_resume_is_exact(tmp_path):
     ckpt = tmp_path / "run" / "checkpoints"
     (first,) = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl") if '"step": 3,' in line]
     (ckpt / "step_00000002").rename(tmp_path / "forgotten")  # forget the last step: step_00000001 resumes
+    (tmp_path / "run" / "summary.json").unlink()  # as a run killed in step 3 (a finished run is refused)
     main(args)
     rows = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
     (again,) = [r for r in rows if r["step"] == 3 and "loss/dpo" in r]  # the replay replaced the first run's row

@@ -32,7 +32,7 @@ def test_grpo_defaults_train_at_the_given_lr_and_a_small_batch_at_a_scaled_one()
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["grpo", "rloo"])
+@pytest.mark.parametrize("name", ["grpo"])  # rloo.py's lr comes from the same core.rl.make_actor
 def test_eight_prompts_by_four_samples_for_12_steps_do_not_collapse(name, tmp_path):
     """12 steps of the script's defaults at 8 × 4 (in-process vLLM, --debug after every sync). Measured on grpo.py
     (2026-11-28, 2-core Xeon, warm start at 0.522): unscaled, rollout reward 0.41 -> 0.125 -> 0.0 and eval pass@1
