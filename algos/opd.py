@@ -74,10 +74,9 @@ from rewards.loader import RewardConfig
 class AlgoArgs:
     reward_coef: float = 0.0
     """λ: weight of GRPO's group-relative advantage of the task reward (`--reward.*`), added to every token's
-    distillation advantage (needs --rollout.n-samples >= 2); 0: pure distillation, the task reward is only logged.
-    A negative λ trains the student away from the task: refused unless `--algo.negative-reward-coef`."""
+    distillation advantage (needs --rollout.n-samples >= 2); 0: pure distillation, the task reward is only logged."""
     negative_reward_coef: bool = False
-    """allow `--algo.reward-coef` < 0 (the student is pushed to fail the task reward)."""
+    """allow `--algo.reward-coef` < 0 (refused otherwise: it trains the student to fail the task reward)."""
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
     """loss aggregation (see core/rl_math.aggregate_loss)."""
     kl_coef: float = 0.0
@@ -174,9 +173,8 @@ def load_teacher(args: Args, device: torch.device):
 
 
 def check_teacher(args: Args) -> None:
-    """The teacher scores the student's token ids, so both must read them alike: the same tokenizer vocabulary; and
-    its log-probs come from a language model's head (a reward model's export has none)."""
-    models.check_causal_lm(args.teacher.model, "--teacher.model")
+    """The teacher scores the student's token ids, so both must read them alike: the same tokenizer vocabulary."""
+    models.check_causal_lm(args.teacher.model, "--teacher.model")  # a language model's head: no reward model export
     student = models.load_tokenizer(args.actor.model.tokenizer or args.actor.model.name_or_path,
                                     "--actor.model.name-or-path / --actor.model.tokenizer")  # fmt: skip
     teacher = models.load_tokenizer(args.teacher.model, "--teacher.model")
