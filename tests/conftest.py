@@ -104,6 +104,19 @@ def tiny_model(tiny_path):
     return AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.float32).eval()
 
 
+@pytest.fixture
+def nothing_loads(monkeypatch):
+    """Any model, tokenizer or process-group setup fails the test: validation must come before all of it."""
+    from core import engine, models
+
+    def loaded(*_, **__):
+        raise AssertionError("a model, tokenizer or process group was set up before the flags were checked")
+
+    for module, name in [(engine, "init_distributed"), (models, "max_positions"), (models, "load_tokenizer"),
+                         (models, "load_causal_lm"), (models, "load_scalar_model")]:  # fmt: skip
+        monkeypatch.setattr(module, name, loaded, raising=False)
+
+
 DIST_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 

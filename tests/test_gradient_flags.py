@@ -22,19 +22,6 @@ def having(field: str) -> list[str]:
     return [n for n in RL if hasattr(script(n).AlgoArgs(), field)]
 
 
-@pytest.fixture
-def nothing_loads(monkeypatch):
-    """Any model, tokenizer or process-group setup fails the test: the checks must come before all of it."""
-    from core import engine
-
-    def loaded(*_, **__):
-        raise AssertionError("a model, tokenizer or process group was set up before the flags were checked")
-
-    for module, name in [(engine, "init_distributed"), (models, "max_positions"), (models, "load_tokenizer"),
-                         (models, "load_causal_lm"), (models, "load_scalar_model")]:  # fmt: skip
-        monkeypatch.setattr(module, name, loaded)
-
-
 def test_reversed_negative_bounds_would_flip_the_gradient():
     """Why the rule exists: with (lo, hi) = (-1, -2) every IS weight is -2, so the loss's gradient changes sign."""
     old, rollout = torch.zeros(1, 3), torch.tensor([[0.1, -0.2, 0.0]])

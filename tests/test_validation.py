@@ -30,20 +30,6 @@ def write_jsonl(path, rows):
 
 
 @pytest.fixture
-def nothing_loads(monkeypatch):
-    """Any model, tokenizer or process-group setup fails the test: validation must come before all of it."""
-
-    def loaded(*_, **__):
-        raise AssertionError("a model, tokenizer or process group was set up before the flags were checked")
-
-    from core import engine
-
-    for module, name in [(engine, "init_distributed"), (models, "max_positions"), (models, "load_tokenizer"),
-                         (models, "load_causal_lm"), (models, "load_scalar_model")]:  # fmt: skip
-        monkeypatch.setattr(module, name, loaded, raising=False)  # (max_positions is new: absent in old trees)
-
-
-@pytest.fixture
 def one_process(monkeypatch):
     """A world of one without torch.distributed (no DeepSpeed import): for checks that come before any collective."""
     import torch
