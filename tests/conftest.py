@@ -7,8 +7,7 @@ and repeated runs build them once (under a file lock: two workers may ask at onc
 The full suite runs on two pytest-xdist workers, a test file per worker (`-n 2 --dist loadfile`, README command
 (2)): a module's fixtures (an in-process vLLM engine, a model trained once) are built once, and while one worker waits
 on Ray actors or a subprocess the other computes. Tests that listen on fixed addresses keep to their own: the SLURM
-cluster on 127.0.0.2/.3 (tests/slurm_cluster.py), the two-node Ray test on 127.0.0.4/.5, `ray_nodes` heads on free
-ports. (`--dist loadgroup` would have let files share a worker, but under pytest 9.2 its groups have no effect:
+cluster on 127.0.0.2/.3 (tests/slurm_cluster.py), `ray_nodes` heads on free ports. (`--dist loadgroup` would have let files share a worker, but under pytest 9.2 its groups have no effect:
 xdist 3.8 marks a test's group by rewriting `item._nodeid`, which pytest 9 no longer reads.)
 
 The files whose tests take longest go first (`LONGEST_FIRST`, `pytest_collection_modifyitems`), and xdist's own order
@@ -36,11 +35,13 @@ import torch  # noqa: E402
 torch.set_num_threads(1)  # OpenMP threads oversubscribe a busy 2-core machine badly; the models are tiny
 
 
-# Test files by their time in the full suite on the 2-core AMD EPYC, longest first (summed from `--durations` of the
-# CI runs of 2026-11-27; each takes 3-8 minutes on one worker): dealt out to the two workers before the rest.
-LONGEST_FIRST = ("test_tool_agent.py", "test_crash_resume.py", "test_slurm.py", "test_faults_scale.py",
-                 "test_model_groups.py", "test_real_size.py", "test_grpo_async.py", "test_course.py", "test_fork.py",
-                 "test_grpo.py", "test_course_sandbox.py", "test_server_faults.py")  # fmt: skip
+# Test files by their time in the full suite on a 2-core Xeon, longest first (summed from `--durations=0` of a run of
+# 2026-11-28; each takes 3-13 minutes on one worker): dealt out to the two workers before the rest.
+LONGEST_FIRST = ("test_slurm.py", "test_opd.py", "test_model_groups.py", "test_crash_resume.py", "test_course.py",
+                 "test_grpo.py", "test_faults_scale.py", "test_grpo_async.py", "test_tool_agent.py", "test_fork.py",
+                 "test_real_size.py", "test_lora_rl.py", "test_rl_scripts.py", "test_ppo.py", "test_noise.py",
+                 "test_dpo.py", "test_sft.py", "test_reinforce_pp.py", "test_faults_training.py",
+                 "test_course_sandbox.py", "test_server_faults.py")  # fmt: skip
 
 
 def pytest_configure(config):
