@@ -1,5 +1,5 @@
-"""Shared test setup: quiet tokenizers, AVX2 CPU math on every x86-64 machine, one torch thread (CI is a shared
-2-core machine), and the embedded tiny model.
+"""Shared test setup: quiet tokenizers, AVX2 CPU math on every x86-64 machine, one torch thread in the tests and in
+every process they start (CI is a shared 2-core machine), and the embedded tiny model.
 
 The embedded artifacts are built in the user's normal cache ($CLEANRLHF_HOME, default ~/.cache/cleanrlhf), so CI
 and repeated runs build them once (under a file lock: two workers may ask at once).
@@ -28,6 +28,13 @@ from core.embedded import reproducible_cpu_env  # noqa: E402  (no torch inside: 
 # (the processes the tests start inherit it: Ray actors, vLLM workers, the warm-start build).
 for _key, _value in reproducible_cpu_env().items():
     os.environ.setdefault(_key, _value)
+
+# One OpenMP/MKL thread in every process a test starts (scripts run as users run them, SLURM jobs, graders, servers,
+# builds), as in the test processes themselves: a child left at torch's default (a thread per core) competes with the
+# other worker's test and both spin. On a 2-core Xeon with the other core busy, a 6-step `algos/grpo.py` took 89 s
+# (57 s of training) with two threads and 52 s (21 s) with one (2026-11-28). Ray ranks and engines set their own.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+os.environ.setdefault("MKL_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
