@@ -7,8 +7,8 @@ and repeated runs build them once (under a file lock: two workers may ask at onc
 The full suite runs on two pytest-xdist workers, a test file per worker (`-n 2 --dist loadfile`, README command
 (2)): a module's fixtures (an in-process vLLM engine, a model trained once) are built once, and while one worker waits
 on Ray actors or a subprocess the other computes. Tests that listen on fixed addresses keep to their own: the SLURM
-cluster on 127.0.0.2/.3 (tests/slurm_cluster.py), `ray_nodes` heads on free ports. (`--dist loadgroup` would have let files share a worker, but under pytest 9.2 its groups have no effect:
-xdist 3.8 marks a test's group by rewriting `item._nodeid`, which pytest 9 no longer reads.)
+cluster on 127.0.0.2/.3 (tests/slurm_cluster.py), `ray_nodes` heads on free ports. (`--dist loadgroup` would have
+let files share a worker, but under pytest 9.2 its groups have no effect: xdist 3.8 marks a test's group by rewriting `item._nodeid`, which pytest 9 no longer reads.)
 
 The files whose tests take longest go first (`LONGEST_FIRST`, `pytest_collection_modifyitems`), and xdist's own order
 (files with the most tests first) is turned off: a file of three tests can take six minutes, and one dealt out last
