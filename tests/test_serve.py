@@ -1,4 +1,4 @@
-"""`python -m agents.openai_server --model DIR` (agents/openai_server.py `serve`): an exported model served with the
+"""`python -m agents.openai_server --model DIR` (agents/serve.py `serve`): an exported model served with the
 OpenAI API the RL agents use, started as a real process and called with the `openai` client; its refusals of bad
 flags; and its clean exit on SIGTERM / SIGINT."""
 

@@ -6,7 +6,8 @@ body that is not JSON (415), a `--host` other machines reach refused without a k
 damaged weights file named in one line; the libraries' messages in a log file.
 
 The fast tests stand a scripted engine in for vLLM; the real in-process engine runs where the fault is the engine's
-(`engines`), and `python -m agents.openai_server` runs as a process where the fault is the command's."""
+(`engines`), and `python -m agents.openai_server` (agents/serve.py) runs as a process where the fault is the
+command's."""
 
 from __future__ import annotations
 
@@ -197,7 +198,7 @@ def test_a_server_with_a_key_answers_only_requests_that_carry_it(chat_tok):
 
 def test_the_start_line_names_the_address_really_listened_on():
     """`listen_url` of a socket bound to every interface (not listening: nothing is served beyond loopback here)."""
-    from agents.openai_server import listen_url
+    from agents.serve import listen_url
 
     class Bound:
         def __init__(self, host, port):
@@ -272,6 +273,9 @@ def test_a_host_other_machines_reach_is_refused_without_a_key(chat_dir, tmp_path
 
 def test_a_port_out_of_range_a_context_beyond_the_models_and_a_damaged_weights_file_are_named(chat_dir, tmp_path):
     one_line_error(run_serve("--model", chat_dir, "--port", "99999"), "--port 99999: must be from 0 to 65535")
+    out = subprocess.run([sys.executable, "-m", "agents.serve", "--model", chat_dir, "--port", "99999"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=120)  # the module itself runs the same command
+    one_line_error(out, "--port 99999: must be from 0 to 65535")
     longest = models.max_positions(chat_dir)
     out = subprocess.run([sys.executable, "-m", "agents.openai_server", "--model", chat_dir, "--port", "0",
                           "--max-context", str(longest + 1), "--log-dir", "logs"], cwd=tmp_path, capture_output=True,
