@@ -49,8 +49,8 @@ content type is not `application/json` (415: a web page can send text/plain or a
 a request without the server's key when it has one (401), a body that is not a JSON object or holds a lone UTF-16
 surrogate, missing or malformed `messages` / `prompt` / `tools` / `tool_choice` / `stop` / `n`, a sampling value
 outside what the engine takes (`SAMPLING_RANGES`: temperature in [0, 2], a seed from -2**63 to 2**64 - 1 counting
-the choices' seed + 7919·k, ..., checked in every route, applied only in the `/v1/...` routes), legacy `functions`, several
-prompts in one request, a prompt that leaves no room to generate in the context (`--vllm.max-model-len` or the
+the choices' seed + 7919·k, ..., checked in every route, applied only in the `/v1/...` ones), legacy `functions`,
+several prompts in one request, a prompt that leaves no room to generate in the context (`--vllm.max-model-len` or the
 model's max_position_embeddings): 400, naming the field. A request the engine fails on is answered 500 (a batch that
 failed at once is tried request by request, so only the request the engine cannot serve fails) and the server goes on. A request body over 64 KiB is parsed, rendered
 and tokenized in a worker thread, so a huge prompt does not stall the other episodes' requests.
@@ -104,8 +104,8 @@ RETRY_ALONE_S = 10.0  # a batched engine call that failed sooner is retried requ
 # Sampling fields and the values vLLM 0.32's SamplingParams accepts: (low, high, low excluded, integer). A value
 # outside them made the engine raise, and a seed outside the range even left the in-process engine spinning on its
 # half-added request (every later call hung), so each is checked before anything reaches the engine. The first three
-# are used by the `/v1/...` routes (`serve`); the others are checked and not applied (the engines sample with temperature and
-# top-p only).
+# are used by the `/v1/...` routes (agents/serve.py); the others are checked and not applied (the engines sample
+# with temperature and top-p only).
 SAMPLING_RANGES: dict[str, tuple[float, float, bool, bool]] = {
     "temperature": (0.0, 2.0, False, False),
     "top_p": (0.0, 1.0, True, False),
@@ -550,8 +550,8 @@ class OpenAIServer:
     # -- lifecycle ----------------------------------------------------------------------------------------------
     def start(self, timeout_s: float = 30.0, sock: socket.socket | None = None) -> str:
         """Serve on 127.0.0.1 at a free port (the socket is bound here, so there is no race for it), or on `sock`
-        (bound by the caller: agents/serve.py binds `--host`/`--port` before it loads the model); returns the root URL once
-        uvicorn accepts connections."""
+        (bound by the caller: agents/serve.py binds `--host`/`--port` before it loads the model); returns the root URL
+        once uvicorn accepts connections."""
         import uvicorn
 
         self._batcher = _Batcher(self.engines, lambda: len(self.episodes))
@@ -1160,8 +1160,8 @@ class OpenAIServer:
             return await answer(eid, request, chat=False)
 
         async def plain(request: Request, chat: bool):
-            # agents/serve.py: a request without an episode is an episode of its own, closed (and forgotten) once answered;
-            # it samples as it asks, not as a rollout would
+            # agents/serve.py: a request without an episode is an episode of its own, closed (and forgotten) once
+            # answered; it samples as it asks, not as a rollout would
             eid = self.open_episode(temperature=1.0, seed=None)
             try:
                 calls, p = await self.generate(eid, request, chat_request=chat, request_sampling=True)
