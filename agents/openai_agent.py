@@ -15,18 +15,18 @@ DAPO filter: the reward clipped to [0, 1]). The trained trajectory is rebuilt fr
 log-probs, everything else in between with mask 0. Up to `--rollout.agent-concurrency` episodes run at once, and
 their concurrent requests are batched into the engines.
 
-The agents run on an event loop of their own in a thread of its own, all episodes on one loop, while the executor's
-loop keeps their time and watches that loop. An agent that blocks it (a synchronous `time.sleep`, `requests.get` or
-a CPU loop inside `async def agent`) for longer than `block_s` (0.5 s, or a quarter of the timeout if that is less)
-gets the loop to itself, and the other episodes on it start again from the start (their seeds give them the same
-samples) on a new shared loop; the second time an agent blocks, on loops and threads of their own, as does every
-later episode (a warning says where the agent blocked). The blocking episode still ends at
-`--rollout.agent-timeout-s`. So a blocking agent holds up the others for at most `block_s`, and agents that never
-block pay for one thread, not one per episode. Loop-bound objects (asyncio locks, HTTP clients) belong inside the
-agent function, and an agent closes the clients it makes (`async with`): one left to the garbage collector may be
-closed from another thread's loop (the `openai` client's `__del__` schedules its `aclose` on whatever loop runs
-where the collection happens): with agents/examples/pydantic_ai_agent.py's own client left open, about one episode
-in 1,000 waited until its timeout.
+The agents run on an event loop of their own in a thread of its own, all episodes on one loop, while the executor's loop
+keeps their time and watches that loop (`LoopWatch`: why, how, and its limits). An agent that blocks it (a synchronous
+`time.sleep`, `requests.get` or a CPU loop inside `async def agent`) for longer than `block_s` (0.5 s, or a quarter of
+the timeout if that is less) gets the loop to itself, and the other episodes on it start again from the start (their
+seeds give them the same samples) on a new shared loop; the second time an agent blocks, on loops and threads of their
+own, as does every later episode (a warning says where the agent blocked). The blocking episode still ends at
+`--rollout.agent-timeout-s`. So a blocking agent holds up the others for at most `block_s`, and agents that never block
+pay for one thread, not one per episode. Loop-bound objects (asyncio locks, HTTP clients) belong inside the agent
+function, and an agent closes the clients it makes (`async with`): one left to the garbage collector may be closed from
+another thread's loop (the `openai` client's `__del__` schedules its `aclose` on whatever loop runs where the collection
+happens): with agents/examples/pydantic_ai_agent.py's own client left open, about one episode in 1,000 waited until its
+timeout.
 State shared between episodes at module level needs a `threading.Lock`.
 
 A failed episode ends without stopping the run: the agent raised (`raised`; an HTTP 4xx it did not catch:
@@ -79,7 +79,7 @@ class AgentError(RuntimeError):
 
 class AgentAbandoned(BaseException):
     """Raised inside the thread of an agent that was still running its code a second after its timeout (a blocked
-    event loop). A BaseException, so the agent's own `except Exception` does not swallow it."""
+    event loop; `LoopWatch.abandon`). A BaseException, so the agent's own `except Exception` does not swallow it."""
 
 
 def load_agent(path: str):
@@ -180,6 +180,98 @@ class _Restart(Exception):
     own (its server record so far is dropped; its seeds give it the same samples)."""
 
 
+# -- a blocked agent loop: how it is seen and how its thread is ended -------------------------------------------------
+class LoopWatch:
+    """The watch over an agent loop, kept from another thread (`_AgentLoop.watch`): is one task's synchronous code
+    holding the loop (`held_by`), at which line of the agent file (`blocked_at`); and the last resort once its agent
+    timed out: ending that code (`abandon`).
+
+    Why: an agent is `async def`, but nothing stops it from making a synchronous call (`time.sleep`, `requests.get`,
+    a CPU loop) that holds its event loop. Nothing else on that loop runs meanwhile: not the other episodes' agents
+    on the shared loop, not `asyncio.wait_for`'s timeout, not a task's cancellation. So the loop is watched, and its
+    code ended, from outside: from the executor's loop, in the trainer's thread.
+
+    How:
+    - `held_by(block_s)`, called every `block_s / 4` s by the executor's `_watch` while episodes run on the shared
+      loop: it asks the loop to run a no-op callback (`call_soon_threadsafe`, which wakes it) once the last one has
+      run, and reads the task the loop is inside now (`asyncio.current_task(loop)`, from this thread). A free loop
+      runs the callback within milliseconds. When the callback has waited over `block_s` and the same task was
+      current at every look for over `block_s`, that task holds the loop: it is returned (the executor then leaves
+      the loop to its episode, `_leave_shared_loop_to`). A loop slowed down by many tasks' short steps (a hundred
+      agents starting at once) answers late too, but another task is current from one look to the next.
+    - `blocked_at(file)`: the line of `file` the loop's thread runs now (`sys._current_frames()`), for the warning
+      and the timeout message.
+    - `abandon()`: raises `AgentAbandoned` inside the loop's thread (CPython's `PyThreadState_SetAsyncExc`, through
+      ctypes). `_AgentLoop.retire` has it called a second after cancelling the tasks of a loop whose agent timed
+      out, if the thread still runs: the cancel could not run, because the loop is held.
+
+    Limits:
+    - Seeing is not stopping: the blocking code runs on; the other episodes move to another loop, and the blocking
+      episode ends at `--rollout.agent-timeout-s`. Only the shared loop is watched: a loop of one episode holds up
+      nobody else, and its timeout is kept by the executor's loop all the same.
+    - A hold shorter than `block_s` (computing between awaits) is never seen, however often it happens; each one
+      holds up the other episodes on the loop. A task seen at every look of a loop busy with many tasks would be
+      taken for blocking: the episodes restarted for it sample the same tokens again (their seeds), so that costs
+      time, not results. The task read is a snapshot: the loop may have moved on when it is used.
+    - `abandon` ends Python code only: the exception is raised when the thread next runs Python bytecode. A CPU
+      loop ends at once, a blocking call into C (`time.sleep`, a socket read) only when it returns; one that never
+      returns keeps its (daemon) thread for good. Agent code that catches `BaseException` (or has a bare `except:`)
+      can swallow it. It may land anywhere in the thread's Python code, asyncio's included, so a loop that got it
+      is never used again (`_AgentLoop._serve` ends it either way)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, thread: threading.Thread):
+        self.loop, self.thread = loop, thread
+        self.asked: float | None = None  # when the unanswered question to the loop was posted
+        self.holder: asyncio.Task | None = None  # the task current at every look since `since`
+        self.since = time.monotonic()
+
+    def reset(self) -> None:
+        """Count afresh: the next look sets the holder (each run of episodes starts its watch so)."""
+        self.holder, self.since = None, time.monotonic()
+
+    def held_by(self, block_s: float) -> asyncio.Task | None:
+        """The task that has held the loop for over `block_s` (no callback run, the same task current at every
+        look), or None. Called from the executor's loop every `block_s / 4` s; each call asks the loop again once the
+        last question was answered."""
+        task = asyncio.current_task(self.loop)
+        waited = self._answering()
+        now = time.monotonic()
+        if task is None or task is not self.holder:
+            self.holder, self.since = task, now
+            return None
+        return task if waited > block_s and now - self.since > block_s else None
+
+    def _answering(self) -> float:
+        """Seconds since the loop was asked to run a callback and has not (0 when it has: it is asked again)."""
+        if self.asked is None:
+            self.asked = time.monotonic()  # before posting: the loop may answer at once
+            try:
+                self.loop.call_soon_threadsafe(self._answer)
+            except RuntimeError:  # closed: nothing runs on it any more
+                self.asked = None
+            return 0.0
+        return time.monotonic() - self.asked
+
+    def _answer(self) -> None:
+        self.asked = None
+
+    def blocked_at(self, file: Path) -> str | None:
+        """`line N (function)` of `file` where the thread runs now: the agent holds its loop there (a coroutine that
+        awaits is not on the thread's stack); None when it is not running the file's code."""
+        frame = sys._current_frames().get(self.thread.ident)
+        while frame is not None:
+            if Path(frame.f_code.co_filename).resolve() == file:
+                return f"line {frame.f_lineno} ({frame.f_code.co_name})"
+            frame = frame.f_back
+        return None
+
+    def abandon(self) -> None:
+        """Raise `AgentAbandoned` in the loop's thread if it still runs (what that ends: the class docstring)."""
+        if self.thread.is_alive():
+            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.thread.ident),
+                                                       ctypes.py_object(AgentAbandoned))  # fmt: skip
+
+
 class _AgentLoop:
     """A daemon thread running an event loop for agents: all the executor's episodes while no agent has blocked it
     (the shared loop), or one episode's at a time (after an agent blocked the shared loop: a loop per episode).
@@ -188,10 +280,11 @@ class _AgentLoop:
     than on one (each thread's every select() drops and retakes the GIL against the others). But `asyncio.wait_for`
     cannot end an agent that blocks the loop it runs on (a synchronous `time.sleep` or a CPU loop inside `async def
     agent`: nothing else on that loop runs until it yields), so the executor's own loop keeps the time and watches
-    the shared one (`answering`): a loop that has not run a callback for `block_s` while an agent's task holds it is
-    given to that agent, and the other episodes on it start again elsewhere. A loop whose agent timed out
+    the shared one (`watch`, a `LoopWatch`): a loop that has not run a callback for `block_s` while an agent's task
+    holds it is given to that agent, and the other episodes on it start again elsewhere. A loop whose agent timed out
     is retired, never reused: its tasks are cancelled, the loop stops when they end, and if the thread still runs a
-    second later (the loop is blocked, so the cancel cannot run) `AgentAbandoned` is raised inside it."""
+    second later (the loop is blocked, so the cancel cannot run) `AgentAbandoned` is raised inside it
+    (`LoopWatch.abandon`)."""
 
     def __init__(self, shared: bool = False):
         self.shared = shared
@@ -199,11 +292,11 @@ class _AgentLoop:
         self.loop.set_task_factory(self._new_task)
         self.owner: dict[asyncio.Task, str] = {}  # every live task an agent started (its main task too) -> episode
         self.futures: dict[str, asyncio.Future] = {}  # episode -> the executor loop's future of its outcome
-        self.asked: float | None = None  # when the executor's unanswered question to this loop was posted
         self.clients: list = []  # (httpx.AsyncClient, episodes served) kept for the next episodes on this loop
         self.uses: dict = {}  # the pools in use: episodes each served before
         name = "agent-loop-shared" if shared else f"agent-loop-{id(self):x}"
         self.thread = threading.Thread(target=self._serve, name=name, daemon=True)
+        self.watch = LoopWatch(self.loop, self.thread)  # is an agent's synchronous code holding it; ending that code
         self.thread.start()
 
     _of_thread: dict[int, _AgentLoop] = {}
@@ -271,22 +364,7 @@ class _AgentLoop:
         asyncio.run_coroutine_threadsafe(body(), self.loop).add_done_callback(settle)
         return done
 
-    # -- the executor's watch over the shared loop ---------------------------------------------------------------
-    def answering(self) -> float:
-        """Seconds since this loop was asked to run a callback and has not (0 when it has): called from the
-        executor's loop, each call asks again once the last question was answered."""
-        if self.asked is None:
-            self.asked = time.monotonic()  # before posting: the loop may answer at once
-            try:
-                self.loop.call_soon_threadsafe(self._answer)
-            except RuntimeError:  # closed: nothing runs on it any more
-                self.asked = None
-            return 0.0
-        return time.monotonic() - self.asked
-
-    def _answer(self) -> None:
-        self.asked = None
-
+    # -- when an agent blocks the loop (seen by `watch`) or times out ----------------------------------------------
     def blocking_episode(self) -> str | None:
         """The episode whose agent's task is running on this loop now (from another thread: the task a blocked loop
         is stuck in), or None when the loop is not inside an agent's task."""
@@ -325,20 +403,10 @@ class _AgentLoop:
         except RuntimeError:  # already closed
             pass
 
-    def blocked_at(self, file: Path) -> str | None:
-        """`line N (function)` of `file` where the thread runs now: the agent holds its loop there (a coroutine that
-        awaits is not on the thread's stack); None when it is not running the file's code."""
-        frame = sys._current_frames().get(self.thread.ident)
-        while frame is not None:
-            if Path(frame.f_code.co_filename).resolve() == file:
-                return f"line {frame.f_lineno} ({frame.f_code.co_name})"
-            frame = frame.f_back
-        return None
-
     def retire(self, grace_s: float = 1.0) -> None:
         """Cancel every task on the loop and stop it once they have ended; raise `AgentAbandoned` in the thread if it
-        still runs after `grace_s`. That ends Python code (a CPU loop) at once and a blocking call (`time.sleep`) when
-        it returns; either way the episode is already over and its server URL answers 404."""
+        still runs after `grace_s` (`LoopWatch.abandon`): that ends Python code (a CPU loop) at once and a blocking
+        call (`time.sleep`) when it returns; either way the episode is already over and its server URL answers 404."""
 
         def cancel() -> None:  # on this loop, when it gets to run
             pending = [t for t in asyncio.all_tasks(self.loop) if not t.done()]
@@ -359,7 +427,7 @@ class _AgentLoop:
             self.loop.call_soon_threadsafe(cancel)
         except RuntimeError:  # already closed
             return
-        timer = threading.Timer(grace_s, self._interrupt)
+        timer = threading.Timer(grace_s, self.watch.abandon)
         timer.daemon = True
         timer.start()
 
@@ -398,11 +466,6 @@ class _AgentLoop:
             return False
         self.clients.append((http, uses))
         return True
-
-    def _interrupt(self) -> None:
-        if self.thread.is_alive():
-            ctypes.pythonapi.PyThreadState_SetAsyncExc(ctypes.c_ulong(self.thread.ident),
-                                                       ctypes.py_object(AgentAbandoned))  # fmt: skip
 
 
 class OpenAIAgentExecutor:
@@ -511,21 +574,16 @@ class OpenAIAgentExecutor:
                 watch.cancel()
 
     async def _watch(self) -> None:
-        """While episodes run on the shared loop: every `block_s / 4` seconds ask it to run a callback, and note which
-        task it is in. When it has not answered for `block_s` and one agent's task has been running all that while
-        (not a loop busy with many tasks' short steps, as when a hundred agents start at once), that agent is blocking
-        it: the loop is left to that episode and the others on it start again elsewhere (a warning says where)."""
-        holder, since = None, time.monotonic()
+        """While episodes run on the shared loop: every `block_s / 4` seconds its `LoopWatch` looks whether one
+        agent's task holds it (`held_by`). When one does, the loop is left to that episode and the others on it start
+        again elsewhere (a warning says where)."""
+        if self._shared is not None:
+            self._shared.watch.reset()
         while not self.isolated:
             shared = self._shared
-            task = None if shared is None else asyncio.current_task(shared.loop)
-            waited = 0.0 if shared is None else shared.answering()  # asks again once the last question was answered
-            now = time.monotonic()
-            if task is None or task is not holder:
-                holder, since = task, now
-            elif waited > self.block_s and now - since > self.block_s and task in shared.owner:
+            task = None if shared is None else shared.watch.held_by(self.block_s)
+            if task is not None and task in shared.owner:
                 self._leave_shared_loop_to(shared.owner[task])
-                holder, since = None, now
                 continue  # watch the next shared loop, if there is one
             await asyncio.sleep(self.block_s / 4)
 
@@ -536,7 +594,7 @@ class OpenAIAgentExecutor:
         shared, self._shared = self._shared, None
         self.blocks += 1
         self.isolated = self.blocks >= ISOLATE_AFTER_BLOCKS
-        where = shared.blocked_at(self._agent_path)
+        where = shared.watch.blocked_at(self._agent_path)
         restarted = shared.give_to(episode)
         then = ("from now on each episode runs on a loop and thread of its own, which costs more CPU per call"
                 if self.isolated else "the next time one does, each episode gets a loop and thread of its own")  # fmt: skip
@@ -624,7 +682,7 @@ class OpenAIAgentExecutor:
                 return 0.0, ("timeout", message)
             if worker is self._shared:  # it blocks the shared loop (and the watch has not seen it yet)
                 self._leave_shared_loop_to(eid)
-            blocked = worker.blocked_at(self._agent_path)
+            blocked = worker.watch.blocked_at(self._agent_path)
             worker.retire()
             if blocked:
                 message += (f"; it was blocking its event loop at {self.agent_file} {blocked}: a synchronous call "
