@@ -38,6 +38,7 @@ from typing import Literal
 import torch
 import tyro
 
+from agents.make import check_episode_files, load_reward, make_executor
 from core import engine as ds_engine
 from core import rl, rl_math, rollout, samples
 from core.config import (
@@ -53,9 +54,9 @@ from core.config import (
     check_args,
 )
 from core.logger import Meter, timer
-from core.placement import RayConfig
+from core.placement import RayConfig, group
 from core.rollout import VLLMConfig
-from rewards.loader import RewardConfig
+from rewards.loader import RewardConfig, reward_group
 
 
 @dataclass
@@ -214,13 +215,20 @@ def main(args: Args, engines: rollout.RolloutEngines | None = None, groups: dict
     # PLUMBING: `--train.ranks 1`: this process holds the DeepSpeed actor and an in-process vLLM engine. N > 1: the
     # driver starts Ray, the engine actors and N ranks, each of which runs this function with the engines given.
     uses_ref = args.algo.kl_coef > 0  # ALGO LOGIC: the KL term needs the reference policy (DEVIATION(3))
-    if engines is None and rl.needs_launch(args, uses_ref):
-        return rl.launch(main, args, uses_ref)
+    # PLUMBING: the models this script places on Ray ranks of their own with `--<role>.ranks N` (core places them)
+    placed = {"ref": group(args.ref, unused=None if uses_ref else "the KL term is off: --algo.kl-coef 0"),
+              "reward": reward_group(args.reward)}  # fmt: skip
+    if engines is None:  # the files the episodes read (reward, agent, environment), checked before anything loads
+        check_episode_files(args.rollout, args.reward)
+        if rl.needs_launch(args, placed):
+            return rl.launch(main, args, placed)
     rank, world, device = rl.init_rank(args, engines)
-    tokenizer, train_set, eval_set, reward = rl.load_task(args, groups)
+    tokenizer, train_set, eval_set = rl.load_task(args)
+    reward = load_reward(args.rollout, args.reward, (groups or {}).get("reward"))  # None: the episodes reward themselves
     actor = rl.make_actor(args, device, args.train.max_steps * args.train.minibatches * args.train.epochs)
     ref = rl.make_ref(args, device, groups, actor) if uses_ref else None  # LoRA: the actor with its adapters off
-    run = rl.start(args, {"actor": actor}, engines, tokenizer, eval_set, reward, rank, world, device, args.exp_name)
+    episodes = partial(make_executor, args.rollout, reward, args.actor.model.name_or_path, args.vllm.max_model_len)
+    run = rl.start(args, {"actor": actor}, engines, tokenizer, eval_set, episodes, rank, world, device, args.exp_name)
     kl_ctl = (rl_math.AdaptiveKLController(args.algo.kl_coef, args.algo.kl_target, args.algo.kl_horizon)
               if args.algo.kl_target else rl_math.FixedKLController(args.algo.kl_coef))  # fmt: skip
     kl_ctl.load_state_dict(run.client.get("kl_ctl", kl_ctl.state_dict()))

@@ -63,6 +63,7 @@ from __future__ import annotations
 import math
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -519,6 +520,26 @@ class Pending:
                 except ray.exceptions.RayError:
                     pass
         return None
+
+
+@dataclass
+class Group:
+    """A model a script places on Ray ranks of its own (OpenRLHF's layout), as the script declares it: `ranks` None
+    keeps it in the trainer's processes (no group); `colocate`: rank i on trainer rank i's bundle, else bundles of
+    its own placed by `strategy`; `setup(worker)` runs on each of its ranks once they start (e.g. the reward model's
+    replicas; the script builds the others where it needs them, `core.rl.build_model`); `unused`: why the run has
+    no use for it (its `--<role>.ranks` is then refused with this reason). `core.rl.launch` places what it is given."""
+
+    ranks: int | None = None
+    colocate: bool = True
+    strategy: str | None = None
+    setup: Callable | None = None
+    unused: str | None = None
+
+
+def group(cfg, setup: Callable | None = None, unused: str | None = None) -> Group:
+    """The `Group` a model's config section declares with its `ranks`, `colocate` and `strategy` flags."""
+    return Group(cfg.ranks, cfg.colocate, cfg.strategy, setup, unused)
 
 
 class ModelGroup:

@@ -22,6 +22,7 @@ carries the version of the weights that sampled it (`TaggedEpisode.versions`) ne
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import os
 import threading
@@ -31,8 +32,8 @@ from functools import partial
 import numpy as np
 import torch
 
-from agents.executor import Episode, Rollout, SingleTurnExecutor
 from core import placement, rl, rollout
+from core.episode import Episode, Rollout
 from core.placement import all_ranks
 
 
@@ -207,8 +208,9 @@ def interrupted_rollout(run: rl.Run, args, train_set: list[dict], step: int, ver
         pause_s = time.perf_counter() - t0
     groups = segment(until=max_new, segment=1, version=version, groups=in_flight.groups)
     samples = [s for g in groups for s in g]
-    ro = SingleTurnExecutor(_Generated(groups), ex.tokenizer, ex.reward_fn, max_new, ex.temperature,
-                            ex.top_p).run(prompts, G, seeds, step)  # scores the samples  # fmt: skip
+    scorer = copy.copy(ex)  # the run's single-turn executor over engines that hand back these samples: it scores them
+    scorer.engines = _Generated(groups)
+    ro = scorer.run(prompts, G, seeds, step)
     assert [e.token_ids for e in ro.episodes] == [s.token_ids for s in samples], "episodes out of sample order"
     ro = tag(ro, [s.versions for s in samples])
     if keep is not None:
@@ -222,8 +224,8 @@ def interrupted_rollout(run: rl.Run, args, train_set: list[dict], step: int, ver
 
 
 class _Generated:
-    """Stands in for the engines of a `SingleTurnExecutor` that scores samples already generated: `generate` returns
-    them."""
+    """Stands in for the engines of a single-turn executor (agents/executor.py) that scores samples already
+    generated: `generate` returns them."""
 
     def __init__(self, groups: list[list[rollout.Sample]]):
         self.groups = groups

@@ -1,12 +1,18 @@
-"""The plumbing every RL script (algos/grpo.py, rloo.py, reinforce_pp.py, ppo.py, grpo_async.py) calls by name.
+"""The plumbing every RL script (algos/grpo.py, rloo.py, reinforce_pp.py, ppo.py, grpo_async.py, cispo.py, sapo.py,
+opd.py) calls by name.
 
 Plain functions over plain values, no trainer class: a script's `main` reads top to bottom as
 
+    placed = {"ref": group(args.ref, ...), "reward": reward_group(args.reward)}  # models on Ray ranks of their own
+    if engines is None and rl.needs_launch(args, placed):
+        return rl.launch(main, args, placed)                               # --train.ranks N: every rank runs main
     rank, world, device = rl.init_rank(args, engines)                     # 1. setup
-    tokenizer, train_set, eval_set, reward = rl.load_task(args)
+    tokenizer, train_set, eval_set = rl.load_task(args)
+    reward = load_reward(args.rollout, args.reward, groups.get("reward"))  # rewards/ (agents/make.py)
     actor = rl.make_actor(args, device, total_updates)
-    ref = rl.make_ref(args, device) if <the script's KL term is on> else None
-    run = rl.start(args, {"actor": actor}, engines, tokenizer, eval_set, reward, rank, world, device, args.exp_name)
+    ref = rl.make_ref(args, device, groups) if <the script's KL term is on> else None
+    episodes = partial(make_executor, args.rollout, reward, ...)          # agents/: how prompts become episodes
+    run = rl.start(args, {"actor": actor}, engines, tokenizer, eval_set, episodes, rank, world, device, name)
     for step in range(run.start_step, args.train.max_steps):
         ro = rl.collect_rollout(run, args, train_set, step, keep, max_rounds)  # 2. rollout (the filter is the script's)
         rewards, truncated = rl.shape_rewards(ro, ...the script's shaping)  # 3. rewards -> the script's advantages
@@ -17,6 +23,8 @@ Plain functions over plain values, no trainer class: a script's `main` reads top
             return rl.finish(run, args, actor, tokenizer, halted_at=step)
     return rl.finish(run, args, actor, tokenizer)                           # 6. export and summary
 
+The script wires the pieces: its reward (rewards/), its episode executor (agents/) and the models it places in
+groups of their own (`core.placement.Group`); core runs what it is given and imports neither agents/ nor rewards/.
 Core decides no algorithm: what a script chooses (the filter, the reward shaping, whether a reference is loaded, the
 loss and its normalisers) it passes here as plain values; nothing here reads `args.algo`. Distributed bookkeeping
 lives here, not in the loss: with `--train.ranks N` every rank holds the whole rollout and
@@ -40,8 +48,6 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from agents.executor import Episode, MultiTurnExecutor, Rollout, SingleTurnExecutor, load_env_factory
-from agents.openai_agent import OpenAIAgentExecutor, check_agent_file
 from core import (
     checkpoint,
     data,
@@ -57,27 +63,30 @@ from core import (
 )
 from core import engine as ds_engine
 from core.config import ModelConfig, actor_lr
+from core.episode import Episode, Rollout
 from core.logger import RunLogger, check_run_dir, lock_run_dir, run_name
-from core.placement import all_ranks, shard_minibatch
-from rewards.loader import check_reward_source, load_reward_func, score
+from core.placement import Group, all_ranks, shard_minibatch
 
 
 # ----------------------------------------------------------------------------------------------------- 1. setup
-def launch(main, args, uses_ref: bool = False) -> dict:
+def launch(main, args, placed: dict[str, Group] | None = None) -> dict:
     """`--train.ranks N`: start Ray, the vLLM engine actors and N trainer ranks (one DeepSpeed world) on one placement
-    group, and run `main(args, engines, groups)` on every rank, as torchrun would; returns rank 0's summary. Models
-    in groups of their own (`group_layout`: `--ref.ranks`, `--critic.ranks`, `--reward.ranks`) get their Ray ranks
-    first, on the trainer's bundles or bundles of their own, and reach every rank in `groups`; the script builds its
-    models there (`build_model`), the reward model's replicas are built here. Embedded model names are
-    resolved (built) once here, so that the ranks agree on the models and the run folder."""
+    group, and run `main(args, engines, groups)` on every rank, as torchrun would; returns rank 0's summary. The
+    models the script placed in groups of their own (`placed`, `group_layout`: e.g. `--ref.ranks`, `--critic.ranks`,
+    `--reward.ranks`) get their Ray ranks first, on the trainer's bundles or bundles of their own, and reach every
+    rank in `groups` ({role: ModelGroup}); a group's `setup` runs on its ranks here, the script builds the other
+    models there (`build_model`). Embedded model names are resolved (built) once here, so that the ranks agree on the
+    models and the run folder."""
     check_files(args)  # before Ray and the engines start
-    if not (args.rollout.env_file or args.rollout.agent_file):  # else the environment or the agent rewards
-        check_reward_source(args.reward)  # a judge that does not answer is named now, not after the engines load
+    layout = group_layout(placed or {}, args.train.ranks)
+    if args.train.sp_size > 1 and layout:  # --train.sp-size splits the actor's forwards over trainer ranks only
+        raise ValueError(f"--train.sp-size {args.train.sp_size} is not built for models on ranks of their own "
+                         f"(--{next(iter(layout))}.ranks)")  # fmt: skip
     resources = placement.init_ray(args.ray)
-    gpu, n, layout = resources.get("GPU", 0) > 0, args.train.ranks, group_layout(args, uses_ref)
+    gpu, n = resources.get("GPU", 0) > 0, args.train.ranks
     pg, share, engine_options = placement.place_rl(n, args.vllm.num_engines, args.vllm.tensor_parallel_size,
                                                    args.train.colocate, args.ray.strategy, args.ray.timeout_s,
-                                                   sum(colocate for _, colocate in layout.values()))  # fmt: skip
+                                                   sum(g.colocate for g in layout.values()))  # fmt: skip
     _resolve_model_names(args)
     args.run_dir = str(Path(args.run_dir or Path(args.logger.run_root) / run_name(args.exp_name, args.train.seed)))
     args.vllm.in_process = False
@@ -87,8 +96,8 @@ def launch(main, args, uses_ref: bool = False) -> dict:
                                      max_lora_rank=engine_lora_rank(args))  # fmt: skip
     group, groups, own_pgs = None, {}, []
     try:
-        for role, (ranks, colocate) in layout.items():
-            groups[role] = start_group(args, role, ranks, pg if colocate else None, share, gpu, own_pgs)
+        for role, g in layout.items():
+            groups[role] = start_group(args, role, g, pg if g.colocate else None, share, gpu, own_pgs)
         group = placement.ModelGroup(placement.Worker, n, "actor", pg=pg, num_cpus_per_rank=share,
                                      num_gpus_per_rank=share if gpu else 0, timeout_s=args.ray.timeout_s,
                                      backend=args.ds.backend)  # fmt: skip
@@ -97,7 +106,7 @@ def launch(main, args, uses_ref: bool = False) -> dict:
 
         summary = group.run(_run_rank, main, args, engines, groups, os.getcwd(), noise.routing())[0]
         if groups:  # what each group did: its ranks and how many calls its rank 0 served
-            summary["groups"] = {role: {"ranks": len(g), "colocated": layout[role][1],
+            summary["groups"] = {role: {"ranks": len(g), "colocated": layout[role].colocate,
                                         "calls": g.run(_calls)[0]} for role, g in groups.items()}  # fmt: skip
         return summary
     except Exception as e:  # a rank, an engine or a group died or raised: say where the run stands
@@ -123,52 +132,45 @@ def engine_lora_rank(args) -> int:
     return args.actor.model.lora_rank if args.vllm.lora_sync == "adapter" else 0
 
 
-def needs_launch(args, uses_ref: bool = False) -> bool:
+def needs_launch(args, placed: dict[str, Group] | None = None) -> bool:
     """Whether the run is several processes started through Ray (`launch`): trainer ranks (`--train.ranks N`) or a
-    model in a group of its own (`group_layout`). `uses_ref`: the script's loss or reward uses a reference policy."""
-    return args.train.ranks > 1 or bool(group_layout(args, uses_ref))
+    model the script placed in a group of its own (`placed`, see `group_layout`)."""
+    return args.train.ranks > 1 or bool(group_layout(placed or {}, args.train.ranks))
 
 
-def group_layout(args, uses_ref: bool = False) -> dict[str, tuple[int, bool]]:
-    """{role: (ranks, colocated)} of the models that run as Ray groups of their own, OpenRLHF's layout: the reference
-    (`--ref.ranks N`, when the script says it uses one: `uses_ref`), PPO's critic (`--critic.ranks N`), the teacher
-    of on-policy distillation (`--teacher.ranks N`) and the reward model (`--reward.model PATH --reward.ranks N`)."""
+def group_layout(placed: dict[str, Group], train_ranks: int) -> dict[str, Group]:
+    """The groups of `placed` ({role: Group}, the script's declaration) that run on Ray ranks of their own: those
+    whose `ranks` is set. A group the script has no use for (`unused`) with ranks, or a colocated one with more ranks
+    than the trainer has bundles, is refused naming its `--<role>.ranks` flag."""
     layout = {}
-    if args.ref.ranks is not None:
-        if not uses_ref:
-            raise ValueError(f"--ref.ranks {args.ref.ranks}: there is no reference to place (the KL term is off: "
-                             "--algo.kl-coef 0)")  # fmt: skip
-        layout["ref"] = (args.ref.ranks, args.ref.colocate)
-    if getattr(getattr(args, "critic", None), "ranks", None) is not None:
-        layout["critic"] = (args.critic.ranks, args.critic.colocate)
-    if getattr(getattr(args, "teacher", None), "ranks", None) is not None:
-        layout["teacher"] = (args.teacher.ranks, args.teacher.colocate)
-    if getattr(args, "reward", None) is not None and args.reward.ranks is not None:
-        if not args.reward.model:
-            raise ValueError(f"--reward.ranks {args.reward.ranks}: only for a reward model (--reward.model PATH)")
-        layout["reward"] = (args.reward.ranks, args.reward.colocate)
-    for role, (ranks, colocated) in layout.items():
-        if colocated and ranks > args.train.ranks:
-            raise ValueError(f"--{role}.ranks {ranks} colocated: at most one rank per trainer bundle (--train.ranks "
-                             f"{args.train.ranks}); give --{role}.no-colocate for bundles of its own")  # fmt: skip
+    for role, g in placed.items():
+        if g is None or g.ranks is None:
+            continue
+        if g.unused:
+            raise ValueError(f"--{role}.ranks {g.ranks}: there is no {role} model to place ({g.unused})")
+        if g.ranks < 1:
+            raise ValueError(f"--{role}.ranks {g.ranks}: must be at least 1 (None: in the trainer's processes)")
+        if g.colocate and g.ranks > train_ranks:
+            raise ValueError(f"--{role}.ranks {g.ranks} colocated: at most one rank per trainer bundle (--train.ranks "
+                             f"{train_ranks}); give --{role}.no-colocate for bundles of its own")  # fmt: skip
+        layout[role] = g
     return layout
 
 
-def start_group(args, role: str, ranks: int, pg, share: float, gpu: bool, own_pgs: list) -> placement.ModelGroup:
-    """One model group of `group_layout`, built: on the trainer's placement group `pg` (rank i on bundle i, `share`
-    of it) or, `pg` None, on a placement group of its own (one bundle per rank, appended to `own_pgs`)."""
-    if pg is None:  # bundles of its own, placed by `--<role>.strategy` (default `--ray.strategy`)
-        strategy = getattr(getattr(args, role), "strategy", None) or args.ray.strategy
-        pg, share = placement.make_placement_group(ranks, strategy=strategy, timeout_s=args.ray.timeout_s), 1.0
+def start_group(args, role: str, g: Group, pg, share: float, gpu: bool, own_pgs: list) -> placement.ModelGroup:
+    """One model group of `group_layout`, started: on the trainer's placement group `pg` (rank i on bundle i, `share`
+    of it) or, `pg` None, on a placement group of its own (one bundle per rank, appended to `own_pgs`, placed by
+    the group's strategy, default `--ray.strategy`), then its `setup` run on every rank."""
+    if pg is None:
+        pg, share = placement.make_placement_group(g.ranks, strategy=g.strategy or args.ray.strategy,
+                                                   timeout_s=args.ray.timeout_s), 1.0  # fmt: skip
         own_pgs.append(pg)
-    group = placement.ModelGroup(placement.Worker, ranks, role, pg=pg, num_cpus_per_rank=share,
+    group = placement.ModelGroup(placement.Worker, g.ranks, role, pg=pg, num_cpus_per_rank=share,
                                  num_gpus_per_rank=share if gpu else 0, timeout_s=args.ray.timeout_s,
                                  backend=args.ds.backend, env={"CLEANRLHF_GROUP": role})  # fmt: skip
-    if role == "reward":  # the replicas score for every trainer rank; the scripts build the other roles' models
-        from rewards.remote import build_group_reward
-
+    if g.setup is not None:  # e.g. the reward model's replicas, which score for every trainer rank
         try:
-            group.run(build_group_reward, args.reward.model, args.reward.normalize)
+            group.run(g.setup)
         except Exception:
             group.shutdown()
             raise
@@ -214,13 +216,11 @@ def _resolve_model_names(cfg) -> None:
 
 
 def check_files(args) -> None:
-    """What the run reads from files the user wrote, checked before anything loads (DeepSpeed, Ray, vLLM): a
-    `--run-dir` that is a file, an agent file (`--rollout.agent-file`) that does not import or whose `agent` is not
-    `async def`. Each stops the run in one error naming the flag, the file and the line."""
+    """A `--run-dir` that is a file (or a folder this run cannot use), refused before anything loads (DeepSpeed, Ray,
+    vLLM). The files the episodes read (reward, agent, environment) are the script's to check
+    (`agents.make.check_episode_files`)."""
     if args.run_dir:
         check_run_dir(args.run_dir)
-    if args.rollout.agent_file:
-        check_agent_file(args.rollout.agent_file)
 
 
 def init_rank(args, engines) -> tuple[int, int, torch.device]:
@@ -247,15 +247,11 @@ def response_budget(args) -> tuple[int, str]:
     return reserve, "--rollout.max-new-tokens" + (" + --rollout.max-total-tokens" if multi_turn else "")
 
 
-def load_task(args, groups: dict | None = None) -> tuple[object, list[dict], list[dict], tuple | None]:
-    """The task: the tokenizer, the (mixed) training prompts, the eval prompts and the reward function with its source
-    file (None in multi-turn, where the environment rewards; the reward model's group `groups["reward"]` with
-    `--reward.ranks`), all loaded and checked before any model. A prompt must
-    leave room for its response in the model's context: rows that cannot fit are skipped and counted here, instead
-    of failing inside the rollout engine mid-run."""
-    if args.rollout.env_file and args.rollout.agent_file:
-        raise ValueError(f"--rollout.env-file {args.rollout.env_file} and --rollout.agent-file "
-                         f"{args.rollout.agent_file}: give one (both define the episodes and their rewards)")  # fmt: skip
+def load_task(args) -> tuple[object, list[dict], list[dict]]:
+    """The task: the tokenizer, the (mixed) training prompts and the eval prompts, loaded and checked before any
+    model (the reward is the script's: `agents.make.load_reward`). A prompt must leave room for its response in the
+    model's context: rows that cannot fit are skipped and counted here, instead of failing inside the rollout engine
+    mid-run."""
     actor_path = args.actor.model.name_or_path
     reserve, reserve_flag = response_budget(args)
     limits = {"max_position_embeddings of --actor.model.name-or-path":
@@ -271,9 +267,7 @@ def load_task(args, groups: dict | None = None) -> tuple[object, list[dict], lis
                                              make, args.data), args.data.probs, args.train.seed)  # fmt: skip
     eval_sources = data.load_sources(args.data.eval_path or args.data.path, args.data.eval_split, args.eval.max_samples)
     eval_set = [e for g in data.build_examples(eval_sources, make, args.data) for e in g]
-    agentic = args.rollout.env_file or args.rollout.agent_file  # the environment or the agent rewards
-    reward = None if agentic else load_reward_func(args.reward, (groups or {}).get("reward"))
-    return tokenizer, train_set, eval_set, reward
+    return tokenizer, train_set, eval_set
 
 
 def make_actor(args, device: torch.device, total_updates: int):
@@ -282,10 +276,9 @@ def make_actor(args, device: torch.device, total_updates: int):
     · lr over `total_updates` optimizer steps."""
     model = models.load_causal_lm(args.actor.model, "--actor.model.name-or-path").to(device)
     if args.train.sp_size > 1:  # --train.sp-size: the actor's forwards split each row's tokens over an SP group
-        critic_ranks = getattr(getattr(args, "critic", None), "ranks", None)
-        if not args.train.packing or critic_ranks or getattr(args.ref, "ranks", None) or args.data.image_key:
-            raise ValueError("--train.sp-size needs --train.packing and is not built for models on ranks of their own "
-                             "(--critic.ranks, --ref.ranks) or pictures (--data.image-key: padded forwards)")  # fmt: skip
+        if not args.train.packing or args.data.image_key:  # (models on ranks of their own: refused by `launch`)
+            raise ValueError("--train.sp-size needs --train.packing and is not built for pictures (--data.image-key: "
+                             "padded forwards)")  # fmt: skip
         sequence_parallel.setup(model, args.train.sp_size)
     a = args.actor
     return ds_engine.make_engine(model, args.ds, scaled_lr(args), total_updates, a.warmup_steps, a.min_lr_ratio,
@@ -308,14 +301,18 @@ def make_ref(args, device: torch.device, groups: dict | None = None, actor=None)
     own_base = args.ref.name_or_path in (None, args.actor.model.name_or_path)
     if actor is not None and args.actor.model.lora_rank > 0 and own_base and not (groups and "ref" in groups):
         return ds_engine.AdaptersOff(actor)
-    return build_model(groups, "ref", _load_ref, args, device)
+    return build_model(groups, "ref", load_ref, args, device)
 
 
-def _load_ref(args, device: torch.device):
-    path = args.ref.name_or_path or args.actor.model.name_or_path
-    flag = "--ref.name-or-path" if args.ref.name_or_path else "--actor.model.name-or-path"
+def load_ref(args, device: torch.device, cfg=None, role: str = "ref"):
+    """A frozen policy as a DeepSpeed inference engine: `cfg` (a `RefConfig` section, default `args.ref`; a fork's
+    second reference passes its own, e.g. `build_model(groups, "ref2", load_ref, args, device, args.ref2, "ref2")`)
+    names the model (default the actor's starting one) and its ZeRO stage; the actor's dtype."""
+    cfg = args.ref if cfg is None else cfg
+    path = cfg.name_or_path or args.actor.model.name_or_path
+    flag = f"--{role}.name-or-path" if cfg.name_or_path else "--actor.model.name-or-path"
     return ds_engine.make_frozen(models.load_causal_lm(ModelConfig(name_or_path=path, dtype=args.actor.model.dtype),
-                                                       flag), args.ref, device)  # fmt: skip
+                                                       flag), cfg, device)  # fmt: skip
 
 
 @dataclass
@@ -328,7 +325,7 @@ class Run:
     device: torch.device
     models: dict  # {"actor": engine, ...}: checkpointed, offloaded while the engines generate (hybrid engine)
     engines: rollout.RolloutEngines
-    executor: SingleTurnExecutor | MultiTurnExecutor | OpenAIAgentExecutor
+    executor: object  # the script's episode executor (agents/): `run(batch, n, seed, step) -> Rollout`, `close()`
     eval_set: list[dict]
     run_dir: Path
     ckpt_dir: Path
@@ -342,11 +339,12 @@ class Run:
     idle_steps: int = 0  # steps whose update trained nothing (the script's filter dropped every sample)
 
 
-def start(args, engine_models: dict, engines, tokenizer, eval_set: list[dict], reward: tuple | None, rank: int,
-          world: int, device: torch.device, name: str) -> Run:  # fmt: skip
+def start(args, engine_models: dict, engines, tokenizer, eval_set: list[dict], episodes, rank: int, world: int,
+          device: torch.device, name: str) -> Run:  # fmt: skip
     """Create the rollout engines (or connect to the launcher's), lock the run folder (rank 0; a second run on it is
-    refused), resume from the newest intact checkpoint (flags checked against the run's config.json), build the agent
-    executor and run (or restore) the first eval (none with `--eval.every 0`)."""
+    refused), resume from the newest intact checkpoint (flags checked against the run's config.json), build the
+    script's episode executor over the engines (`episodes(engines, tokenizer)`, e.g. `agents.make.make_executor`)
+    and run (or restore) the first eval (none with `--eval.every 0`)."""
     run_dir = Path(args.run_dir or Path(args.logger.run_root) / run_name(args.exp_name, args.train.seed))
     lock_run_dir(run_dir, enabled=rank == 0)  # one run writes a run folder: a second one is refused here
     ckpt_dir = Path(args.ckpt.dir or run_dir / "checkpoints")
@@ -364,24 +362,7 @@ def start(args, engine_models: dict, engines, tokenizer, eval_set: list[dict], r
     if start_step:
         placement.sync_weights(engines, engine_models["actor"], rank)  # the engines start from the checkpoint's weights
     logger = RunLogger(args.logger, run_dir, args, args.train.max_steps, enabled=rank == 0, resume_step=start_step)
-    # the agent executor: prompt tokens -> vLLM generation -> checked reward (single turn), or turns of generation and
-    # environment feedback (`--rollout.env-file`), or an agent's OpenAI API calls to a server over the engines
-    # (`--rollout.agent-file`); the scripts' loops are the same for all three
-    if args.rollout.agent_file:
-        max_context = args.vllm.max_model_len or models.max_positions(args.actor.model.name_or_path,
-                                                                      "--actor.model.name-or-path")  # fmt: skip
-        executor = OpenAIAgentExecutor(engines, tokenizer, args.rollout.agent_file, args.actor.model.name_or_path,
-                                       args.rollout.max_new_tokens, max_context, args.rollout.temperature,
-                                       args.rollout.top_p, args.rollout.agent_concurrency,
-                                       args.rollout.agent_timeout_s, args.rollout.agent_tool_parser,
-                                       args.rollout.agent_max_request_bytes)  # fmt: skip
-    elif args.rollout.env_file:
-        executor = MultiTurnExecutor(engines, tokenizer, load_env_factory(args.rollout.env_file),
-                                     args.rollout.max_new_tokens, args.rollout.max_turns, args.rollout.max_total_tokens,
-                                     args.rollout.temperature, args.rollout.top_p)  # fmt: skip
-    else:
-        executor = SingleTurnExecutor(engines, tokenizer, partial(score, *reward),
-                                      args.rollout.max_new_tokens, args.rollout.temperature, args.rollout.top_p)  # fmt: skip
+    executor = episodes(engines, tokenizer)  # the script's: single turn, an environment's turns or an agent's calls
     if args.vllm.enable_sleep:  # hybrid engine: DeepSpeed states stay off the GPU while the engines generate
         for m in engine_models.values():
             placement.offload_states(m)

@@ -11,7 +11,7 @@ TensorBoard and W&B), and every `--logger.show-every` steps one sample is shown 
 The scripts call three things, in this order:
     trace = samples.Trace(samples.watch(keep, G, args.logger.samples), kept)   # before the update
     trace.add(r, mb["loss_mask"], logp=..., old_logp=..., adv=..., ...)       # in the update, per micro-batch
-    samples.log(run, args, step, ro, rewards, keep, truncated, trace, adv)     # after it, on every rank
+    samples.log(run, args, step, ro, rewards, keep, trace, adv)                # after it, on every rank
 
 One row of samples.jsonl (`kind` "train"; eval rows carry `correct`/`label` and no trainer quantities):
     {"step", "kind", "index", "group", "prompt", "response", "reward", "extra", "advantage", "kept", "truncated",

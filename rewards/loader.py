@@ -26,7 +26,8 @@ from typing import Literal
 import torch
 
 from rewards.judge import JudgeReward
-from rewards.remote import GroupReward, ModelReward, RemoteReward
+from core.placement import Group, group
+from rewards.remote import GroupReward, ModelReward, RemoteReward, build_group_reward
 
 
 @dataclass
@@ -140,6 +141,14 @@ def load_reward_func(cfg: RewardConfig, group=None):
     if not hasattr(module, "reward_func"):
         raise ValueError(f"--reward.func {path}: defines no `reward_func(queries, prompts, labels)`")
     return with_timeout(module.reward_func, cfg.timeout_s), path
+
+
+def reward_group(cfg: RewardConfig) -> Group:
+    """The reward model's Ray group as a script declares it (`core.placement.Group`): `--reward.ranks N` replicas of
+    `--reward.model`, each built when the group starts (`build_group_reward`); no group without `--reward.ranks`."""
+    if cfg.ranks is not None and not cfg.model:
+        raise ValueError(f"--reward.ranks {cfg.ranks}: only for a reward model (--reward.model PATH)")
+    return group(cfg, setup=functools.partial(build_group_reward, path=cfg.model, normalize=cfg.normalize))
 
 
 def check_reward_source(cfg: RewardConfig) -> None:

@@ -247,14 +247,14 @@ def test_a_key_variable_named_on_purpose_must_be_set(prompt_file, monkeypatch):
 
 
 def test_a_dead_judge_stops_a_ray_launch_before_ray_starts(prompt_file, monkeypatch):
-    """`--train.ranks N` starts Ray and the engines in `core.rl.launch` before any rank loads the task: the judge is
-    asked there first."""
-    from algos.grpo import Args
-    from core import placement, rl
+    """`--train.ranks N` starts Ray and the engines in `core.rl.launch` before any rank loads the task: the script
+    asks the judge before it launches."""
+    from algos.grpo import Args, main
+    from core import placement
 
     monkeypatch.setattr(placement, "init_ray", lambda *a, **k: pytest.fail("Ray was started"))
     dead = f"http://127.0.0.1:{free_port()}/v1"
     args = Args()
-    args.reward = RewardConfig(judge_url=dead, judge_prompt=prompt_file, retries=0)
+    args.train.ranks, args.reward = 2, RewardConfig(judge_url=dead, judge_prompt=prompt_file, retries=0)
     with pytest.raises(ValueError, match=rf"the judge at {dead} does not answer"):
-        rl.launch(lambda *a: None, args)
+        main(args)

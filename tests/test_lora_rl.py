@@ -99,7 +99,7 @@ def test_lora_reference_is_the_actor_with_adapters_off(tiny_path, tiny_model, mo
     def no_second_model(*a, **k):
         raise AssertionError("a LoRA actor's reference must not load a model")
 
-    monkeypatch.setattr(rl, "_load_ref", no_second_model)
+    monkeypatch.setattr(rl, "load_ref", no_second_model)
     monkeypatch.setattr(models, "load_causal_lm", no_second_model)
     monkeypatch.setattr(ds_engine, "make_frozen", no_second_model)
     ref = rl.make_ref(args, torch.device("cpu"), None, actor)

@@ -17,29 +17,27 @@ from core import models, rl
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
 
-def _args(**sections):
-    """A stand-in for a script's Args with the fields `group_layout` reads (none of the script's `--algo.*`)."""
-    base = {
-        "train": SimpleNamespace(ranks=1),
-        "ref": SimpleNamespace(ranks=None, colocate=True),
-        "reward": SimpleNamespace(ranks=None, colocate=True, model=None),
-    }
-    for name, values in sections.items():
-        base[name].__dict__.update(values)
-    return SimpleNamespace(**base)
+def test_group_layout_places_what_the_script_declares_and_refuses_by_flag():
+    """Core places the groups a script declares (`core.placement.Group`) and knows no role by name: the refusals
+    name the role's flag, and the reason a script gives for a group it has no use for."""
+    from core.placement import Group, group
+    from rewards.loader import RewardConfig, reward_group
 
-
-def test_group_layout_and_its_refusals():
-    assert rl.group_layout(_args(), uses_ref=True) == {} and not rl.needs_launch(_args(), uses_ref=True)
-    layout = rl.group_layout(_args(ref={"ranks": 2, "colocate": False}, reward={"ranks": 1, "model": "rm"}), True)
-    assert layout == {"ref": (2, False), "reward": (1, True)}
-    assert rl.needs_launch(_args(ref={"ranks": 1}), True)  # a one-process run is launched through Ray for its groups
-    with pytest.raises(ValueError, match=r"--ref.ranks 1: there is no reference to place \(the KL term is off"):
-        rl.group_layout(_args(ref={"ranks": 1}), uses_ref=False)  # the script says whether its KL term is on
+    Args = SimpleNamespace(train=SimpleNamespace(ranks=1))
+    assert rl.group_layout({"ref": Group(None), "reward": reward_group(RewardConfig())}, 1) == {}
+    assert not rl.needs_launch(Args, {"ref": Group(None)}) and rl.needs_launch(Args, {"ref": Group(1)})
+    placed = {"ref": Group(2, colocate=False), "reward": reward_group(RewardConfig(model="rm", ranks=1)),
+              "draft": Group(1)}  # fmt: skip
+    layout = rl.group_layout(placed, 1)
+    assert {r: (g.ranks, g.colocate) for r, g in layout.items()} == {"ref": (2, False), "reward": (1, True),
+                                                                      "draft": (1, True)}  # fmt: skip
+    assert layout["reward"].setup is not None and layout["ref"].setup is None  # the replicas are built on start
+    with pytest.raises(ValueError, match=r"--ref.ranks 1: there is no ref model to place \(the KL term is off"):
+        rl.group_layout({"ref": group(SimpleNamespace(ranks=1, colocate=True, strategy=None), unused="the KL term is off")}, 1)
     with pytest.raises(ValueError, match=r"--reward.ranks 2: only for a reward model \(--reward.model PATH\)"):
-        rl.group_layout(_args(reward={"ranks": 2}))
+        reward_group(RewardConfig(ranks=2))
     with pytest.raises(ValueError, match=r"--ref.ranks 3 colocated: .*--train.ranks 2.*--ref.no-colocate"):
-        rl.group_layout(_args(train={"ranks": 2}, ref={"ranks": 3}), True)
+        rl.group_layout({"ref": Group(3)}, 2)
 
 
 @pytest.fixture(scope="module")
@@ -120,15 +118,16 @@ def test_a_group_on_bundles_of_its_own_is_placed_by_its_role_strategy():
 
     from core import placement
 
-    args = _args(ref={"ranks": 2, "colocate": False, "strategy": "STRICT_SPREAD"})
-    args.ray, args.ds = placement.RayConfig(num_cpus=4, timeout_s=120, strategy="PACK"), SimpleNamespace(backend="gloo")
+    args = SimpleNamespace(ray=placement.RayConfig(num_cpus=4, timeout_s=120, strategy="PACK"),
+                           ds=SimpleNamespace(backend="gloo"))  # fmt: skip
+    ref = placement.Group(2, colocate=False, strategy="STRICT_SPREAD")
     placement.init_ray(args.ray)
     try:
         own: list = []
         with pytest.raises(placement.PlacementError, match=r"\(STRICT_SPREAD\) needs 2 nodes .* has 1 alive"):
-            rl.start_group(args, "ref", 2, None, 1.0, False, own)
-        args.ref.strategy = None  # the run's strategy
-        group = rl.start_group(args, "ref", 2, None, 1.0, False, own)
+            rl.start_group(args, "ref", ref, None, 1.0, False, own)
+        ref.strategy = None  # the run's strategy
+        group = rl.start_group(args, "ref", ref, None, 1.0, False, own)
         assert len(group) == 2 and len(own) == 1
         group.shutdown()
     finally:

@@ -79,14 +79,17 @@ def test_teacher_with_another_tokenizer_is_refused_naming_the_flag():
 
 
 def test_teacher_group_layout():
-    args = SimpleNamespace(train=SimpleNamespace(ranks=2), ref=SimpleNamespace(ranks=None, colocate=True),
-                           teacher=SimpleNamespace(ranks=2, colocate=False),
-                           reward=SimpleNamespace(ranks=None, colocate=True, model=None))  # fmt: skip
-    assert rl.group_layout(args) == {"teacher": (2, False)} and rl.needs_launch(args)
+    """opd.py declares its teacher's group from `--teacher.*`; core places it by the flags' values."""
+    from core.placement import group
+
+    args = Args()
+    args.teacher.ranks, args.teacher.colocate = 2, False
+    layout = rl.group_layout({"teacher": group(args.teacher)}, 2)
+    assert {r: (g.ranks, g.colocate) for r, g in layout.items()} == {"teacher": (2, False)}
     args.teacher.ranks, args.teacher.colocate = 3, True
     with pytest.raises(ValueError, match=r"--teacher.ranks 3 colocated: .*--teacher.no-colocate"):
-        rl.group_layout(args)
-    assert rl.group_layout(Args()) == {}  # the default: the teacher in the trainer process
+        rl.group_layout({"teacher": group(args.teacher)}, 2)
+    assert rl.group_layout({"teacher": group(Args().teacher)}, 1) == {}  # the default: in the trainer process
 
 
 def test_help_lists_the_teacher_and_algo_flags():

@@ -359,13 +359,12 @@ def test_every_rl_script_takes_the_agent_flags(script):
 
 
 def test_env_file_and_agent_file_together_are_refused():
-    from algos.grpo import Args
-    from core import rl
+    from algos.grpo import Args, main
 
     args = Args()
     args.rollout.env_file, args.rollout.agent_file = "agents/retry_env.py", str(EXAMPLE)
     with pytest.raises(ValueError, match="--rollout.env-file.*--rollout.agent-file.*give one"):
-        rl.load_task(args)
+        main(args)  # before anything loads
 
 
 @pytest.mark.slow

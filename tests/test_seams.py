@@ -66,6 +66,23 @@ def test_core_has_no_import_cycles_lazy_imports_included():
     assert "core.placement" not in graph["core.rollout"]
 
 
+LAYERS = ("core", "rewards", "agents", "algos")  # each folder imports only the folders before it
+
+
+def test_the_folders_import_downward_only():
+    """Drawn file by file and folder by folder, every import runs down the layers: core below rewards (which score
+    with core's models), below agents (executors, environments, the server), below the scripts, which wire the
+    pieces and hand them to core. No arrow runs back up and there is no cycle, at either scale."""
+    graph = _graph() | {f"algos.{p.stem}": _project_imports(p) for p in (ROOT / "algos").glob("*.py")}
+    up = sorted(f"{a} -> {b}" for a, deps in graph.items() for b in deps
+                if LAYERS.index(b.split(".")[0]) > LAYERS.index(a.split(".")[0]))  # fmt: skip
+    assert up == [], up
+    assert _cycle(graph) is None, " -> ".join(_cycle(graph))
+    folders = {f: {b.split(".")[0] for a, deps in graph.items() if a.startswith(f + ".") for b in deps} - {f}
+               for f in LAYERS}  # fmt: skip
+    assert _cycle(folders) is None and "agents" in folders["algos"] and "core" in folders["rewards"]
+
+
 @pytest.mark.parametrize("script", ["grpo", "rloo", "reinforce_pp", "ppo", "grpo_async", "cispo", "sapo", "opd", "sft",
                                     "dpo", "kto", "rm"])  # fmt: skip
 def test_scripts_leave_embedded_names_to_the_loaders(script):
@@ -152,7 +169,7 @@ def test_rl_scripts_are_short_and_shallow(script):
     if script not in ("cispo", "sapo"):  # those two replace the clip: their own surrogates (opd keeps GRPO's)
         assert "-torch.min(surr, surr_clipped)" in text
     if script == "grpo":
-        assert len(path.read_text().splitlines()) <= 280
+        assert len(path.read_text().splitlines()) <= 300  # one story that stays short
 
 
 def _depth_into_update(path: Path) -> int:

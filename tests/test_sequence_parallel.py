@@ -172,9 +172,12 @@ def test_scripts_refuse_what_sequence_parallelism_does_not_support(tmp_path):
     args.model.name_or_path, args.train.sp_size = "cleanrlhf/tiny", 2
     with pytest.raises(ValueError, match="--train.sp-size .* add --train.no-share-prompt"):
         dpo.main(args)
-    args = ppo.Args()
-    args.actor.model.name_or_path, args.train.sp_size, args.critic.ranks = "cleanrlhf/tiny", 2, 1
-    with pytest.raises(ValueError, match="--train.sp-size .* not built for models on ranks of their own"):
+    args = ppo.Args(run_dir=str(tmp_path / "ppo"))
+    args.actor.model.name_or_path, args.train.sp_size, args.train.ranks, args.critic.ranks = "cleanrlhf/tiny", 2, 2, 1
+    with pytest.raises(ValueError, match=r"--train.sp-size 2 is not built for models on ranks of their own \(--critic"):
+        ppo.main(args)  # refused by the launch, before Ray starts
+    args.critic.ranks, args.train.packing = None, False
+    with pytest.raises(ValueError, match="--train.sp-size needs --train.packing"):
         rl.make_actor(args, torch.device("cpu"), 1)
 
 
