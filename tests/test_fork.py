@@ -7,6 +7,7 @@ from __future__ import annotations
 import ast
 import importlib.util
 import json
+import os
 import re
 import sys
 from pathlib import Path
@@ -14,7 +15,7 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-RL_SCRIPTS = ("grpo", "rloo", "reinforce_pp", "grpo_async", "ppo")
+RL_SCRIPTS = ("grpo", "rloo", "reinforce_pp", "grpo_async", "ppo", "cispo", "sapo", "opd")
 # what every RL script logs for what they share (loss/kl: with the KL term on; loss/entropy: with the bonus on)
 SHARED = {"rollout/reward_mean", "rollout/response_len_mean", "rollout/truncated_frac", "rollout/kept_frac",
           "train/grad_norm", "train/tokens", "train/lr", "train/kl_coef", "perf/gen_s", "perf/train_s", "perf/sync_s",
@@ -66,6 +67,8 @@ def test_copies_with_renamed_algo_fields_run_and_log_the_same_names(tmp_path, on
         args.eval.every, args.eval.max_samples = 0, 8
         args.actor.entropy_coef = 0.01
         args.algo.x_kl_coef = 0.05
+        if script == "opd":
+            args.teacher.model = "cleanrlhf/tiny"  # the student's own starting model: no teacher to build
         if hasattr(args.algo, "x_filter_zero_variance"):
             args.algo.x_filter_zero_variance = False  # a step that trains, whatever the 8 samples score
         args.logger.quiet, args.logger.tensorboard = True, False
@@ -80,8 +83,9 @@ def test_copies_with_renamed_algo_fields_run_and_log_the_same_names(tmp_path, on
         saw = {"trainer_logp", "ratio", "advantage", "entropy"} | ({"kl"} if script != "reinforce_pp" else set())
         saw |= {"value"} if script == "ppo" else set()
         assert all(saw <= set(r["tokens"]) for r in kept), (script, sorted(kept[0]["tokens"]))
-    for script, logged in names.items():
-        assert SHARED <= logged, (script, sorted(SHARED - logged))
+    for script, logged in names.items():  # SAPO's soft gate clips nothing: it logs its gate weight instead
+        shared = SHARED - {"loss/clipfrac"} | {"loss/gate_weight"} if script == "sapo" else SHARED
+        assert shared <= logged, (script, sorted(shared - logged))
 
 
 @pytest.mark.slow
@@ -128,3 +132,63 @@ def test_sapo_trains_with_lora_on_two_ray_ranks_like_one_process(tmp_path):
     assert first2["rollout/reward_mean"] == first1["rollout/reward_mean"] and first1["loss/kl"] > 0.1
     for key in ("loss/policy", "train/grad_norm", "loss/kl", "loss/gate_weight"):  # 16 x 8 rows of <= 16 tokens
         assert first2[key] == pytest.approx(first1[key], rel=max(1e-4, f32_rtol(16 * 8 * 16)), abs=1e-6), key
+
+
+def fork_with_a_group_of_its_own(folder: Path):
+    """algos/grpo.py copied with a second frozen reference, `ref2`, used only for a logged KL (`ref2/kl`, k3 of the
+    sampled tokens against it, ≥ 0 per token): its own `--ref2.*` flags, declared among the script's placed models, built where
+    `--ref2.ranks` puts it and asked through `rl.on_model`, all in the copy. Returns the imported module."""
+    text = (ROOT / "algos" / "grpo.py").read_text()
+    edits = [
+        ("    ref: RefConfig = field(default_factory=RefConfig)\n",
+         "    ref: RefConfig = field(default_factory=RefConfig)\n"
+         "    ref2: RefConfig = field(default_factory=RefConfig)\n"
+         '    """a second frozen reference, only for the logged `ref2/kl`."""\n'),
+        ('              "reward": reward_group(args.reward)}',
+         '              "ref2": group(args.ref2), "reward": reward_group(args.reward)}'),
+        ("    episodes = partial(make_executor,",
+         '    ref2 = rl.build_model(groups, "ref2", rl.load_ref, args, device, args.ref2, "ref2")\n'
+         "    episodes = partial(make_executor,"),
+        ("            stats.update(update(actor, ref, seqs,",
+         "            ref2_logp = rl.on_model(ref2, rl.logp_table, seqs, args, step, run=run)  # on its own ranks\n"
+         '            kl2 = rl_math.approx_kl(seqs["rollout_logp"], ref2_logp, "k3", mask=seqs["loss_mask"])\n'
+         '            stats["ref2/kl"] = rl_math.masked_mean(kl2, seqs["loss_mask"]).item()\n'
+         "            stats.update(update(actor, ref, seqs,"),
+    ]
+    for old, new in edits:
+        assert text.count(old) == 1, old
+        text = text.replace(old, new)
+    path = folder / "grpo_ref2.py"
+    path.write_text(text)
+    spec = importlib.util.spec_from_file_location(path.stem, path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[path.stem] = module  # dataclasses look their module up by name
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.slow
+def test_a_fork_adds_a_model_group_of_its_own_without_touching_core(tmp_path, one_thread, monkeypatch):
+    """The copy's `ref2` runs on a Ray rank of its own (`--ref2.ranks 1 --ref2.no-colocate`): the one-process run is
+    launched through Ray for it, the group answers one call per step, and the KL it logs is that of the sampled
+    tokens against the starting weights: ~0 at the first step (the engine sampled with those weights; only the engine
+    and trainer's float rounding differ) and positive once the policy has moved."""
+    module = fork_with_a_group_of_its_own(tmp_path)
+    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]))  # Ray's workers
+    args = module.Args()
+    args.train.max_steps, args.rollout.batch_size, args.rollout.n_samples = 3, 8, 4
+    args.eval.every, args.eval.max_samples = 0, 8
+    args.algo.filter_zero_variance, args.actor.lr = False, 1e-3  # every step trains, the policy moves visibly
+    args.ref2.ranks, args.ref2.colocate = 1, False
+    args.ray.num_cpus = 4
+    args.logger.quiet, args.logger.tensorboard = True, False
+    args.run_dir = str(tmp_path / "run")
+    import ray
+
+    try:
+        summary = module.main(args)
+    finally:
+        ray.shutdown()
+    assert summary["groups"] == {"ref2": {"ranks": 1, "colocated": False, "calls": 3}}, summary
+    kl = [json.loads(line)["ref2/kl"] for line in open(tmp_path / "run" / "metrics.jsonl") if '"ref2/kl"' in line]
+    assert len(kl) == 3 and 0 <= kl[0] < 1e-5 and min(kl[1:]) > 1e-4, kl
