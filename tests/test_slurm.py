@@ -100,7 +100,7 @@ def test_grpo_ray_sbatch_spreads_ranks_and_engines_over_two_nodes_and_learns(slu
 
 def test_a_cancelled_grpo_job_resubmitted_with_its_run_folder_resumes(slurm, tmp_path):
     run_dir, port = tmp_path / "grpo", 6393
-    flags = ("--train.max-steps", "8", "--rollout.batch-size", "16", "--eval.every", "0", "--ckpt.every", "1")
+    flags = ("--train.max-steps", "6", "--rollout.batch-size", "16", "--eval.every", "0", "--ckpt.every", "1")
     job = grpo_job(slurm, tmp_path, run_dir, port, *flags)
     deadline = time.time() + 600
     while time.time() < deadline:  # cancel once two steps are checkpointed
@@ -114,14 +114,14 @@ def test_a_cancelled_grpo_job_resubmitted_with_its_run_folder_resumes(slurm, tmp
     assert not wait_for_no_leftovers(f"127.0.0.2:{port}"), "Ray processes outlived the cancelled job"
     assert not wait_for_no_leftovers(str(run_dir)), "trainer processes outlived the cancelled job"
     done_before = {m["step"] for m in metrics(run_dir) if "rollout/reward_mean" in m}
-    assert 2 <= len(done_before) < 8, done_before
+    assert 2 <= len(done_before) < 6, done_before
 
     job = grpo_job(slurm, tmp_path, run_dir, port, *flags)  # the same command
     state = slurm.wait(job, timeout_s=600)
     assert state == "COMPLETED", (tmp_path / f"grpo-{job}.out").read_text()[-3000:]
     steps = [m["step"] for m in metrics(run_dir) if "rollout/reward_mean" in m]
-    assert sorted(set(steps)) == list(range(1, 9)) and len(steps) == len(set(steps)), steps  # each step once
-    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 8
+    assert sorted(set(steps)) == list(range(1, 7)) and len(steps) == len(set(steps)), steps  # each step once
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 6
 
 
 def test_a_node_lost_mid_run_ends_the_job_with_a_clear_message(slurm, tmp_path):
