@@ -34,7 +34,6 @@ import torch
 from core import chat
 from core.episode import Episode, Rollout  # what an executor returns: defined in core, which reads them
 
-
 RewardFn = Callable[..., tuple[torch.Tensor, dict, torch.Tensor, list[dict]]]
 """`reward_fn(queries, prompts, labels, step) -> (rewards (B,), logs, scores (B,), extras)`, checked (the RL scripts' `score`
 wrapped around the user's `reward_func`)."""

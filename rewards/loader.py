@@ -25,8 +25,8 @@ from typing import Literal
 
 import torch
 
-from rewards.judge import JudgeReward
 from core.placement import Group, group
+from rewards.judge import JudgeReward
 from rewards.remote import GroupReward, ModelReward, RemoteReward, build_group_reward
 
 
