@@ -193,7 +193,8 @@ def policy_loss(logp, old_logp, adv, mask, *, clip_low=0.2, clip_high=0.2, dual_
     """J = clipped surrogate (× IS weight) − β·KL(π_θ‖π_ref) + entropy bonus.
 
     Aggregated by `agg` with the whole minibatch's `num_tokens` / `num_seqs` / `max_len` (rl_math.aggregate_loss).
-    logp (with gradient) and every other tensor: (b, T). Returns (loss to minimise, this micro-batch's metrics)."""
+    logp (with gradient) and every other tensor: (b, T). Returns (loss to minimise, this micro-batch's metrics, the
+    per-token tensors it computed and used: ratio, advantage, entropy, KL, for samples.jsonl)."""
     adv = torch.where(mask.bool(), adv, 0.0)  # what lies off the mask reaches no gradient (a GSPO ratio spans it)
     ratio = rl_math.importance_ratio(logp, old_logp, mask, level)  # ρ = π_θ / π_old (per sequence: GSPO)
     surr, surr_clipped = ratio * adv, ratio.clamp(1 - clip_low, 1 + clip_high) * adv
@@ -214,7 +215,9 @@ def policy_loss(logp, old_logp, adv, mask, *, clip_low=0.2, clip_high=0.2, dual_
     if ent is not None:
         loss = loss - entropy_coef * rl_math.aggregate_loss(ent, mask, agg, **norm)
         metrics["loss/entropy"] = rl_math.masked_mean(ent, mask)
-    return loss, metrics
+    used = {"ratio": ratio, "advantage": adv, "entropy": ent,  # per token, as the loss used them (samples.jsonl)
+            "kl": kl if ref_logp is not None else None}
+    return loss, metrics, used
 
 
 def update(actor, ref, teacher, seqs: dict, task_adv: torch.Tensor | None, args: Args, run: rl.Run, step: int,
@@ -242,14 +245,14 @@ def update(actor, ref, teacher, seqs: dict, task_adv: torch.Tensor | None, args:
                       entropy_coef=a.entropy_coef, agg=args.algo.loss_agg, max_len=max_len,
                       kl_coef=kl_coef, kl_estimator=args.algo.kl_estimator)  # fmt: skip
     for _ in range(args.train.epochs):
-        for minibatch, micro in batches:  # the normalisers count the whole minibatch, over every rank
+        for k, (minibatch, micro) in enumerate(batches):  # normalisers: the whole minibatch, every rank
             norm = {"num_tokens": mask[minibatch].sum().item(), "num_seqs": len(minibatch)}
             for r, mb, real, last in rl.micro_batches(seqs, micro):
                 logp, ent = rl.forward_logp(actor, mb, temp, a.entropy_coef > 0)
-                loss, metrics = loss_fn(logp, old_logp[r], adv_tok[r], mb["loss_mask"], rollout_logp=mb["rollout_logp"],
-                                        ent=ent, ref_logp=None if ref is None else ref_logp[r], **norm)  # fmt: skip
-                trace.add(r, mb["loss_mask"], logp=logp, old_logp=old_logp[r], adv=adv_tok[r], entropy=ent,
-                          ref_logp=None if ref is None else ref_logp[r], teacher_logp=teacher_logp[r])  # fmt: skip
+                loss, metrics, used = loss_fn(logp, old_logp[r], adv_tok[r], mb["loss_mask"], rollout_logp=mb["rollout_logp"],
+                                              ent=ent, ref_logp=None if ref is None else ref_logp[r], **norm)  # fmt: skip
+                trace.add(r, mb["loss_mask"], minibatch=k, logp=logp, old_logp=old_logp[r], **used,
+                          teacher_logp=teacher_logp[r])  # what the loss used  # fmt: skip
                 metrics |= rl.router_aux(actor)  # DEVIATION(5): a MoE router's balancing loss, logged, not added
                 meter.add_loss("loss/policy", rl.backward(actor, loss, step, world, real, last))
                 meter.add(metrics, mb["loss_mask"].sum().item() if real else 0.0)
@@ -309,7 +312,7 @@ def main(args: Args, engines: rollout.RolloutEngines | None = None, groups: dict
         stats = rl.rollout_stats(ro, rewards, truncated, keep)
 
         # 4. policy update on every sample, a few of them traced
-        trace = samples.Trace(samples.watch(keep, G, args.logger.samples), kept, args.algo.kl_estimator)
+        trace = samples.Trace(samples.watch(keep, G, args.logger.samples), kept)
         with timer(perf, "perf/train_s"):
             seqs = rl.sequences(ro.episodes, tokenizer.pad_token_id, device, args.train.packing)
             stats.update(update(actor, ref, teacher, seqs, task_adv, args, run, step, kl_ctl.value, trace=trace))

@@ -6,7 +6,8 @@ no network (plotly.js, the styles and the sample browser's script are inline), t
 - the end-of-run summary (`summary.json`: absent while a run goes on or after a kill) and the flags (`config.json`);
 - the sample browser over `samples.jsonl`: one step's rollout, eval answers or preference pairs at a time, filtered by
   reward, kept, truncated and correct, each response token coloured by its advantage, ratio, logp gap (engine −
-  trainer), entropy, KL or log-prob. Only the chosen step is drawn, so a run with thousands of samples stays usable.
+  trainer before the step's first update), entropy, KL or log-prob, each card naming the minibatch the sample trained
+  in. Only the chosen step is drawn, so a run with thousands of samples stays usable.
 
 A run folder is read as it is: a line torn by a kill is skipped and counted, a missing file is named on the page. Only
 a path that is not a folder is refused (ValueError naming it; exit code 2 from the command line).
@@ -156,13 +157,14 @@ def curve_figures(rows: list[dict]) -> tuple[list, object | None, int]:
 
 def token_quantities(samples: list[dict]) -> list[str]:
     """The colourings the samples' tokens support: a quantity is offered where at least one token has a value for
-    it (the logp gap needs both the engine's and the trainer's log-prob)."""
+    it (the logp gap needs the engine's log-prob and the trainer's before the step's updates, or at the loss in
+    rows written before that was kept)."""
     have = set()
     for s in samples:
         tokens = s.get("tokens")
         if isinstance(tokens, dict):
             have.update(k for k, v in tokens.items() if isinstance(v, list) and any(_number(x) for x in v))
-    if {"engine_logp", "trainer_logp"} <= have:
+    if "engine_logp" in have and have & {"old_logp", "trainer_logp"}:
         have.add("gap")
     return [q for q in ("advantage", "ratio", "gap", "entropy", "kl", "value", "engine_logp") if q in have]
 

@@ -2,21 +2,24 @@
 
 Every RL script keeps `--logger.samples N` samples of each step's rollout (whole prompt groups, the kept ones
 first): prompt and response text, reward and the reward function's per-sample extra fields, advantage, kept or
-filtered, truncated, length, and per response token its text, the engine's log-prob and, for a trained sample, the
-trainer's log-prob, the ratio π_θ/π_old, the advantage, the entropy and the KL to the reference where the update
-computes them (the first pass of the update over the sample). Every eval adds `--logger.eval-samples` greedy answers
+filtered, truncated, length, the minibatch it was trained in, and per response token its text, the engine's log-prob
+and, for a trained sample, the trainer's log-prob before this step's first update (`old_logp`) and when the loss took
+it (`trainer_logp`), and what the loss itself computed and used: the ratio π_θ/π_old, the advantage, the entropy and
+the KL to the reference, as the script's `policy_loss` returned them (nothing is recomputed here), from the first pass
+of the update over the sample. Every eval adds `--logger.eval-samples` greedy answers
 with whether they were right. The rows go to samples.jsonl (`RunLogger.log_samples`, which also sends them to
 TensorBoard and W&B), and every `--logger.show-every` steps one sample is shown in a panel on the console.
 
 The scripts call three things, in this order:
     trace = samples.Trace(samples.watch(keep, G, args.logger.samples), kept)   # before the update
-    trace.add(r, mb["loss_mask"], logp=..., old_logp=..., adv=..., ...)       # in the update, per micro-batch
+    loss, metrics, used = policy_loss(...)                                      # in the update, per micro-batch:
+    trace.add(r, mb["loss_mask"], minibatch=k, logp=logp, old_logp=old, **used)  # what the loss used
     samples.log(run, args, step, ro, rewards, keep, trace, adv)                # after it, on every rank
 
 One row of samples.jsonl (`kind` "train"; eval rows carry `correct`/`label` and no trainer quantities):
     {"step", "kind", "index", "group", "prompt", "response", "reward", "extra", "advantage", "kept", "truncated",
-     "length", "tokens": {"text", "engine_logp", "trained", "trainer_logp", "ratio", "advantage", "entropy", "kl",
-     "value"}}
+     "length", "minibatch", "tokens": {"text", "engine_logp", "trained", "old_logp", "trainer_logp", "ratio",
+     "advantage", "entropy", "kl", "value"}}
 with one entry per response token in every token list (null where a quantity was not computed: an environment's
 token, a filtered sample). `core.report` reads it.
 """
@@ -27,9 +30,8 @@ import math
 
 import torch
 
-from core import rl_math
 
-TOKEN_KEYS = ("trainer_logp", "ratio", "advantage", "entropy", "kl", "value")
+TOKEN_KEYS = ("old_logp", "trainer_logp", "ratio", "advantage", "entropy", "kl", "value")
 """Per-token quantities of the update a row may hold, beside the engine's log-prob and the token text."""
 
 
@@ -45,46 +47,48 @@ def watch(keep: torch.Tensor, group_size: int, n: int) -> list[int]:
 
 class Trace:
     """The update's per-token quantities for the watched samples, recorded the first time each passes through a
-    micro-batch: what the loss used for it in the update's first pass. Its ratio π_θ/π_old is 1 with one minibatch
-    per rollout; a sample of a later minibatch shows how far the optimizer steps of the earlier ones moved the
-    policy on its tokens."""
+    micro-batch: what the loss used for it in the update's first pass, as the script's loss returned it, and the
+    minibatch it was in. The engine's log-prob against `old_logp` (the trainer's, before this step's first update) is
+    the engine/trainer mismatch; `ratio` is the policy's own move since then (1 in the first minibatch)."""
 
-    def __init__(self, watched: list[int], rows: list[int], kl_estimator: str = "k3"):
+    def __init__(self, watched: list[int], rows: list[int]):
         """watched: rollout indices (`watch`); rows: the rollout index of each row of the update's table (the kept
-        samples). `kl_estimator`: the KL the script's loss uses (rl_math.approx_kl)."""
+        samples)."""
         row_of = {i: n for n, i in enumerate(rows)}
         self.watched = list(watched)
         self.index_of_row = {row_of[i]: i for i in watched if i in row_of}
-        self.kl_estimator = kl_estimator
         self.tokens: dict[int, dict[str, list]] = {}  # rollout index -> {quantity: values over the whole row}
+        self.minibatch: dict[int, int] = {}  # rollout index -> the minibatch (of the first epoch) it trained in
 
     @torch.no_grad()
-    def add(self, r: list[int], mask: torch.Tensor, *, logp: torch.Tensor, old_logp: torch.Tensor, adv: torch.Tensor,
-            entropy: torch.Tensor | None = None, ref_logp: torch.Tensor | None = None, **more: torch.Tensor) -> None:
-        """One micro-batch of rows `r` (indices into the update's table), all tensors (b, L) in its layout: the
-        trainer's log-probs, the old log-probs, the per-token advantage; optional entropy, reference log-probs (the
-        KL is computed here with the script's estimator) and `more` (e.g. `value=` a critic's V)."""
+    def add(self, r: list[int], mask: torch.Tensor, *, minibatch: int | None = None,
+            **tokens: torch.Tensor | None) -> None:  # fmt: skip
+        """One micro-batch of rows `r` (indices into the update's table) of minibatch `minibatch`: `tokens` are (b, L)
+        tensors in its layout, stored as given (None: not computed), e.g. `logp=` (stored as `trainer_logp`),
+        `old_logp=` and what the script's `policy_loss` returned (`ratio`, `advantage`, `entropy`, `kl`) or its
+        critic's `value`."""
         if not any(row in self.index_of_row for row in r):
             return
-        found = {"trainer_logp": logp, "ratio": (logp - old_logp).clamp(max=20.0).exp(), "advantage": adv,
-                 "entropy": entropy, **more}  # fmt: skip
-        if ref_logp is not None:
-            found["kl"] = rl_math.approx_kl(logp, ref_logp, self.kl_estimator, mask=mask)
+        if "logp" in tokens:
+            tokens["trainer_logp"] = tokens.pop("logp")
         for j, row in enumerate(r):
             i = self.index_of_row.get(row)
             if i is None or i in self.tokens:
                 continue
             on = mask[j].bool()
-            self.tokens[i] = {k: torch.where(on, v[j].float(), float("nan")).tolist() for k, v in found.items()
+            self.tokens[i] = {k: torch.where(on, v[j].float(), float("nan")).tolist() for k, v in tokens.items()
                               if v is not None}  # fmt: skip
+            if minibatch is not None:
+                self.minibatch[i] = minibatch
 
     def gather(self, world: int) -> dict[int, dict[str, list]]:
         """Every rank's recorded rows (each rank saw its own micro-batches): one all-gather."""
         if world == 1:
             return self.tokens
         parts = [None] * world
-        torch.distributed.all_gather_object(parts, self.tokens)
-        return {i: t for part in parts for i, t in part.items()}
+        torch.distributed.all_gather_object(parts, (self.tokens, self.minibatch))
+        self.minibatch = {i: k for _, part in parts for i, k in part.items()}
+        return {i: t for part, _ in parts for i, t in part.items()}
 
 
 NO_TRACE = Trace([], [])
@@ -128,7 +132,8 @@ def train_rows(tokenizer, ro, step: int, group_size: int, rewards: torch.Tensor,
         else:  # a per-token advantage (PPO's GAE, distillation's log-ratio): its mean over the trained tokens
             seen = [x for x in tokens.get("advantage", []) if x is not None]
             advantage = _num(sum(seen) / len(seen)) if seen else None
-        rows.append(row | {"group": i // group_size, "advantage": advantage, "kept": bool(keep[i])})
+        rows.append(row | {"group": i // group_size, "advantage": advantage, "kept": bool(keep[i]),
+                           "minibatch": trace.minibatch.get(i)})  # fmt: skip
     return rows
 
 

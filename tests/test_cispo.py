@@ -28,7 +28,7 @@ def test_every_token_keeps_its_gradient_weighted_by_the_truncated_ratio():
     logp[0, 4], old[0, 4] = float("nan"), float("inf")
     logp.requires_grad_()
     adv, mask = t([1.0, -1.0, 2.0, 1.0, float("nan")]), torch.tensor([[True, True, True, True, False]])
-    loss, stats = policy_loss(logp, old, adv, mask, clip_low=1.0, clip_high=2.0)
+    loss, stats, _ = policy_loss(logp, old, adv, mask, clip_low=1.0, clip_high=2.0)
     expected = -(1.5 * math.log(0.3) - 0.5 * math.log(0.2) + 2 * math.log(0.5) + 0.0) / 4
     assert loss.item() == pytest.approx(expected, rel=1e-12)
     (grad,) = torch.autograd.grad(loss, logp)
@@ -39,12 +39,12 @@ def test_every_token_keeps_its_gradient_weighted_by_the_truncated_ratio():
 def test_a_lower_bound_truncates_small_ratios_and_ratio_one_is_the_policy_gradient():
     # floor 1 − 0.2 = 0.8: ρ = 0.5 -> w = 0.8; A = −1: ∂loss/∂log π = −0.8·(−1) / 1 = 0.8, and loss = 0.8·ln 0.2
     logp, old = torch.log(t([0.2])).requires_grad_(), torch.log(t([0.4]))
-    loss, _ = policy_loss(logp, old, t([-1.0]), torch.ones(1, 1, dtype=torch.bool), clip_low=0.2, clip_high=2.0)
+    loss, _, _ = policy_loss(logp, old, t([-1.0]), torch.ones(1, 1, dtype=torch.bool), clip_low=0.2, clip_high=2.0)
     assert loss.item() == pytest.approx(0.8 * math.log(0.2), rel=1e-12)
     assert torch.autograd.grad(loss, logp)[0].item() == pytest.approx(0.8, rel=1e-12)
     # ρ = 1 (the first minibatch): w = 1, the gradient is −A/N for every token, as GRPO's
     lp = torch.log(t([0.3, 0.6])).requires_grad_()
-    loss, stats = policy_loss(lp, lp.detach(), t([2.0, -1.0]), torch.ones(1, 2, dtype=torch.bool))
+    loss, stats, _ = policy_loss(lp, lp.detach(), t([2.0, -1.0]), torch.ones(1, 2, dtype=torch.bool))
     assert torch.autograd.grad(loss, lp)[0][0].tolist() == pytest.approx([-1.0, 0.5], abs=1e-12)
     assert stats["loss/clipfrac"].item() == 0.0
 

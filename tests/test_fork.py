@@ -80,9 +80,13 @@ def test_copies_with_renamed_algo_fields_run_and_log_the_same_names(tmp_path, on
         # every script keeps its samples with what the loss saw of each token (the KL where the loss has it)
         kept = [r for r in map(json.loads, open(tmp_path / script / "samples.jsonl")) if r["kind"] == "train"]
         assert len(kept) == 8 and all(r["kept"] for r in kept), (script, len(kept))
-        saw = {"trainer_logp", "ratio", "advantage", "entropy"} | ({"kl"} if script != "reinforce_pp" else set())
+        saw = {"old_logp", "trainer_logp", "ratio", "advantage", "entropy"} | ({"kl"} if script != "reinforce_pp" else set())
         saw |= {"value"} if script == "ppo" else set()
         assert all(saw <= set(r["tokens"]) for r in kept), (script, sorted(kept[0]["tokens"]))
+        # the ratio is the loss's own: 1 in the step's first minibatch (before any update), whichever estimator
+        assert all(r["minibatch"] in (0, 1) for r in kept), (script, [r["minibatch"] for r in kept])
+        first = [x for r in kept if r["minibatch"] == 0 for x in r["tokens"]["ratio"] if x is not None]
+        assert first == pytest.approx([1.0] * len(first), abs=1e-5), script
     for script, logged in names.items():  # SAPO's soft gate clips nothing: it logs its gate weight instead
         shared = SHARED - {"loss/clipfrac"} | {"loss/gate_weight"} if script == "sapo" else SHARED
         assert shared <= logged, (script, sorted(shared - logged))

@@ -58,7 +58,7 @@ def test_policy_loss_at_ratio_one_is_minus_the_token_mean_advantage():
     mask = torch.tensor([[1, 1, 0], [0, 1, 0]])
     adv = distill_advantages(teacher, student, mask)
     logp = student.clone().requires_grad_(True)
-    loss, metrics = policy_loss(logp, student, adv, mask, num_tokens=3, num_seqs=2)
+    loss, metrics, _ = policy_loss(logp, student, adv, mask, num_tokens=3, num_seqs=2)
     assert loss.item() == pytest.approx(-1.75 / 3)
     assert metrics["loss/clipfrac"].item() == 0.0
     loss.backward()

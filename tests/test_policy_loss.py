@@ -39,7 +39,7 @@ def test_kl_and_entropy_terms_hand():
         logp = t([-1.0, -2.0]).requires_grad_()
         ref, ent = logp.detach() - t([0.5, -0.5]), t([1.0, 2.0])
         mask, zero = torch.ones(1, 2, dtype=torch.bool), torch.zeros(1, 2, dtype=F64)
-        loss, stats = fn(logp, logp.detach(), zero, mask, ref_logp=ref, kl_coef=0.1, kl_estimator="k3", ent=ent,
+        loss, stats, _ = fn(logp, logp.detach(), zero, mask, ref_logp=ref, kl_coef=0.1, kl_estimator="k3", ent=ent,
                          entropy_coef=0.01)  # fmt: skip
         k3 = [math.exp(-0.5) - 0.5, math.exp(0.5) - 1.5]
         assert_close(loss, 0.1 * sum(k3) / 2 - 0.01 * 1.5)
@@ -77,7 +77,7 @@ def _policy_hand_inputs():
 
 def test_policy_loss_token_hand(policy_loss):
     logp, old, adv, mask = _policy_hand_inputs()
-    loss, stats = policy_loss(logp, old, adv, mask)
+    loss, stats, _ = policy_loss(logp, old, adv, mask)
     # t0: ρ=1.5, A=+1: min(1.5, 1.2) = 1.2 (clipped)    -> ℓ = -1.2, no gradient
     # t1: ρ=0.5, A=-1: min(-0.5, -0.8) = -0.8 (clipped) -> ℓ = +0.8, no gradient
     # t2: ρ=1,   A=+2: ℓ = -2, ∂ℓ/∂logp = -ρA = -2
@@ -88,7 +88,7 @@ def test_policy_loss_token_hand(policy_loss):
     assert_close(stats["loss/clipfrac"], 2.0 / 3.0)
     assert all(not v.requires_grad for v in stats.values())
     # clip-higher (clip_high = 0.6): t0 now unclipped, ℓ = -1.5 -> (-1.5 + 0.8 - 2) / 3 = -0.9, ∂/∂logp_0 = -1.5/3
-    loss, stats = policy_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.6)
+    loss, stats, _ = policy_loss(logp, old, adv, mask, clip_low=0.2, clip_high=0.6)
     assert_close(loss, -0.9)
     (grad,) = torch.autograd.grad(loss, logp)
     assert_close(grad, [[-0.5, 0.0, -2.0 / 3.0]])
@@ -99,7 +99,7 @@ def test_policy_loss_ratio_is_clamped_at_e20(policy_loss):
     # log-ratio 100 with A = -1: ρ = e^min(100, 20) = e^20, ℓ = -min(-e^20, -1.2) = e^20 (fp32: no inf), no gradient
     old = torch.zeros(1, 1)
     logp = torch.full((1, 1), 100.0, requires_grad=True)
-    loss, _ = policy_loss(logp, old, -torch.ones(1, 1), torch.ones(1, 1, dtype=torch.bool))
+    loss, _, _ = policy_loss(logp, old, -torch.ones(1, 1), torch.ones(1, 1, dtype=torch.bool))
     assert_close(loss, math.exp(20.0), rtol=1e-6, atol=0)
     (grad,) = torch.autograd.grad(loss, logp)
     assert grad.item() == 0.0
@@ -109,8 +109,8 @@ def test_policy_loss_dual_clip_hand(policy_loss):
     old = torch.zeros(1, 2, dtype=F64)
     logp = torch.log(t([5.0, 5.0])).requires_grad_()  # ρ = 5 on both tokens
     adv, mask = t([-1.0, 1.0]), torch.ones(1, 2, dtype=torch.bool)
-    loss_plain, _ = policy_loss(logp, old, adv, mask)
-    loss_dual, stats = policy_loss(logp, old, adv, mask, dual_clip=3.0)
+    loss_plain, _, _ = policy_loss(logp, old, adv, mask)
+    loss_dual, stats, _ = policy_loss(logp, old, adv, mask, dual_clip=3.0)
     # A=-1: plain ℓ = -min(-5, -1.2) = 5; dual ℓ = min(5, -3*(-1)) = 3.   A=+1: ℓ = -min(5, 1.2) = -1.2 in both
     assert_close(loss_plain, (5.0 - 1.2) / 2)
     assert_close(loss_dual, (3.0 - 1.2) / 2)
@@ -127,13 +127,13 @@ def test_policy_loss_sequence_level_hand(policy_loss):
     logp = (old + t([0.1, 0.3], [0.3, -0.3])).requires_grad_()
     adv = t([1.0, 1.0], [-2.0, -2.0])
     mask = torch.ones(2, 2, dtype=torch.bool)
-    loss, stats = policy_loss(logp, old, adv, mask, level="sequence", agg="seq-mean-token-mean")
+    loss, stats, _ = policy_loss(logp, old, adv, mask, level="sequence", agg="seq-mean-token-mean")
     assert_close(loss, 0.4)
     (grad,) = torch.autograd.grad(loss, logp)
     assert_close(grad, [[0.0, 0.0], [0.5, 0.5]])
     assert_close(stats["loss/clipfrac"], 0.5)
     # token level on the same data differs: row 0 token 0 (ρ = e^0.1 = 1.105) is no longer clipped
-    loss_tok, _ = policy_loss(logp, old, adv, mask, level="token", agg="seq-mean-token-mean")
+    loss_tok, _, _ = policy_loss(logp, old, adv, mask, level="token", agg="seq-mean-token-mean")
     assert not torch.isclose(loss_tok, loss)
     with pytest.raises(ValueError, match="'seq'"):
         policy_loss(logp, old, adv, mask, level="seq")
@@ -148,7 +148,7 @@ def _is_inputs(w_rows):
 
 def test_is_correction_tis_clamps(policy_loss):
     logp, old, adv, mask, rollout = _is_inputs([[0.25, 1.0, 8.0]])
-    loss, stats = policy_loss(logp, old, adv, mask, rollout_logp=rollout, is_correction="tis", is_threshold=(0.5, 5))
+    loss, stats, _ = policy_loss(logp, old, adv, mask, rollout_logp=rollout, is_correction="tis", is_threshold=(0.5, 5))
     # weights clamp([0.25, 1, 8], 0.5, 5) = [0.5, 1, 5] -> loss -(0.5 + 1 + 5)/3; ∂/∂logp_t = -A ρ w_t / 3
     assert_close(loss, -6.5 / 3)
     assert_close(stats["loss/is_weight"], 6.5 / 3)
@@ -158,7 +158,7 @@ def test_is_correction_tis_clamps(policy_loss):
 
 def test_is_correction_icepop_zeroes_out_of_band(policy_loss):
     logp, old, adv, mask, rollout = _is_inputs([[0.25, 1.0, 8.0]])
-    loss, _ = policy_loss(logp, old, adv, mask, rollout_logp=rollout, is_correction="icepop")
+    loss, _, _ = policy_loss(logp, old, adv, mask, rollout_logp=rollout, is_correction="icepop")
     # weights [0, 1, 0]: out-of-band tokens contribute neither loss nor gradient
     assert_close(loss, -1.0 / 3)
     (grad,) = torch.autograd.grad(loss, logp)
@@ -171,7 +171,7 @@ def test_is_correction_seq_mask_tis_masks_whole_sequences(policy_loss):
     # row 2: w = [0.1, 10], geometric mean 1 -> kept, weights [0.1, 10]
     # token mean over 6 tokens: -(2 + 8 + 0.1 + 10) / 6
     logp, old, adv, mask, rollout = _is_inputs([[2.0, 8.0], [8.0, 8.0], [0.1, 10.0]])
-    loss, _ = policy_loss(logp, old, adv, mask, rollout_logp=rollout, is_correction="seq-mask-tis")
+    loss, _, _ = policy_loss(logp, old, adv, mask, rollout_logp=rollout, is_correction="seq-mask-tis")
     assert_close(loss, -20.1 / 6)
     (grad,) = torch.autograd.grad(loss, logp)
     assert_close(grad, [[-2 / 6, -8 / 6], [0.0, 0.0], [-0.1 / 6, -10 / 6]])
@@ -198,7 +198,7 @@ def test_zero_variance_group_gives_zero_advantage_and_no_gradient(policy_loss):
     mask = lengths_mask([3, 5, 1, 4, 5, 2, 3, 4], 5)
     old = torch.randn(8, 5, dtype=F64, generator=gen)
     logp = (old + 0.3 * torch.randn(8, 5, dtype=F64, generator=gen)).requires_grad_()
-    loss, _ = policy_loss(logp, old, seq_adv[:, None].expand(8, 5), mask)
+    loss, _, _ = policy_loss(logp, old, seq_adv[:, None].expand(8, 5), mask)
     (grad,) = torch.autograd.grad(loss, logp)
     assert_close(grad[:4], torch.zeros(4, 5), atol=1e-9, rtol=0)
     assert (grad[4:][mask[4:]] != 0).all()
@@ -210,7 +210,7 @@ def test_ratio_one_gives_no_clipping(policy_loss, level):
     mask = lengths_mask([4, 2, 0], 4)
     old = torch.randn(3, 4, dtype=F64, generator=gen)
     adv = torch.randn(3, 4, dtype=F64, generator=gen)
-    loss, stats = policy_loss(old.clone(), old, adv, mask, clip_low=0.0, clip_high=0.0, level=level)
+    loss, stats, _ = policy_loss(old.clone(), old, adv, mask, clip_low=0.0, clip_high=0.0, level=level)
     assert stats["loss/clipfrac"] == 0.0
     assert_close(loss, -masked_mean(adv, mask))  # ρ = 1: ℓ = -A
 
@@ -226,12 +226,12 @@ def test_dual_clip_never_increases_loss_and_leaves_positive_advantages_alone(pol
         for b, tt in mask.nonzero().tolist():
             one = torch.zeros_like(mask)
             one[b, tt] = True
-            plain, _ = policy_loss(logp, old, adv, one)
-            dual, _ = policy_loss(logp, old, adv, one, dual_clip=3.0)
+            plain, _, _ = policy_loss(logp, old, adv, one)
+            dual, _, _ = policy_loss(logp, old, adv, one, dual_clip=3.0)
             assert dual <= plain
             if adv[b, tt] >= 0:
                 assert dual == plain
-        _, stats = policy_loss(logp, old, adv, mask, dual_clip=3.0)
+        _, stats, _ = policy_loss(logp, old, adv, mask, dual_clip=3.0)
         assert stats["loss/dual_clipfrac"] > 0
 
 
@@ -241,7 +241,7 @@ def test_policy_loss_micro_batches_with_num_tokens_equal_whole_batch(policy_loss
     old = torch.randn(4, 4, dtype=F64, generator=gen)
     logp = (old + 0.5 * torch.randn(4, 4, dtype=F64, generator=gen)).requires_grad_()
     adv = torch.randn(4, 4, dtype=F64, generator=gen)
-    whole, _ = policy_loss(logp, old, adv, mask)
+    whole, _, _ = policy_loss(logp, old, adv, mask)
     (grad_whole,) = torch.autograd.grad(whole, logp)
     n = mask.sum()
     parts = [
@@ -267,7 +267,7 @@ def test_sequence_level_equals_gspo_objective(policy_loss):
         ("seq-mean-token-mean", per_seq.mean()),
         ("token-mean", (per_seq * n_tokens).sum() / n_tokens.sum()),
     ]:
-        ours, stats = policy_loss(logp, old, adv, mask, clip_low=0.05, clip_high=0.05, level="sequence", agg=agg)
+        ours, stats, _ = policy_loss(logp, old, adv, mask, clip_low=0.05, clip_high=0.05, level="sequence", agg=agg)
         assert 0 < stats["loss/clipfrac"] < 1  # some sequences clipped, some not
         assert_close(ours, direct)
         assert_close(torch.autograd.grad(ours, logp)[0], torch.autograd.grad(direct, logp, retain_graph=True)[0])
@@ -288,7 +288,7 @@ def test_policy_loss_gradcheck_with_clipping_active(policy_loss, kwargs):
     rollout = old + 0.5 * torch.randn(3, 4, dtype=F64, generator=gen)
     if kwargs.get("is_correction"):
         kwargs = {**kwargs, "rollout_logp": rollout}
-    _, stats = policy_loss(logp, old, adv, mask, **kwargs)
+    _, stats, _ = policy_loss(logp, old, adv, mask, **kwargs)
     assert 0 < stats["loss/clipfrac"] < 1
     assert torch.autograd.gradcheck(lambda lp: policy_loss(lp, old, adv, mask, **kwargs)[0], (logp,))
 
@@ -304,7 +304,7 @@ MASKED_CASES = {
 
 
 def _flat(loss_and_stats):
-    loss, stats = loss_and_stats
+    loss, stats, _ = loss_and_stats  # the per-token tensors the loss used are not outputs a gradient flows from
     return [loss, *stats.values()]
 
 

@@ -108,7 +108,7 @@ def test_packed_equals_padded_logprobs_loss_and_gradients(policy, tokenizer, scr
         old = logp.detach() + 0.3 * torch.sin(torch.arange(mask.numel()).view(mask.shape).float()) * mask
         adv = torch.linspace(-1, 1, len(episodes))[:, None].expand_as(mask).float()
         norm = {"num_tokens": mask.sum().item(), "num_seqs": len(episodes)}
-        loss, _ = policy_loss(logp, old, adv, mask, ref_logp=old - 0.1 * mask, kl_coef=0.2, ent=ent, entropy_coef=0.01,
+        loss, _, _ = policy_loss(logp, old, adv, mask, ref_logp=old - 0.1 * mask, kl_coef=0.2, ent=ent, entropy_coef=0.01,
                               **LOSSES[script], **norm)  # fmt: skip
         loss.backward()
         out[packed] = (logp.detach(), ent.detach(), loss.item(), {n: p.grad.clone() for n, p in policy.named_parameters()})

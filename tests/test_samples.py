@@ -23,26 +23,44 @@ def test_watch_takes_whole_groups_the_trained_ones_first():
         range(12, 16)) + list(range(0, 4)) + list(range(8, 12))  # fmt: skip
 
 
-def test_trace_records_each_watched_row_once_where_the_loss_looks():
+def test_trace_records_each_watched_row_once_as_the_loss_used_it():
     """Rows of the update's table map back to rollout indices (the kept samples only); a row is recorded the first
-    time it passes (the first minibatch pass), off-mask positions are NaN (null in the file), the ratio is
-    exp(logp − old) and the KL is the script's estimator."""
-    trace = samples.Trace(watched=[3, 5, 6], rows=[1, 3, 6], kl_estimator="k1")  # 5 was filtered: no row
+    time it passes (the first minibatch pass) with the minibatch it was in, off-mask positions are NaN (null in the
+    file), and the values are the tensors given, nothing recomputed: `logp` is stored as `trainer_logp`, the ratio
+    and the KL are the loss's own."""
+    trace = samples.Trace(watched=[3, 5, 6], rows=[1, 3, 6])  # 5 was filtered: no row
     mask = torch.tensor([[0, 1, 1, 0], [0, 0, 1, 1]])
     logp = torch.tensor([[0.0, -1.0, -2.0, 0.0], [0.0, 0.0, -0.5, -0.25]])
-    old = logp - torch.tensor([[0.0, 0.1, -0.2, 0.0], [0.0, 0.0, 0.3, 0.0]])
-    ref = logp - 0.5
-    trace.add([1, 2], mask, logp=logp, old_logp=old, adv=torch.full((2, 4), 0.7), ref_logp=ref)
-    trace.add([1], mask[:1], logp=logp[:1] * 0, old_logp=old[:1], adv=torch.zeros(1, 4))  # a later pass: ignored
+    ratio, kl = torch.full((2, 4), 1.25), torch.full((2, 4), 0.5)
+    trace.add([1, 2], mask, minibatch=1, logp=logp, old_logp=logp - 0.1, ratio=ratio, advantage=torch.full((2, 4), 0.7),
+              kl=kl, entropy=None)  # fmt: skip
+    trace.add([1], mask[:1], minibatch=2, logp=logp[:1] * 0, ratio=ratio[:1] * 0)  # a later pass: ignored
     got = trace.gather(1)
-    assert sorted(got) == [3, 6]
+    assert sorted(got) == [3, 6] and trace.minibatch == {3: 1, 6: 1}
     nan = float("nan")
-    assert got[3]["ratio"][1:3] == pytest.approx([math.exp(0.1), math.exp(-0.2)])
+    assert got[3]["ratio"][1:3] == pytest.approx([1.25, 1.25]) and got[3]["trainer_logp"][1:3] == [-1.0, -2.0]
+    assert got[3]["old_logp"][1:3] == pytest.approx([-1.1, -2.1])
     assert math.isnan(got[3]["ratio"][0]) and math.isnan(got[3]["trainer_logp"][3])
     assert got[6]["kl"][2:] == pytest.approx([0.5, 0.5]) and math.isnan(got[6]["kl"][1])
     assert got[6]["advantage"][2:] == pytest.approx([0.7, 0.7])
     assert "entropy" not in got[3]  # not computed: absent, not zeros
     assert samples._num(nan) is None and samples._num(float("inf")) is None
+
+
+def test_the_trace_holds_the_ratio_a_sequence_level_loss_used():
+    """GSPO's ratio (`--actor.level sequence`) is one number per sequence: the trace shows that number on every token,
+    as the loss used it, not a per-token exp(logp − old) recomputed beside it."""
+    from algos import grpo
+
+    mask = torch.tensor([[0, 1, 1, 1]])
+    old = torch.tensor([[0.0, -1.0, -1.0, -1.0]])
+    logp = old + torch.tensor([[0.0, 0.3, -0.3, 0.6]])
+    _, _, used = grpo.policy_loss(logp, old, torch.ones(1, 4), mask, level="sequence")
+    trace = samples.Trace([0], [0])
+    trace.add([0], mask, minibatch=0, logp=logp, old_logp=old, **used)
+    ratio = trace.gather(1)[0]["ratio"]
+    assert ratio[1:] == pytest.approx([math.exp(0.2)] * 3)  # exp(mean of the sequence's log-ratios)
+    assert ratio[1] != pytest.approx(math.exp(0.3))
 
 
 def test_train_rows_align_tokens_with_the_response_and_advantage_falls_back_to_the_token_mean(tokenizer):
@@ -56,7 +74,8 @@ def test_train_rows_align_tokens_with_the_response_and_advantage_falls_back_to_t
     mask = torch.zeros(1, L + 2, dtype=torch.long)  # a padded table: the response right after the prompt
     mask[0, len(ids) : L] = 1
     adv = torch.where(mask.bool(), torch.arange(L + 2.0), 0.0)
-    trace.add([0], mask, logp=torch.zeros(1, L + 2), old_logp=torch.zeros(1, L + 2), adv=adv)
+    trace.add([0], mask, minibatch=1, logp=torch.zeros(1, L + 2), old_logp=torch.zeros(1, L + 2), advantage=adv,
+              ratio=torch.ones(1, L + 2))  # fmt: skip
     (row,) = samples.train_rows(tokenizer, ro, 1, 2, torch.tensor([1.0, 0.0]), torch.tensor([True, True]), trace,
                                 trace.gather(1))  # fmt: skip
     t = row["tokens"]
@@ -64,7 +83,7 @@ def test_train_rows_align_tokens_with_the_response_and_advantage_falls_back_to_t
     assert "".join(t["text"][:-1]) == "015" and t["text"][-1] == tokenizer.eos_token
     assert t["advantage"] == [float(len(ids) + k) for k in range(len(resp))]  # position len(prompt) + k
     assert row["advantage"] == pytest.approx(sum(t["advantage"]) / len(resp)) and row["extra"] == {"format_ok": 1.0}
-    assert row["group"] == 0 and row["kept"] and row["reward"] == 1.0
+    assert row["group"] == 0 and row["kept"] and row["reward"] == 1.0 and row["minibatch"] == 1
 
 
 # --------------------------------------------------------------------------------------- a real grpo.py run

@@ -35,7 +35,7 @@ def test_soft_gate_by_hand_inside_and_outside_the_trust_region_for_both_signs():
     logp[0, 4] = float("nan")
     logp.requires_grad_()
     adv, mask = t([1.0, -1.0, 1.0, -1.0, float("inf")]), torch.tensor([[True, True, True, True, False]])
-    loss, stats = policy_loss(logp, old, adv, mask, tau_pos=1.0, tau_neg=1.05)
+    loss, stats, _ = policy_loss(logp, old, adv, mask, tau_pos=1.0, tau_neg=1.05)
     per_token = [-2.0, 2.0 / 1.05, -4.0 * s2, s3 * 4.0 / 1.05]
     assert loss.item() == pytest.approx(sum(per_token) / 4, rel=1e-12)
     (grad,) = torch.autograd.grad(loss, logp)
@@ -51,7 +51,7 @@ def test_a_hotter_gate_fades_an_off_policy_token_faster():
     grads = []
     for tau in (1.05, 2.0, 4.0):
         lp = logp.clone().requires_grad_()
-        loss, _ = policy_loss(lp, old, t([-1.0]), mask, tau_pos=1.0, tau_neg=tau)
+        loss, _, _ = policy_loss(lp, old, t([-1.0]), mask, tau_pos=1.0, tau_neg=tau)
         grads.append(torch.autograd.grad(loss, lp)[0].item())
         s = sigmoid(tau * 2.0)
         assert grads[-1] == pytest.approx(4 * s * (1 - s) * 3.0, rel=1e-12)

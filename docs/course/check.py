@@ -169,8 +169,12 @@ def _clip_case(ratios, adv, mask, expected_loss, expected_grad, case, hints=(), 
         logp = torch.log(t([ratios])).requires_grad_(True)  # old_logp = 0, so ρ = exp(logp) = the given ratios
         old = torch.zeros_like(logp)
         out = policy_loss(logp, old, t([adv]), t([mask]), **kw)
-        if not (isinstance(out, tuple) and len(out) == 2 and isinstance(out[1], dict)):
-            raise Wrong(f"{case}: return a pair (loss, metrics dict), as the docstring says; got {type(out).__name__}")
+        if not (isinstance(out, tuple) and len(out) == 3 and isinstance(out[1], dict) and isinstance(out[2], dict)):
+            raise Wrong(f"{case}: return (loss, metrics dict, dict of the per-token tensors the loss used), as the "
+                        f"docstring says; got {type(out).__name__}{f' of {len(out)}' if isinstance(out, tuple) else ''}")
+        if not isinstance(out[2].get("ratio"), torch.Tensor) or out[2]["ratio"].shape != logp.shape:
+            raise Wrong(f"{case}: the third value must hold the ratio the loss used per token (`used['ratio']`, "
+                        f"shape {tuple(logp.shape)}): samples.jsonl shows it")
         loss = out[0]
         has_grad = isinstance(loss, torch.Tensor) and loss.requires_grad
         try:

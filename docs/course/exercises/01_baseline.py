@@ -143,7 +143,8 @@ def policy_loss(logp, old_logp, adv, mask, *, clip_low=0.2, clip_high=0.2, dual_
     """J = clipped surrogate (× IS weight) − β·KL(π_θ‖π_ref) + entropy bonus.
 
     Aggregated by `agg` with the whole minibatch's `num_tokens` / `num_seqs` / `max_len` (rl_math.aggregate_loss).
-    logp (with gradient) and every other tensor: (b, T). Returns (loss to minimise, this micro-batch's metrics)."""
+    logp (with gradient) and every other tensor: (b, T). Returns (loss to minimise, this micro-batch's metrics, the
+    per-token tensors it computed and used: ratio, advantage, entropy, KL, for samples.jsonl)."""
     adv = torch.where(mask.bool(), adv, 0.0)  # what lies off the mask reaches no gradient (a GSPO ratio spans it)
     ratio = rl_math.importance_ratio(logp, old_logp, mask, level)  # ρ = π_θ / π_old (per sequence: GSPO)
     surr, surr_clipped = ratio * adv, ratio.clamp(1 - clip_low, 1 + clip_high) * adv
@@ -164,7 +165,9 @@ def policy_loss(logp, old_logp, adv, mask, *, clip_low=0.2, clip_high=0.2, dual_
     if ent is not None:
         loss = loss - entropy_coef * rl_math.aggregate_loss(ent, mask, agg, **norm)
         metrics["loss/entropy"] = rl_math.masked_mean(ent, mask)
-    return loss, metrics
+    used = {"ratio": ratio, "advantage": adv, "entropy": ent,  # per token, as the loss used them (samples.jsonl)
+            "kl": kl if ref_logp is not None else None}
+    return loss, metrics, used
 
 
 def update(actor, ref, seqs: dict, adv: torch.Tensor, args: Args, run: rl.Run, step: int, kl_coef: float,
@@ -189,15 +192,14 @@ def update(actor, ref, seqs: dict, adv: torch.Tensor, args: Args, run: rl.Run, s
                       entropy_coef=a.entropy_coef, agg=args.algo.loss_agg, max_len=max_len,
                       kl_coef=kl_coef, kl_estimator=args.algo.kl_estimator)  # fmt: skip
     for _ in range(args.train.epochs):
-        for minibatch, micro in batches:  # the normalisers count the whole minibatch, over every rank
+        for k, (minibatch, micro) in enumerate(batches):  # normalisers: the whole minibatch, every rank
             norm = {"num_tokens": mask[minibatch].sum().item(), "num_seqs": len(minibatch)}
             for r, mb, real, last in rl.micro_batches(seqs, micro):
                 logp, ent = rl.forward_logp(actor, mb, temp, a.entropy_coef > 0)
                 old = logp.detach() if on_policy else old_logp[r]
-                loss, metrics = loss_fn(logp, old, adv_tok[r], mb["loss_mask"], rollout_logp=mb["rollout_logp"], ent=ent,
-                                        ref_logp=None if ref is None else ref_logp[r], **norm)  # fmt: skip
-                trace.add(r, mb["loss_mask"], logp=logp, old_logp=old, adv=adv_tok[r], entropy=ent,
-                          ref_logp=None if ref is None else ref_logp[r])  # fmt: skip
+                loss, metrics, used = loss_fn(logp, old, adv_tok[r], mb["loss_mask"], rollout_logp=mb["rollout_logp"],
+                                              ent=ent, ref_logp=None if ref is None else ref_logp[r], **norm)  # fmt: skip
+                trace.add(r, mb["loss_mask"], minibatch=k, logp=logp, old_logp=old, **used)  # what the loss used
                 metrics |= rl.router_aux(actor)  # DEVIATION(5): a MoE router's balancing loss, logged, not added
                 meter.add_loss("loss/policy", rl.backward(actor, loss, step, world, real, last))
                 meter.add(metrics, mb["loss_mask"].sum().item() if real else 0.0)
@@ -257,7 +259,7 @@ def main(args: Args, engines: rollout.RolloutEngines | None = None, groups: dict
         stats = rl.rollout_stats(ro, rewards, truncated, keep)
 
         # 4. policy update on the kept samples (none kept: nothing trains, rl.end_step warns), a few of them traced
-        trace = samples.Trace(samples.watch(keep, G, args.logger.samples), kept, args.algo.kl_estimator)
+        trace = samples.Trace(samples.watch(keep, G, args.logger.samples), kept)
         with timer(perf, "perf/train_s"):
             seqs = rl.sequences([ro.episodes[i] for i in kept], tokenizer.pad_token_id, device, args.train.packing)
             stats.update(update(actor, ref, seqs, adv[kept].to(device), args, run, step, kl_ctl.value, trace=trace)
