@@ -30,7 +30,6 @@ import math
 
 import torch
 
-
 TOKEN_KEYS = ("old_logp", "trainer_logp", "ratio", "advantage", "entropy", "kl", "value")
 """Per-token quantities of the update a row may hold, beside the engine's log-prob and the token text."""
 
