@@ -35,6 +35,7 @@ A real model:
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from functools import partial
@@ -137,6 +138,13 @@ def groups_inside(scores: torch.Tensor, group_size: int, low: float, high: float
     return (mean > low) & (mean < high)
 
 
+# ALGO LOGIC: the learning-rate schedule, the multiplier of --actor.lr at each optimizer step (CleanRL anneals by hand).
+def lr_schedule(update: int, warmup: int, total: int, floor: float) -> float:
+    """Linear warm-up over `warmup` optimizer steps, then cosine decay from 1 to `floor` at update `total`."""
+    progress = min(1.0, (update - warmup) / max(1, total - warmup))  # of the decay, after the warm-up
+    return (update + 1) / warmup if update < warmup else floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
 # ALGO LOGIC: the loss of one micro-batch of (b, T) tensors, normalised by its whole minibatch's counts.
 def policy_loss(logp, old_logp, adv, mask, *, clip_low=1.0, clip_high=4.0, level="token",
                 rollout_logp=None, is_correction=None, is_threshold=(0.5, 5.0), ent=None, entropy_coef=0.0,
@@ -229,7 +237,9 @@ def main(args: Args, engines: rollout.RolloutEngines | None = None, groups: dict
         args.algo.scale_by_std, args.algo.loss_agg = False, "seq-mean-token-sum-norm"
     tokenizer, train_set, eval_set = rl.load_task(args)
     reward = load_reward(args.rollout, args.reward, (groups or {}).get("reward"))  # None: the episodes reward themselves
-    actor = rl.make_actor(args, device, args.train.max_steps * args.train.minibatches * args.train.epochs)
+    schedule = partial(lr_schedule, warmup=args.actor.warmup_steps, floor=args.actor.min_lr_ratio,
+                       total=args.train.max_steps * args.train.minibatches * args.train.epochs)  # optimizer steps
+    actor = rl.make_actor(args, device, schedule=schedule)
     ref = rl.make_ref(args, device, groups, actor) if uses_ref else None  # LoRA: the actor with its adapters off
     episodes = partial(make_executor, args.rollout, reward, args.actor.model.name_or_path, args.vllm.max_model_len)
     run = rl.start(args, {"actor": actor}, engines, tokenizer, eval_set, episodes, rank, world, device, args.exp_name)

@@ -15,6 +15,7 @@ import shutil
 import socket
 import sys
 import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -280,9 +281,11 @@ def cpp_compiler() -> str | None:
 
 def make_engine(model, ds: DSConfig, lr: float, total_steps: int, warmup_steps: int = 0, min_lr_ratio: float = 0.1,
                 weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.95), hybrid: bool = False,
-                ema_beta: float = 0.0):  # fmt: skip
+                ema_beta: float = 0.0, schedule: Callable[[int], float] | None = None):  # fmt: skip
     """Wrap `model` in a DeepSpeed engine with AdamW over its trainable parameters (DeepSpeed's FusedAdam on CUDA,
-    torch's on CPU; `--ds.optimizer muon`: `muon_optimizer`) and a warmup/cosine schedule. `hybrid`: the engine's
+    torch's on CPU; `--ds.optimizer muon`: `muon_optimizer`) and a learning-rate schedule: `schedule(update)`, the
+    peak lr's multiplier at each optimizer step, when the script gives one (the RL scripts' `lr_schedule`), else a
+    warmup/cosine one (`lr_lambda(warmup_steps, total_steps, min_lr_ratio)`). `hybrid`: the engine's
     states will be moved off the GPU while vLLM generates (`core.placement.offload_states`). `ema_beta` > 0: keep an
     EMA of the weights (`ema_init`). Returns the engine; `engine.module` is the model, `engine.lr_scheduler` the
     schedule."""
@@ -309,7 +312,7 @@ def make_engine(model, ds: DSConfig, lr: float, total_steps: int, warmup_steps: 
     if optimizer is None:  # CPU: torch AdamW (no 2-4 min CPUAdam compile; the models that train on CPU are small),
         # fused: one kernel over all tensors, 0.8 ms against 5-7 ms per step for the 1 M tiny model
         optimizer = torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay, fused=True)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(warmup_steps, total_steps, min_lr_ratio))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule or lr_lambda(warmup_steps, total_steps, min_lr_ratio))
     engine, *_ = deepspeed.initialize(
         model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config(ds, dtype, stage)
     )

@@ -9,7 +9,7 @@ Plain functions over plain values, no trainer class: a script's `main` reads top
     rank, world, device = rl.init_rank(args, engines)                     # 1. setup
     tokenizer, train_set, eval_set = rl.load_task(args)
     reward = load_reward(args.rollout, args.reward, groups.get("reward"))  # rewards/ (agents/make.py)
-    actor = rl.make_actor(args, device, total_updates)
+    actor = rl.make_actor(args, device, schedule=partial(lr_schedule, ...))  # the script's lr schedule
     ref = rl.make_ref(args, device, groups) if <the script's KL term is on> else None
     episodes = partial(make_executor, args.rollout, reward, ...)          # agents/: how prompts become episodes
     run = rl.start(args, {"actor": actor}, engines, tokenizer, eval_set, episodes, rank, world, device, name)
@@ -270,10 +270,11 @@ def load_task(args) -> tuple[object, list[dict], list[dict]]:
     return tokenizer, train_set, eval_set
 
 
-def make_actor(args, device: torch.device, total_updates: int):
+def make_actor(args, device: torch.device, total_updates: int = 0, schedule=None):
     """The trained policy: `--actor.model.*` as a DeepSpeed engine with AdamW (`--actor.lr`, `--actor.adam-betas`,
-    `--actor.weight-decay`) and a linear warmup (`--actor.warmup-steps`) then cosine schedule to `--actor.min-lr-ratio`
-    · lr over `total_updates` optimizer steps."""
+    `--actor.weight-decay`) and the script's learning-rate schedule (`schedule(update)`: the peak lr's multiplier at
+    each optimizer step; the RL scripts write theirs, `lr_schedule`). Without one: a linear warmup
+    (`--actor.warmup-steps`) then cosine schedule to `--actor.min-lr-ratio` · lr over `total_updates` steps."""
     model = models.load_causal_lm(args.actor.model, "--actor.model.name-or-path").to(device)
     if args.train.sp_size > 1:  # --train.sp-size: the actor's forwards split each row's tokens over an SP group
         if not args.train.packing or args.data.image_key:  # (models on ranks of their own: refused by `launch`)
@@ -282,7 +283,8 @@ def make_actor(args, device: torch.device, total_updates: int):
         sequence_parallel.setup(model, args.train.sp_size)
     a = args.actor
     return ds_engine.make_engine(model, args.ds, scaled_lr(args), total_updates, a.warmup_steps, a.min_lr_ratio,
-                                 a.weight_decay, a.adam_betas, hybrid=args.vllm.enable_sleep, ema_beta=a.ema_beta)  # fmt: skip
+                                 a.weight_decay, a.adam_betas, hybrid=args.vllm.enable_sleep, ema_beta=a.ema_beta,
+                                 schedule=schedule)  # fmt: skip
 
 
 def scaled_lr(args) -> float:

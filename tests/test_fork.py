@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 RL_SCRIPTS = ("grpo", "rloo", "reinforce_pp", "grpo_async", "ppo", "cispo", "sapo", "opd")
@@ -196,3 +197,33 @@ def test_a_fork_adds_a_model_group_of_its_own_without_touching_core(tmp_path, on
     assert summary["groups"] == {"ref2": {"ranks": 1, "colocated": False, "calls": 3}}, summary
     kl = [json.loads(line)["ref2/kl"] for line in open(tmp_path / "run" / "metrics.jsonl") if '"ref2/kl"' in line]
     assert len(kl) == 3 and 0 <= kl[0] < 1e-5 and min(kl[1:]) > 1e-4, kl
+
+
+def test_the_learning_rate_schedule_is_the_scripts(tiny_path):
+    """Each RL script writes its learning-rate schedule (`lr_schedule`: warm-up, then cosine to a floor) and hands it
+    to core (`rl.make_actor(..., schedule=...)`), which the optimizer then follows step by step; the scripts' schedule
+    gives the multipliers core's default gives, so a run trains as it did."""
+    from core import engine as ds_engine
+    from core import models
+    from core.config import DSConfig, ModelConfig
+
+    for script in RL_SCRIPTS:
+        module = importlib.import_module(f"algos.{script}")
+        assert "rl.make_actor(args, device, schedule=schedule)" in Path(module.__file__).read_text(), script
+        for warmup, total, floor in ((0, 80, 0.1), (3, 12, 0.2)):
+            default = ds_engine.lr_lambda(warmup, total, floor)
+            assert [module.lr_schedule(u, warmup, total, floor) for u in range(total + 3)] == [
+                default(u) for u in range(total + 3)], script  # fmt: skip
+    ds_engine.init_distributed("gloo")
+    torch.manual_seed(0)
+    model = models.load_causal_lm(ModelConfig(name_or_path=str(tiny_path), dtype="fp32"))
+    steps = lambda u: 1.0 / (u + 1)  # noqa: E731  a fork's own schedule: 1, 1/2, 1/3, ...
+    engine = ds_engine.make_engine(model, DSConfig(zero_stage=0), 1e-2, 10, schedule=steps)
+    ids = torch.randint(3, 20, (4, 8), generator=torch.Generator().manual_seed(1))
+    lrs = []
+    for step in range(3):
+        lrs.append(engine.lr_scheduler.get_last_lr()[0])
+        engine.set_gradient_accumulation_boundary(True)
+        engine.backward(engine(input_ids=ids, labels=ids).loss)
+        ds_engine.optimizer_step(engine, step)
+    assert lrs == pytest.approx([1e-2, 1e-2 / 2, 1e-2 / 3])
