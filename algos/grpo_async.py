@@ -56,7 +56,7 @@ import torch
 import tyro
 
 from agents.make import check_episode_files, load_reward, make_executor
-from core import config, producer, rl, rl_math, rollout, samples
+from core import config, flags, producer, rl, rl_math, rollout, samples
 from core import engine as ds_engine
 from core.config import (
     ActorArgs,
@@ -77,11 +77,11 @@ from rewards.loader import RewardConfig, reward_group
 
 @dataclass
 class TrainArgs(config.TrainArgs):
-    max_lag: int = 1
+    max_lag: flags.NonNegInt = 1
     """L: generation runs up to L steps ahead of training, so step t trains on samples drawn by the weights after
     update t − L (0: synchronous, as grpo.py). The producer thread never starts step t's rollout before those
     weights are in the engines, and the trainer never syncs newer weights before it has finished."""
-    ranks: int = 1
+    ranks: flags.PosInt = 1
     """data-parallel trainer ranks. 1: this process trains, the vLLM engines are Ray actors on this machine. N > 1:
     N Ray actors forming one DeepSpeed world on a placement group (`--ray.*`) beside the engine actors
     (`--vllm.num-engines`); rank 0 generates (its producer thread) and sends the weights."""
@@ -104,26 +104,26 @@ class AlgoArgs:
     """Dr.GRPO: no std scaling and `seq-mean-token-sum-norm` aggregation (normaliser max-new-tokens)."""
     filter_zero_variance: bool = True
     """drop groups whose rewards are all equal (their advantages are 0)."""
-    dynamic_filter_range: tuple[float, float] | None = None
+    dynamic_filter_range: flags.OpenInterval | None = None
     """DAPO dynamic sampling: keep only groups whose mean score lies strictly inside (LOW, HIGH) (e.g. `0 1`: not
     all solved, not all failed) and refill the batch with more prompts; None disables."""
-    dynamic_filter_max_rounds: int = 3
+    dynamic_filter_max_rounds: flags.PosInt = 3
     """generation rounds per step at most when refilling; a batch still short after them trains on what it has."""
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
     """loss aggregation (see core/rl_math.aggregate_loss)."""
-    kl_coef: float = 0.0
+    kl_coef: flags.NonNegFloat = 0.0
     """β of the k3 KL penalty in the loss; 0 loads no reference model."""
-    kl_target: float | None = None
+    kl_target: flags.PosFloat | None = None
     """adaptive KL (Ziegler et al. 2019): β starts at kl-coef and is moved toward this per-token KL
     (`rl_math.AdaptiveKLController`, saved in checkpoints); None keeps β fixed."""
-    kl_horizon: int = 10000
+    kl_horizon: flags.PosInt = 10000
     """adaptive KL horizon in samples: β changes by at most 20 % per this many samples."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     """KL estimator for the penalty."""
     is_correction: Literal["tis", "icepop", "seq-mask-tis"] | None = "tis"
     """importance-sampling correction of the samples' staleness: weight π_old/μ with μ the engine's log-probs (see
     core/rl_math.is_weight); DEVIATION(4). None trusts the stale samples as on-policy."""
-    is_threshold: tuple[float, float] = (0.5, 5.0)
+    is_threshold: flags.WeightBounds = (0.5, 5.0)
     """[lo, hi] bounds of the IS weight."""
 
 

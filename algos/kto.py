@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 import tyro
 
-from core import checkpoint, data, models, packing
+from core import checkpoint, data, flags, models, packing
 from core import engine as ds_engine
 from core.config import CkptConfig, DataConfig, DSConfig, LoggerConfig, ModelConfig, check_args
 from core.logger import RunLogger, lock_run_dir, run_name, timer
@@ -55,43 +55,43 @@ from core.logger import RunLogger, lock_run_dir, run_name, timer
 
 @dataclass
 class TrainArgs:
-    beta: float = 0.1
+    beta: flags.PosFloat = 0.1
     """β: how fast the value saturates, and the strength of the pull towards the reference (KTO §4)."""
-    desirable_weight: float = 1.0
+    desirable_weight: flags.NonNegFloat = 1.0
     """λ_D: weight of the desirable examples' loss."""
-    undesirable_weight: float = 1.0
+    undesirable_weight: flags.NonNegFloat = 1.0
     """λ_U: weight of the undesirable examples' loss."""
-    lr: float = 3e-4
+    lr: flags.PosFloat = 3e-4
     """peak learning rate (3e-4 suits the ~1 M embedded model, 5e-4 already breaks it; use ~5e-7 for full
     fine-tuning of real models)."""
-    batch_size: int = 128
+    batch_size: flags.PosInt = 128
     """global batch: examples per optimizer step, summed over ranks (the paper needs > 1 for the KL estimate)."""
-    max_tokens_per_micro: int = 4096
+    max_tokens_per_micro: flags.PosInt = 4096
     """packing budget: tokens (examples and their mismatched pairs) per forward/backward on one rank (gradient accumulation covers the rest)."""
-    max_steps: int = 80
+    max_steps: flags.PosInt = 80
     """optimizer steps (80 x 128 examples is about one epoch of the embedded train split)."""
-    warmup_steps: int = 5
+    warmup_steps: flags.NonNegInt = 5
     """linear learning-rate warmup steps, then cosine decay."""
-    min_lr_ratio: float = 0.1
+    min_lr_ratio: flags.Fraction = 0.1
     """the cosine schedule ends at lr · min_lr_ratio."""
-    weight_decay: float = 0.0
+    weight_decay: flags.NonNegFloat = 0.0
     """AdamW weight decay."""
     adam_betas: tuple[float, float] = (0.9, 0.95)
     """AdamW (β1, β2)."""
-    ref_seqs_per_forward: int = 64
+    ref_seqs_per_forward: flags.PosInt = 64
     """sequences per packed forward in the no-grad passes (reference cache, eval)."""
-    seed: int = 1
+    seed: flags.NonNegInt = 1
     """seed of the data order, of the mismatched partners and of every rank's RNG."""
-    halt_after: int | None = None
+    halt_after: flags.PosInt | None = None
     """stop this invocation after this many optimizer steps (the schedule still spans max-steps), saving a
     checkpoint: the next invocation on the same --run-dir resumes. For time-limited cluster jobs."""
 
 
 @dataclass
 class EvalArgs:
-    every: int = 20
+    every: flags.NonNegInt = 20
     """evaluate every N steps (and at the start and the end); 0 disables every eval, the start and end included."""
-    max_samples: int = 1000
+    max_samples: flags.PosInt = 1000
     """held-out examples used (the embedded test split holds both completions of each of 500 prompts)."""
 
 

@@ -52,7 +52,7 @@ import tyro
 
 from agents.make import check_episode_files, load_reward, make_executor
 from core import engine as ds_engine
-from core import models, rl, rl_math, rollout, samples
+from core import flags, models, rl, rl_math, rollout, samples
 from core.config import (
     ActorArgs,
     CkptConfig,
@@ -63,7 +63,7 @@ from core.config import (
     ModelConfig,
     RefConfig,
     RolloutArgs,
-    TrainArgs,  # fmt: skip
+    TrainArgs,
     check_args,
 )
 from core.logger import Meter, timer
@@ -81,24 +81,24 @@ class AlgoArgs:
     """allow `--algo.reward-coef` < 0 (refused otherwise: it trains the student to fail the task reward)."""
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
     """loss aggregation (see core/rl_math.aggregate_loss)."""
-    kl_coef: float = 0.0
+    kl_coef: flags.NonNegFloat = 0.0
     """β of the k3 KL penalty in the loss; 0 loads no reference model."""
-    kl_target: float | None = None
+    kl_target: flags.PosFloat | None = None
     """adaptive KL (Ziegler et al. 2019): β starts at kl-coef and is moved toward this per-token KL
     (`rl_math.AdaptiveKLController`, saved in checkpoints); None keeps β fixed."""
-    kl_horizon: int = 10000
+    kl_horizon: flags.PosInt = 10000
     """adaptive KL horizon in samples: β changes by at most 20 % per this many samples."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     """KL estimator for the penalty."""
     is_correction: Literal["tis", "icepop", "seq-mask-tis"] | None = None
     """importance-sampling correction for the rollout engine's log-probs (core/rl_math.is_weight)."""
-    is_threshold: tuple[float, float] = (0.5, 5.0)
+    is_threshold: flags.WeightBounds = (0.5, 5.0)
     """[lo, hi] bounds of the IS weight."""
 
 
 @dataclass
 class TeacherArgs:
-    model: str = "cleanrlhf/tiny-grpo"
+    model: flags.ModelPath = "cleanrlhf/tiny-grpo"
     """the frozen teacher (HF id, local path or embedded name; the default is algos/grpo.py's trained model, built once
     by running it). It must use the actor's tokenizer: it scores the student's token ids."""
     zero_stage: Literal[0, 3] = 0
@@ -107,7 +107,7 @@ class TeacherArgs:
     offload: bool = False
     """as --ref.offload: the teacher's parameters in CPU memory, moved to the device for its forward passes (zero-stage
     0) or its ZeRO-3 shards offloaded (3). No effect on CPU."""
-    ranks: int | None = None
+    ranks: flags.PosInt | None = None
     """None: the teacher lives in the trainer ranks. N: it runs as a Ray group of its own, N ranks forming their own
     DeepSpeed world, exactly as --ref.ranks (a one-process run is then launched through Ray)."""
     colocate: bool = True

@@ -61,7 +61,7 @@ import tyro
 
 from agents.make import check_episode_files, load_reward, make_executor
 from core import engine as ds_engine
-from core import models, rl, rl_math, rollout, samples, sequence_parallel
+from core import flags, models, rl, rl_math, rollout, samples, sequence_parallel
 from core.config import (
     ActorArgs,
     CkptConfig,
@@ -71,7 +71,7 @@ from core.config import (
     LoggerConfig,
     RefConfig,
     RolloutArgs,
-    TrainArgs,  # fmt: skip
+    TrainArgs,
     check_args,
 )
 from core.logger import Meter, timer
@@ -82,20 +82,20 @@ from rewards.loader import RewardConfig, reward_group
 
 @dataclass
 class CriticArgs:
-    name_or_path: str | None = None  # DEVIATION(5): the SFT policy's body by default, not the reward model's
+    name_or_path: flags.ModelPath | None = None  # DEVIATION(5): the SFT policy's body by default, not the reward model's
     """critic initialisation: a causal LM (fresh scalar head) or a reward model folder from algos/rm.py (its head is
     kept). Default: the actor's model, i.e. the SFT warm start. The dtype is the actor's."""
-    lr: float = 1e-3
+    lr: flags.PosFloat = 1e-3
     """peak learning rate of the critic (its own AdamW and warmup/cosine schedule)."""
-    lr_warmup_steps: int = 0
+    lr_warmup_steps: flags.NonNegInt = 0
     """linear learning-rate warmup of the critic's optimizer, in optimizer steps."""
-    value_clip: float | None = 0.2
+    value_clip: flags.NonNegFloat | None = 0.2
     """ε_v: a new value may move at most this far from the rollout's value before its loss stops shrinking
     (PPO's value clipping); None turns it off."""
-    warmup_steps: int = 0
+    warmup_steps: flags.NonNegInt = 0
     """critic-only steps at the start: the first N rollouts update the critic and leave the actor (and vLLM) as
     they are, so the policy gradient starts with a fitted baseline."""
-    ranks: int | None = None
+    ranks: flags.PosInt | None = None
     """None: the critic lives in the trainer ranks (a second DeepSpeed engine of their world). N: a Ray group of its
     own, N ranks forming their own DeepSpeed world (`--ds.*` settings), OpenRLHF's layout; the trainer's rank 0
     sends it each rollout for its values and its update. A one-process run is launched through Ray for it."""
@@ -109,31 +109,31 @@ class CriticArgs:
 
 @dataclass
 class AlgoArgs:
-    gamma: float = 1.0
+    gamma: flags.Fraction = 1.0
     """discount γ of GAE over response tokens (1 in InstructGPT/OpenRLHF: the reward comes once, at the end)."""
-    lam: float = 0.95
+    lam: flags.Fraction = 0.95
     """GAE λ (Schulman et al. 2016): 1 uses the full Monte-Carlo return, 0 the one-step TD error."""
     whiten_advantages: bool = True
     """normalise the advantages over every valid token of the batch (mean 0, std 1); the critic's targets are not."""
-    dynamic_filter_range: tuple[float, float] | None = None
+    dynamic_filter_range: flags.OpenInterval | None = None
     """DAPO dynamic sampling: keep only groups whose mean score lies strictly inside (LOW, HIGH) (e.g. `0 1`: not
     all solved, not all failed) and refill the batch with more prompts; None disables."""
-    dynamic_filter_max_rounds: int = 3
+    dynamic_filter_max_rounds: flags.PosInt = 3
     """generation rounds per step at most when refilling; a batch still short after them trains on what it has."""
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
     """loss aggregation of the policy and value losses (see core/rl_math.aggregate_loss)."""
-    kl_coef: float = 0.01  # DEVIATION(3): the only KL term; none in the loss
+    kl_coef: flags.NonNegFloat = 0.01  # DEVIATION(3): the only KL term; none in the loss
     """β of the per-token KL penalty in the reward (Ziegler et al. 2019); 0 loads no reference model."""
-    kl_target: float | None = None
+    kl_target: flags.PosFloat | None = None
     """adaptive KL (Ziegler et al. 2019): β starts at kl-coef and is moved toward this per-token KL
     (`rl_math.AdaptiveKLController`, saved in checkpoints); None keeps β fixed."""
-    kl_horizon: int = 10000
+    kl_horizon: flags.PosInt = 10000
     """adaptive KL horizon in samples: β changes by at most 20 % per this many samples."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k1"
     """KL estimator for the reward penalty (k1 = log π_old/π_ref, InstructGPT's)."""
     is_correction: Literal["tis", "icepop", "seq-mask-tis"] | None = None
     """importance-sampling correction for the rollout engine's log-probs (core/rl_math.is_weight)."""
-    is_threshold: tuple[float, float] = (0.5, 5.0)
+    is_threshold: flags.WeightBounds = (0.5, 5.0)
     """[lo, hi] bounds of the IS weight."""
 
 

@@ -46,7 +46,7 @@ import tyro
 
 from agents.make import check_episode_files, load_reward, make_executor
 from core import engine as ds_engine
-from core import rl, rl_math, rollout, samples
+from core import flags, rl, rl_math, rollout, samples
 from core.config import (
     ActorArgs,
     CkptConfig,
@@ -56,7 +56,7 @@ from core.config import (
     LoggerConfig,
     RefConfig,
     RolloutArgs,
-    TrainArgs,  # fmt: skip
+    TrainArgs,
     check_args,
 )
 from core.logger import Meter, timer
@@ -69,25 +69,25 @@ from rewards.loader import RewardConfig, reward_group
 class AlgoArgs:
     filter_zero_variance: bool = True
     """drop groups whose rewards are all equal (their advantages are 0)."""
-    dynamic_filter_range: tuple[float, float] | None = None
+    dynamic_filter_range: flags.OpenInterval | None = None
     """DAPO dynamic sampling: keep only groups whose mean score lies strictly inside (LOW, HIGH) (e.g. `0 1`: not
     all solved, not all failed) and refill the batch with more prompts; None disables."""
-    dynamic_filter_max_rounds: int = 3
+    dynamic_filter_max_rounds: flags.PosInt = 3
     """generation rounds per step at most when refilling; a batch still short after them trains on what it has."""
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
     """loss aggregation (see core/rl_math.aggregate_loss)."""
-    kl_coef: float = 0.0
+    kl_coef: flags.NonNegFloat = 0.0
     """β of the k3 KL penalty in the loss; 0 loads no reference model."""
-    kl_target: float | None = None
+    kl_target: flags.PosFloat | None = None
     """adaptive KL (Ziegler et al. 2019): β starts at kl-coef and is moved toward this per-token KL
     (`rl_math.AdaptiveKLController`, saved in checkpoints); None keeps β fixed."""
-    kl_horizon: int = 10000
+    kl_horizon: flags.PosInt = 10000
     """adaptive KL horizon in samples: β changes by at most 20 % per this many samples."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     """KL estimator for the penalty."""
     is_correction: Literal["tis", "icepop", "seq-mask-tis"] | None = None
     """importance-sampling correction for the rollout engine's log-probs (core/rl_math.is_weight)."""
-    is_threshold: tuple[float, float] = (0.5, 5.0)
+    is_threshold: flags.WeightBounds = (0.5, 5.0)
     """[lo, hi] bounds of the IS weight."""
 
 

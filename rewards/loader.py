@@ -25,6 +25,7 @@ from typing import Literal
 
 import torch
 
+from core.flags import ModelPath, NonNegFloat, NonNegInt, PosFloat, PosInt
 from core.placement import Group, group
 from rewards.judge import JudgeReward
 from rewards.remote import GroupReward, ModelReward, RemoteReward, build_group_reward
@@ -36,7 +37,7 @@ class RewardConfig:
     """python file defining `reward_func(queries, prompts, labels)` returning a 1-D tensor/list of rewards (one number
     per query; booleans count as 1.0 / 0.0) or a dict with `rewards`, optional `scores` (0-1) and `extra_logs`
     (OpenRLHF's contract). Default: rewards/arithmetic.py, the embedded task's exact-match rule."""
-    model: str | None = None
+    model: ModelPath | None = None
     """reward model (an `algos/rm.py` export or any one-label `AutoModelForSequenceClassification`) scored
     in-process on prompt + response; instead of `func`."""
     remote_url: list[str] = field(default_factory=list)
@@ -64,7 +65,7 @@ class RewardConfig:
     in the run's config.json."""
     normalize: bool = False
     """with `model`: score (r − reward_mean) / reward_std using the statistics `algos/rm.py` saved."""
-    ranks: int | None = None
+    ranks: PosInt | None = None
     """with `model`: None scores in the trainer ranks' processes. N: a Ray group of N replicas of the reward model
     (each holds the whole model and scores its share of every batch), OpenRLHF's reward group; RL scripts started
     with Ray only (a one-process run is launched through Ray for it)."""
@@ -74,23 +75,23 @@ class RewardConfig:
     strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] | None = None
     """with `ranks` and `no-colocate`: how its own bundles are placed over the nodes (see `--ray.strategy`, the
     default)."""
-    timeout_s: float = 60.0
+    timeout_s: PosFloat = 60.0
     """seconds a python reward function (`func`, or the default rule) may take on one batch before the run stops with
     an error naming the file and the batch (it runs in a daemon thread, which is left behind); with `remote-url` or
     `judge-url`, seconds one request may take in all (connecting, waiting and reading the answer) before it is
     retried. 0: no limit (a python function then runs in the calling thread, e.g.
     for reward code that sets signal handlers, which only the main thread may). `model` is not timed."""
-    retries: int = 3
+    retries: NonNegInt = 3
     """with `remote-url` or `judge-url`: retries per request (after a timeout, connection error or 5xx) before a clear
     error."""
-    clip: float = 10.0
+    clip: PosFloat = 10.0
     """rewards are clipped to [−clip, clip]."""
     stop_properly_penalty: float | None = None
     """reward given instead to responses truncated at max-new-tokens (None: keep their reward)."""
-    overlong_buffer: int = 0
+    overlong_buffer: NonNegInt = 0
     """DAPO soft overlong punishment: responses within this many tokens of max-new-tokens lose reward linearly, up to
     `overlong-penalty-factor` at the limit (`rl_math.overlong_penalty`); 0 disables."""
-    overlong_penalty_factor: float = 1.0
+    overlong_penalty_factor: NonNegFloat = 1.0
     """the largest overlong penalty (at max-new-tokens)."""
 
 

@@ -56,11 +56,12 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 
 from core import data, models
+from core.flags import ModelPath, PosInt
 
 
 @dataclass
 class ServerArgs:
-    model: str
+    model: ModelPath
     """reward model folder (an `algos/rm.py` export) or hub id."""
     host: str = "127.0.0.1"
     """interface to bind; 0.0.0.0 serves other machines (then a key is needed, or `--no-auth`)."""
@@ -68,9 +69,9 @@ class ServerArgs:
     """TCP port."""
     normalize: bool = False
     """serve (r − reward_mean) / reward_std with the statistics saved in the model's config.json."""
-    batch_size: int = 64
+    batch_size: PosInt = 64
     """texts per forward pass."""
-    max_len: int = 2048
+    max_len: PosInt = 2048
     """reject texts longer than this many tokens (400), rather than truncate them silently; the model's
     `max_position_embeddings` caps it."""
     max_texts: int = 4096

@@ -12,7 +12,18 @@ from functools import partial
 import pytest
 
 from core import data, models
-from core.config import DataConfig, ModelConfig, check_args, flag_name
+from core.config import (
+    DataConfig,
+    Fraction,
+    ModelConfig,
+    NonNegInt,
+    OpenInterval,
+    PosInt,
+    WeightBounds,
+    check_args,
+    field_rules,
+    flag_name,
+)
 from rewards.arithmetic import reward_func
 
 SCRIPTS = ["sft", "dpo", "kto", "rm", "grpo", "grpo_async", "rloo", "reinforce_pp", "ppo"]
@@ -270,13 +281,13 @@ def test_flag_rules_name_the_flag(nothing_loads, name, section, key, value, mess
 def test_several_bad_flags_are_listed_together():
     @dataclass
     class Inner:
-        batch_size: int = 0
+        batch_size: PosInt = 0
         adam_betas: tuple[float, float] = (0.9, float("nan"))
 
     @dataclass
     class Outer:
         train: Inner = field(default_factory=Inner)
-        seed: int = -1
+        seed: NonNegInt = -1
         flag: bool = False
         note: str | None = None
 
@@ -285,6 +296,29 @@ def test_several_bad_flags_are_listed_together():
     assert str(err.value).splitlines() == ["invalid flags:", "  --train.batch-size 0: must be > 0",
                                            "  --train.adam-betas nan: must be a finite number",
                                            "  --seed -1: must be >= 0 (0 turns it off)"]  # fmt: skip
+
+
+def test_a_field_carries_its_rule_and_no_name_list_decides():
+    """The rule is in the field's type: a field of a fork with a new name is checked by its type, and the same name as
+    a checked flag elsewhere, without a rule, is not (only finiteness and float32's range hold for every number)."""
+
+    @dataclass
+    class Fork:
+        my_group_size: PosInt | None = 0
+        my_range: OpenInterval = (0.5, 0.5)
+        my_bounds: WeightBounds = (0.0, -1.0)
+        my_fraction: Fraction = 1.5
+        batch_size: int = 0  # no rule: the name alone says nothing
+        seed: float = float("inf")
+
+    with pytest.raises(ValueError) as err:
+        check_args(Fork())
+    assert str(err.value).splitlines() == [
+        "invalid flags:", "  --my-group-size 0: must be > 0",
+        "  --my-range 0.5 0.5: the interval (0.5, 0.5) is empty; give LOW < HIGH",
+        "  --my-bounds 0 -1: weight bounds need 0 <= LOW <= HIGH (a negative or reversed bound flips or zeroes the "
+        "gradient it multiplies)", "  --my-fraction 1.5: must be <= 1", "  --seed inf: must be a finite number"]  # fmt: skip
+    assert field_rules(Fork, "my_group_size") == ("positive",) and field_rules(Fork, "batch_size") == ()
 
 
 # ------------------------------------------------------------------------------------------- model-path messages

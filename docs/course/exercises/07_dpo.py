@@ -51,7 +51,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 import tyro
 
-from core import checkpoint, data, models, packing, samples, sequence_parallel
+from core import checkpoint, data, flags, models, packing, samples, sequence_parallel
 from core import engine as ds_engine
 from core.config import CkptConfig, DataConfig, DSConfig, LoggerConfig, ModelConfig, check_args
 from core.logger import RunLogger, lock_run_dir, run_name, timer
@@ -59,31 +59,31 @@ from core.logger import RunLogger, lock_run_dir, run_name, timer
 
 @dataclass
 class TrainArgs:
-    beta: float = 1.0
+    beta: flags.PosFloat = 1.0
     """β: strength of the implicit KL constraint to the reference (DPO paper, Eq. 7). 0.1 is the usual choice for
     LLMs; on the embedded task 1.0 reaches 90 % held-out accuracy in fewer steps (docs/algos/dpo.md)."""
-    label_smoothing: float = 0.0
+    label_smoothing: flags.NonNegFloat = 0.0
     """ε: assumed probability that a preference label is flipped (conservative DPO); 0 is plain DPO."""
     ipo: bool = False
     """use the IPO loss (h − 1/(2β))² instead of the logistic loss."""
-    nll_coef: float = 0.0
+    nll_coef: flags.NonNegFloat = 0.0
     """α: weight of an SFT (NLL) term on the chosen responses (RPO); 0 disables."""
     live_ref: bool = False
     """recompute reference log-probs every step (see deviation 1) instead of caching them once up front."""
-    lr: float = 5e-4
+    lr: flags.PosFloat = 5e-4
     """peak learning rate (5e-4 suits the ~1 M embedded model, 1e-3 breaks it; use ~5e-7 for full fine-tuning of
     real models)."""
-    batch_size: int = 128
+    batch_size: flags.PosInt = 128
     """global batch: preference pairs per optimizer step, summed over ranks."""
-    max_tokens_per_micro: int = 4096
+    max_tokens_per_micro: flags.PosInt = 4096
     """packing budget: chosen + rejected tokens per forward/backward on one rank (gradient accumulation covers the rest)."""
-    max_steps: int = 80
+    max_steps: flags.PosInt = 80
     """optimizer steps (80 x 128 pairs is about one epoch of the embedded train split)."""
-    warmup_steps: int = 5
+    warmup_steps: flags.NonNegInt = 5
     """linear learning-rate warmup steps, then cosine decay."""
-    min_lr_ratio: float = 0.1
+    min_lr_ratio: flags.Fraction = 0.1
     """the cosine schedule ends at lr · min_lr_ratio."""
-    weight_decay: float = 0.0
+    weight_decay: flags.NonNegFloat = 0.0
     """AdamW weight decay."""
     adam_betas: tuple[float, float] = (0.9, 0.95)
     """AdamW (β1, β2)."""
@@ -91,24 +91,24 @@ class TrainArgs:
     """compute a pair's common prefix (its prompt) once, with chosen and rejected branching off it in the same
     packed row (exact: each response sees only the prompt and itself). Needs sdpa or eager attention; off packs
     chosen and rejected as two whole sequences."""
-    sp_size: int = 1
+    sp_size: flags.PosInt = 1
     """sequence parallelism for long context (DeepSpeed-Ulysses, core/sequence_parallel.py): each packed row's tokens
     are split over this many consecutive ranks, which train on the same pairs; must divide the number of ranks and of
     attention heads, and needs --train.no-share-prompt. Reference and eval passes run unsplit."""
-    ref_pairs_per_forward: int = 32
+    ref_pairs_per_forward: flags.PosInt = 32
     """pairs per packed forward in the no-grad passes (reference cache, eval)."""
-    seed: int = 1
+    seed: flags.NonNegInt = 1
     """seed of the data order and of every rank's RNG."""
-    halt_after: int | None = None
+    halt_after: flags.PosInt | None = None
     """stop this invocation after this many optimizer steps (the schedule still spans max-steps), saving a
     checkpoint: the next invocation on the same --run-dir resumes. For time-limited cluster jobs."""
 
 
 @dataclass
 class EvalArgs:
-    every: int = 20
+    every: flags.NonNegInt = 20
     """evaluate every N steps (and at the start and the end); 0 disables every eval, the start and end included."""
-    max_samples: int = 500
+    max_samples: flags.PosInt = 500
     """held-out pairs used."""
 
 
