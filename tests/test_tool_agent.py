@@ -178,3 +178,21 @@ def test_grpo_learns_to_call_the_calculator(tmp_path, one_thread):
 
 # The run recorded in docs/agents.md went 0.25 -> 0.99 (calls) and 0.24 -> 0.90 (reward) by step 7.
 STEPS, CALL_GAIN, REWARD_GAIN = 8, 0.4, 0.3
+
+
+def test_the_page_shows_the_commands_the_recipe_prints(tmp_path):
+    """docs/agents.md's calculator recipe is what `calculator_agent.py --out runs/calc` prints (one source for both)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, str(root / "agents/examples/calculator_agent.py"), "--out", "runs/calc"], cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120,
+                         env={**__import__("os").environ, "PYTHONPATH": str(root)})  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    printed = [line for line in out.stdout.splitlines() if line.startswith("python algos/")]
+    page = (root / "docs" / "agents.md").read_text().replace("\\\n    ", "")
+    shown = [line.replace(".venv/bin/python ", "python ", 1) for line in page.splitlines()
+             if line.startswith(".venv/bin/python algos/") and "runs/calc/" in line]  # fmt: skip
+    assert len(printed) == 2 and printed == shown[:2], (printed, shown[:2])  # the text-protocol recipe comes first
