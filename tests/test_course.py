@@ -76,6 +76,9 @@ MISTAKES = [
     (4, "kl = 0.5 * delta.square()", "kl = delta.square()", "forgot the 1/2"),
     (5, "@torch.no_grad()\ndef gae(", "def gae(", "targets"),
     (5, "adv = delta + gamma * lam * next_adv", "adv = delta + gamma * next_adv", "γ·λ·A"),
+    (5, "next_adv = torch.where(valid, adv, next_adv)  # a masked position passes both through unchanged\n"
+        "        next_value = torch.where(valid, v[:, t], next_value)", "next_adv, next_value = adv, v[:, t]",
+     "taken as a step with V = 0"),  # passes the γ = λ = 1 cases, where both readings agree
     (6, "-F.logsigmoid(chosen - rejected - (0.0 if", "-F.logsigmoid(rejected - chosen - (0.0 if", "sign error"),
     (7, "beta * (policy_chosen_logps - ref_chosen_logps).detach()", "beta * (policy_chosen_logps - ref_chosen_logps)",
      "detach"),

@@ -347,6 +347,15 @@ def cases_5():
         "mask [1, 0, 1] (environment token in the middle), V [0.5, 7, 0.5]",
         hints=(((lambda a: abs(float(a[0]) - 0.5) > 1e-6), "a masked position is not a step: t = 0 bootstraps from "
                 "the next valid position (t = 2), and the masked one passes A and V through unchanged"),))  # fmt: skip
+    # The same episode at λ = 0.95, where skipping and "a step with V = 0" differ (at γ = λ = 1 they agree):
+    # skipped:  A_2 = 0.5,  δ_0 = 0 + 0.5 − 0.5 = 0,  A_0 = 0 + 0.95·0.5 = 0.475;  R = [0.975, 0, 1].
+    # as a step with r = V = 0:  δ_1 = 0 + 0.5 − 0 = 0.5, A_1 = 0.5 + 0.95·0.5 = 0.975;  δ_0 = 0 + 0 − 0.5 = −0.5,
+    # A_0 = −0.5 + 0.95·0.975 = 0.42625.
+    yield "a masked token between two turns, λ = 0.95", *_gae_case(
+        [0.0, 0.0, 1.0], [0.5, 7.0, 0.5], [1, 0, 1], 1.0, 0.95, [0.475, 0.0, 0.5], [0.975, 0.0, 1.0],
+        "γ = 1, λ = 0.95, mask [1, 0, 1] (environment token in the middle), V [0.5, 7, 0.5]",
+        hints=(((lambda a: abs(float(a[0]) - 0.42625) < 1e-4), "the environment's token was taken as a step with "
+                "V = 0: a masked position is skipped, so t = 0 bootstraps from V at t = 2 and carries A_2"),))  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------------------------

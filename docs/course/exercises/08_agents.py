@@ -119,5 +119,6 @@ if __name__ == "__main__":
           f"--export-dir {opts.out}/sft-model --run-dir {opts.out}/sft-run")  # fmt: skip
     print(
         f"python algos/grpo.py --actor.model.name-or-path {opts.out}/sft-model --data.path {task} "
-        f"--rollout.agent-file agents/examples/calculator_agent.py --train.max-steps 20 --eval.every 5"
+        f"--rollout.agent-file agents/examples/calculator_agent.py --train.max-steps 16 --eval.every 4 "
+        f"--eval.max-samples 200"
     )
