@@ -83,6 +83,8 @@ MISTAKES = [
     (7, "beta * (policy_chosen_logps - ref_chosen_logps).detach()", "beta * (policy_chosen_logps - ref_chosen_logps)",
      "detach"),
     (7, "F.logsigmoid(beta * h) - label_smoothing", "F.logsigmoid(h) - label_smoothing", "β multiplies h"),
+    (7, "label_smoothing * F.logsigmoid(-beta * h)", "label_smoothing * F.logsigmoid(beta * h)", "flipped label"),
+    (7, "(h - 1.0 / (2.0 * beta)) ** 2", "(h - 1.0 / beta) ** 2", "not 1/β"),
     (8, "prompt=follow_up(question, text)", "prompt=question", "follow_up(question, call)"),
 ]  # fmt: skip
 

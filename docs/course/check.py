@@ -430,6 +430,20 @@ def cases_7():
                                              0.5)[0], lambda got: expect(
         got, 0.8132617, "two pairs with h = 2 and h = −2",
         hints=(([1.626523], "the loss is the mean over pairs, not the sum"),))
+    # cDPO, ε = 0.1 (the labels flipped with probability ε), h = 2, β = 0.5: −0.9·log σ(1) − 0.1·log σ(−1)
+    # = 0.9·0.3132617 + 0.1·1.3132617 = 0.4132617.
+    yield "cDPO: label smoothing", lambda f: f(t([-1.0]), t([-3.0]), t([-2.0]), t([-2.0]), 0.5,
+                                               label_smoothing=0.1)[0], lambda got: expect(
+        got, 0.4132617, "h = 2, β = 0.5, label_smoothing 0.1: −(1−ε)·log σ(βh) − ε·log σ(−βh)",
+        hints=(([0.3132617], "label_smoothing changes nothing in your loss: the ε share is the flipped label, "
+                "−ε·log σ(−βh)"),
+               ([0.1506094], "the ε term is subtracted as a loss too: −(1−ε)·log σ(βh) − ε·log σ(−βh)"),
+               ([1.2132617], "the weights are swapped: (1−ε) goes with log σ(βh), ε with log σ(−βh)")))  # fmt: skip
+    # IPO (Azar et al. 2023), β = 0.5, π_c = −1, π_r = −4, ref −2 and −2: h = 3, loss (h − 1/(2β))² = (3 − 1)² = 4.
+    yield "IPO", lambda f: f(t([-1.0]), t([-4.0]), t([-2.0]), t([-2.0]), 0.5, ipo=True)[0], lambda got: expect(
+        got, 4.0, "ipo=True, h = 3, β = 0.5: (h − 1/(2β))²",
+        hints=(([1.0], "IPO's target is 1/(2β), not 1/β"), ([0.25], "IPO regresses h itself, not β·h"),
+               ([0.2014133], "with ipo=True the loss is the squared error (h − 1/(2β))², not −log σ(βh)")))  # fmt: skip
 
 
 # ------------------------------------------------------------------------------------------------------------
