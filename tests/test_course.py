@@ -83,10 +83,28 @@ MISTAKES = [
     (7, "beta * (policy_chosen_logps - ref_chosen_logps).detach()", "beta * (policy_chosen_logps - ref_chosen_logps)",
      "detach"),
     (7, "F.logsigmoid(beta * h) - label_smoothing", "F.logsigmoid(h) - label_smoothing", "β multiplies h"),
+    (5, "adv = delta + gamma * lam * next_adv", "adv = delta + lam * next_adv", "γ is missing from the recursion"),
+    (7, "-(1.0 - label_smoothing) * F.logsigmoid(beta * h)", "-(1.0 - label_smoothing) * beta * F.logsigmoid(h)",
+     "not −β·log σ(h)"),
     (7, "label_smoothing * F.logsigmoid(-beta * h)", "label_smoothing * F.logsigmoid(beta * h)", "flipped label"),
     (7, "(h - 1.0 / (2.0 * beta)) ** 2", "(h - 1.0 / beta) ** 2", "not 1/β"),
     (8, "prompt=follow_up(question, text)", "prompt=question", "follow_up(question, call)"),
 ]  # fmt: skip
+
+
+def test_a_gae_that_ignores_the_mask_is_told_so(tmp_path):
+    """A student's GAE that never reads the mask (padding taken as steps, its V used) fails the padded case with the
+    hint that names the mask."""
+    wrong = tmp_path / "my_rl_math.py"
+    wrong.write_text(
+        "import torch\n\n\n@torch.no_grad()\ndef gae(rewards, values, mask, gamma, lam):\n"
+        "    adv, nxt_a, nxt_v = torch.zeros_like(rewards), torch.zeros_like(rewards[:, 0]), torch.zeros_like(values[:, 0])\n"
+        "    for t in reversed(range(rewards.shape[1])):\n"
+        "        nxt_a = rewards[:, t] + gamma * nxt_v - values[:, t] + gamma * lam * nxt_a\n"
+        "        adv[:, t], nxt_v = nxt_a, values[:, t]\n"
+        "    return adv, adv + values\n")  # fmt: skip
+    failed = dict((name, why) for name, why in check.run_cases(LESSONS[5], wrong) if why)
+    assert "the mask is not applied" in failed["a padded response"], failed
 
 
 @pytest.mark.parametrize("number, old, new, says", MISTAKES, ids=[f"{m[0]}-{m[3][:16]}" for m in MISTAKES])
@@ -124,7 +142,7 @@ def test_the_command_line_exit_status_and_the_learning_run_waiting_for_the_cases
     ok = subprocess.run([sys.executable, str(COURSE / "check.py"), "2", str(REPO / "algos/grpo.py"), "--no-run"],
                         capture_output=True, text=True, timeout=300, env=child_env())  # fmt: skip
     assert ok.returncode == 0, ok.stdout + ok.stderr
-    assert ok.stdout.count("ok  ") == 3
+    assert ok.stdout.count("ok  ") == 3 and "all 3 cases pass (--no-run: no learning run)" in ok.stdout, ok.stdout
     blank = subprocess.run([sys.executable, str(COURSE / "check.py"), "2", str(LESSONS[2].exercise)],
                            capture_output=True, text=True, timeout=300, env=child_env())  # fmt: skip
     assert blank.returncode == 1 and "the learning run waits for them" in blank.stdout, blank.stdout

@@ -331,14 +331,19 @@ def cases_5():
     yield "γ = 0.5", *_gae_case(
         [0.0, 0.0, 1.0], [0.5, 0.5, 0.5], [1, 1, 1], 0.5, 1.0, [-0.25, 0.0, 0.5], [0.25, 0.5, 1.0],
         "γ = 0.5, λ = 1", hints=(([-0.125, 0.0, 0.5], "γ multiplies the next value inside δ as well as the "
-                                  "carried advantage"),))  # fmt: skip
+                                  "carried advantage"),
+                                 ([0.0, 0.25, 0.5], "γ is missing from the recursion: the carried term is γ·λ·A_{t+1}, "
+                                  "not λ·A_{t+1}"),))  # fmt: skip
     # Right padding: mask [1, 1, 0], rewards [−0.1, 0.9, 0], V [0.2, 0.4, 9] (the 9 is padding: never used). After
     # the last valid token (t = 1) V = 0:  δ_1 = 0.9 − 0.4 = 0.5,  δ_0 = −0.1 + 0.4 − 0.2 = 0.1;
     # A = [0.1 + 0.5, 0.5, 0] = [0.6, 0.5, 0];  R = [0.8, 0.9, 0] (0 at the padding).
     yield "a padded response", *_gae_case(
         [-0.1, 0.9, 0.0], [0.2, 0.4, 9.0], [1, 1, 0], 1.0, 1.0, [0.6, 0.5, 0.0], [0.8, 0.9, 0.0],
         "mask [1, 1, 0], V [0.2, 0.4, 9 (padding)]", hints=(((lambda a: float(a[1]) < 0), "the value after the last "
-                                                               "valid token is 0: padding's V must not be used"),))  # fmt: skip
+                                                               "valid token is 0: padding's V must not be used"),
+                                                              ((lambda a: abs(float(a[2])) > 1e-6), "the mask is "
+                                                               "not applied: a padded position is no step (A = R = 0 "
+                                                               "there) and its V is never used"),))  # fmt: skip
     # A multi-turn episode: mask [1, 0, 1], the middle token is the environment's (not an action). It is skipped:
     # t = 0's next valid position is t = 2.  δ_2 = 1 − 0.5 = 0.5, A_2 = 0.5;  δ_0 = 0 + 0.5 − 0.5 = 0,
     # A_0 = 0 + 0.5 = 0.5;  A = [0.5, 0, 0.5], R = [1, 0, 1].
@@ -410,6 +415,7 @@ def cases_7():
     def basic_check(got):
         expect(got["loss"], 0.3132617, "π_c −1, π_r −3, ref −2 and −2, β = 0.5: the loss −log σ(β h), h = 2",
                hints=(([0.126928], "β multiplies h inside the sigmoid: −log σ(β·h), not −log σ(h)"),
+               ([0.063464], "β belongs inside the sigmoid: −log σ(β·h), not −β·log σ(h)"),
                       ([1.313262], "sign error: h = (π_c − π_r) − (ref_c − ref_r), the chosen first"),
                       ([0.6931472], "h = 0: did you subtract the policy's margin from itself?")))  # fmt: skip
         expect(got["chosen"], [0.5], "the chosen implicit reward β(π_c − ref_c)")
@@ -957,6 +963,8 @@ def grade(lesson: Lesson, path: Path, run: bool = True, work: Path | None = None
     if failed or not run:
         if failed:
             say(f"{len(failed)} of {len(results)} cases fail: fix them first (the learning run waits for them)")
+        else:
+            say(f"all {len(results)} cases pass (--no-run: no learning run)")
         return out
     say(f"all {len(results)} cases pass; the learning run (a few minutes on a 2-core CPU) ...")
     start = time.time()
