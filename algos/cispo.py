@@ -8,8 +8,8 @@ CISPO clips the importance-sampling weight instead, as a constant, so every toke
     J(θ) = E[ 1/Σ|o_i| Σ_i Σ_t sg(clip(ρ_{i,t}, 1 − ε_low^IS, 1 + ε_high^IS)) · A_i · log π_θ(o_{i,t} | q, o_{i,<t}) ]
 
 ∇J is the policy gradient weighted by the truncated ratio: at ρ = 1 (the first minibatch) it equals GRPO's. The paper
-sets no lower bound (ε_low^IS large) and tunes only ε_high^IS: `--actor.clip-low 1` (the weight floor 0) and
-`--actor.clip-high` (the cap 1 + ε_high^IS) here.
+sets no lower bound (ε_low^IS large) and tunes only ε_high^IS: `--algo.clip-low 1` (the weight floor 0) and
+`--algo.clip-high` (the cap 1 + ε_high^IS) here.
 
 Deviations from the paper:
 1. Token-mean loss over the whole batch, as the paper (its 1/Σ|o_i|); `--algo.loss-agg` offers the others.
@@ -20,7 +20,7 @@ Deviations from the paper:
    `rollout_logp` for the optional importance-sampling correction (`--algo.is-correction`).
 5. A mixture-of-experts actor's router load-balancing loss is logged (`loss/router_aux`), not trained on: J above is
    the objective (OpenRLHF's default `--aux_loss_coef 0`); add it to `loss` in `update` to keep the routing balanced.
-6. The paper does not give its ε_high^IS; the cap here is 5 (`--actor.clip-high 4`), a choice. A cap is what keeps a
+6. The paper does not give its ε_high^IS; the cap here is 5 (`--algo.clip-high 4`), a choice. A cap is what keeps a
    stale token's weight bounded; with `--train.minibatches 1` every ρ is 1 and CISPO is GRPO's policy gradient.
 7. The default `--actor.lr` is 1e-4, not GRPO's 3e-4: no token loses its gradient to a clip, so a step goes further at
    the same lr. On the embedded task from a warm start built on an AVX-512 Xeon (eval pass@1 0.522), 3e-4 took the
@@ -46,20 +46,8 @@ import torch
 import tyro
 
 from agents.make import check_episode_files, load_reward, make_executor
+from core import config, flags, rl, rl_math, rollout, samples
 from core import engine as ds_engine
-from core import flags, rl, rl_math, rollout, samples
-from core.config import (
-    ActorArgs,
-    CkptConfig,
-    DataConfig,
-    DSConfig,
-    EvalArgs,
-    LoggerConfig,
-    RefConfig,
-    RolloutArgs,
-    TrainArgs,
-    check_args,
-)
 from core.logger import Meter, timer
 from core.placement import RayConfig, group
 from core.rollout import VLLMConfig
@@ -81,6 +69,14 @@ class AlgoArgs:
     """generation rounds per step at most when refilling; a batch still short after them trains on what it has."""
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
     """loss aggregation (see core/rl_math.aggregate_loss)."""
+    clip_low: flags.NonNegFloat = 1.0
+    """ε_low^IS: the IS weight's floor 1 − ε_low^IS (1: no floor, as the paper)."""
+    clip_high: flags.NonNegFloat = 4.0  # DEVIATION(6)
+    """ε_high^IS: the IS weight's cap 1 + ε_high^IS."""
+    level: Literal["token", "sequence"] = "token"
+    """importance ratio per token (PPO/GRPO) or per sequence (GSPO, Zheng et al. 2025)."""
+    entropy_coef: flags.NonNegFloat = 0.0
+    """entropy bonus coefficient (0: off, no extra memory)."""
     kl_coef: flags.NonNegFloat = 0.0
     """β of the k3 KL penalty in the loss; 0 loads no reference model."""
     kl_target: flags.PosFloat | None = None
@@ -100,18 +96,18 @@ class AlgoArgs:
 class Args:
     exp_name: str = Path(__file__).stem
     """run name prefix; defaults to this file's name, so a copied script names its own runs."""
-    actor: ActorArgs = field(default_factory=lambda: ActorArgs(clip_low=1.0, clip_high=4.0, lr=1e-4))  # DEVIATION(6, 7)
-    ref: RefConfig = field(default_factory=RefConfig)
+    actor: config.ActorArgs = field(default_factory=lambda: config.ActorArgs(lr=1e-4))  # DEVIATION(7)
+    ref: config.RefConfig = field(default_factory=config.RefConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
-    rollout: RolloutArgs = field(default_factory=RolloutArgs)
-    train: TrainArgs = field(default_factory=TrainArgs)
+    rollout: config.RolloutArgs = field(default_factory=config.RolloutArgs)
+    train: config.TrainArgs = field(default_factory=config.TrainArgs)
     algo: AlgoArgs = field(default_factory=AlgoArgs)
-    eval: EvalArgs = field(default_factory=EvalArgs)
-    data: DataConfig = field(default_factory=DataConfig)
+    eval: config.EvalArgs = field(default_factory=config.EvalArgs)
+    data: config.DataConfig = field(default_factory=config.DataConfig)
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
-    ds: DSConfig = field(default_factory=DSConfig)
-    ckpt: CkptConfig = field(default_factory=CkptConfig)
-    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    ds: config.DSConfig = field(default_factory=config.DSConfig)
+    ckpt: config.CkptConfig = field(default_factory=config.CkptConfig)
+    logger: config.LoggerConfig = field(default_factory=config.LoggerConfig)
     ray: RayConfig = field(default_factory=RayConfig)
     run_dir: str | None = None
     """run folder; default `<logger.run-root>/<exp_name>__<seed>__<time>`. An existing one resumes."""
@@ -182,7 +178,7 @@ def update(actor, ref, seqs: dict, adv: torch.Tensor, args: Args, run: rl.Run, s
     """Minibatches of the loss over one rollout: old and reference log-probs first (by the trainer), then
     `--train.epochs` passes of `--train.minibatches` optimizer steps; `trace` keeps what the loss saw of a few samples
     (samples.jsonl). seqs: (B, L) batch; adv: (B,) -> metrics."""
-    mask, temp, world, a = seqs["loss_mask"], args.rollout.temperature, run.world, args.actor
+    mask, temp, world = seqs["loss_mask"], args.rollout.temperature, run.world
     adv_tok = adv[:, None].expand_as(mask).float()
     batches = rl.minibatches(seqs, args, step, run.rank, world)
     mine = [m for _, micro in batches for m in micro]  # this rank's rows
@@ -194,15 +190,15 @@ def update(actor, ref, seqs: dict, adv: torch.Tensor, args: Args, run: rl.Run, s
     meter = Meter()
     # Dr.GRPO's constant normaliser is the generation budget, not the padded width of the batch
     max_len = args.rollout.max_new_tokens if args.algo.loss_agg == "seq-mean-token-sum-norm" else mask.shape[1]
-    loss_fn = partial(policy_loss, clip_low=a.clip_low, clip_high=a.clip_high, level=a.level,
+    loss_fn = partial(policy_loss, clip_low=args.algo.clip_low, clip_high=args.algo.clip_high, level=args.algo.level,
                       is_correction=args.algo.is_correction, is_threshold=args.algo.is_threshold,
-                      entropy_coef=a.entropy_coef, agg=args.algo.loss_agg, max_len=max_len,
-                      kl_coef=kl_coef, kl_estimator=args.algo.kl_estimator)  # fmt: skip
+                      entropy_coef=args.algo.entropy_coef, agg=args.algo.loss_agg, max_len=max_len, kl_coef=kl_coef,
+                      kl_estimator=args.algo.kl_estimator)  # fmt: skip
     for _ in range(args.train.epochs):
         for k, (minibatch, micro) in enumerate(batches):  # normalisers: the whole minibatch, every rank
             norm = {"num_tokens": mask[minibatch].sum().item(), "num_seqs": len(minibatch)}
             for r, mb, real, last in rl.micro_batches(seqs, micro):
-                logp, ent = rl.forward_logp(actor, mb, temp, a.entropy_coef > 0)
+                logp, ent = rl.forward_logp(actor, mb, temp, args.algo.entropy_coef > 0)
                 old = logp.detach() if on_policy else old_logp[r]
                 loss, metrics, used = loss_fn(logp, old, adv_tok[r], mb["loss_mask"], rollout_logp=mb["rollout_logp"],
                                               ent=ent, ref_logp=None if ref is None else ref_logp[r], **norm)  # fmt: skip
@@ -216,12 +212,10 @@ def update(actor, ref, seqs: dict, adv: torch.Tensor, args: Args, run: rl.Run, s
 
 def main(args: Args, engines: rollout.RolloutEngines | None = None, groups: dict | None = None) -> dict:
     # 1. setup ------------------------------------------------------------------------------------------------
-    check_args(args)  # PLUMBING: generic flag rules (sizes > 0, finite floats, ...) before anything is loaded
+    config.check_args(args)  # PLUMBING: generic flag rules (sizes > 0, finite floats, ...) before anything is loaded
     if args.rollout.n_samples < 2:  # ALGO LOGIC: a group of one has no baseline
         raise ValueError(f"--rollout.n-samples {args.rollout.n_samples}: the group-relative advantage needs at least "
                          "2 samples per prompt (with --algo.filter-zero-variance every group of 1 is dropped)")  # fmt: skip
-    if args.actor.dual_clip is not None:  # ALGO LOGIC: no clipped branch for a dual clip to bound
-        raise ValueError(f"--actor.dual-clip {args.actor.dual_clip}: CISPO has no clipped surrogate to bound")
     # PLUMBING: `--train.ranks 1`: this process holds the DeepSpeed actor and an in-process vLLM engine. N > 1: the
     # driver starts Ray, the engine actors and N ranks, each of which runs this function with the engines given.
     uses_ref = args.algo.kl_coef > 0  # ALGO LOGIC: the KL term needs the reference policy (DEVIATION(3))

@@ -240,16 +240,6 @@ class ActorArgs:
     """AdamW weight decay."""
     adam_betas: tuple[float, float] = (0.9, 0.95)
     """AdamW (β1, β2)."""
-    clip_low: NonNegFloat = 0.2
-    """ε_low: ratio lower clip 1 − ε_low."""
-    clip_high: NonNegFloat = 0.2
-    """ε_high: ratio upper clip 1 + ε_high (DAPO's clip-higher uses 0.28)."""
-    dual_clip: AboveOne | None = None
-    """dual-clip constant c > 1 (Ye et al. 2020): bounds the loss of negative-advantage tokens at c·|A|."""
-    level: Literal["token", "sequence"] = "token"
-    """importance ratio per token (PPO/GRPO) or per sequence (GSPO, Zheng et al. 2025)."""
-    entropy_coef: NonNegFloat = 0.0
-    """entropy bonus coefficient (0: off, no extra memory)."""
     ema_beta: Fraction = 0.0
     """β of an exponential moving average of the policy's weights, ema ← β·ema + (1 − β)·θ after every optimizer
     step, starting from the initial weights; exported beside the final model to `<run>/hf_ema/` and carried in

@@ -54,7 +54,7 @@ def main(out: str) -> None:
         seqs = rl.sequences(episodes, tokenizer.pad_token_id, device, packed)
         g = grpo.Args()
         g.train.minibatches, g.train.epochs, g.train.micro_batch_size, g.train.max_tokens_per_micro = 2, 2, 2, budget
-        g.actor.entropy_coef, g.algo.kl_coef = 0.01, 0.1
+        g.algo.entropy_coef, g.algo.kl_coef = 0.01, 0.1
         adv = torch.linspace(-1.0, 1.0, len(episodes))
         actor, critic, ref = engines(path)
         out_g = grpo.update(actor, ref, seqs, adv, g, run, step=0, kl_coef=0.1)

@@ -38,7 +38,7 @@ def main(out: str) -> None:
     for name, module in (("grpo", grpo), ("reinforce_pp", reinforce_pp), ("ppo", ppo)):
         args = module.Args()
         args.train.minibatches, args.train.epochs, args.train.micro_batch_size, args.train.sp_size = 2, 2, 3, world
-        args.actor.entropy_coef, args.algo.kl_coef = 0.01, 0.1
+        args.algo.entropy_coef, args.algo.kl_coef = 0.01, 0.1
         args.actor.model = ModelConfig(name_or_path=path, dtype="fp32", attn_implementation="sdpa")
         args.ds = DSConfig(zero_stage=3)
         torch.manual_seed(0)

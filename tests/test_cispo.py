@@ -49,13 +49,6 @@ def test_a_lower_bound_truncates_small_ratios_and_ratio_one_is_the_policy_gradie
     assert stats["loss/clipfrac"].item() == 0.0
 
 
-def test_dual_clip_is_refused(tmp_path):
-    args = Args(run_dir=str(tmp_path / "run"))
-    args.actor.dual_clip = 3.0
-    with pytest.raises(ValueError, match="--actor.dual-clip 3.0: CISPO has no clipped surrogate"):
-        main(args)
-
-
 @pytest.mark.slow
 def test_cispo_raises_eval_pass_at_1_from_the_warm_start(tmp_path):
     """20 steps of the real loop (DeepSpeed actor, in-process vLLM, weight sync and --debug every step) learn."""

@@ -104,7 +104,7 @@ def test_help_lists_grouped_flags():
     out = subprocess.run([sys.executable, str(REPO / "algos" / "grpo.py"), "--help"], capture_output=True, text=True,
                          timeout=120)  # fmt: skip
     assert out.returncode == 0, out.stderr
-    for flag in ("--actor.lr", "--actor.clip-high", "--actor.model.name-or-path", "--reward.func", "--rollout.n-samples",
+    for flag in ("--actor.lr", "--algo.clip-high", "--actor.model.name-or-path", "--reward.func", "--rollout.n-samples",
                  "--algo.kl-coef", "--algo.dr-grpo", "--vllm.sync-bucket-mb", "--ds.zero-stage", "--eval.k"):  # fmt: skip
         assert flag in out.stdout, flag
 

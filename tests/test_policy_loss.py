@@ -57,14 +57,43 @@ def test_ppo_and_reinforce_pp_have_no_kl_term_in_the_loss():
             fn(t([-1.0]), t([-1.0]), t([1.0]), torch.ones(1, 1, dtype=torch.bool), ref_logp=t([-2.0]))
 
 
+@pytest.mark.parametrize("script", [*SCRIPTS, "opd", "cispo", "sapo"])
+def test_the_loss_settings_are_the_scripts_and_their_old_flags_name_the_new(script, capsys, monkeypatch):
+    """The clip range, dual clip, ratio level and entropy coefficient are fields of each script's `AlgoArgs` (SAPO
+    has no clip, CISPO no dual clip). `--actor.clip-low` and its siblings are refused, and the message names
+    `--algo.clip-low` where the script has it; the new flag sets the field the loss reads."""
+    import dataclasses
+
+    import tyro
+
+    monkeypatch.setenv("COLUMNS", "200")  # rich does not wrap a flag name
+    module = importlib.import_module(f"algos.{script}")
+    fields = {f.name for f in dataclasses.fields(module.AlgoArgs)}
+    assert not fields.isdisjoint({"level", "entropy_coef"})  # every script reads these two
+    for flag, value, parsed in [("clip-low", "0.1", 0.1), ("clip-high", "0.28", 0.28), ("dual-clip", "3", 3.0),
+                                ("level", "sequence", "sequence"), ("entropy-coef", "0.01", 0.01)]:  # fmt: skip
+        name = flag.replace("-", "_")
+        with pytest.raises(SystemExit):
+            tyro.cli(module.Args, args=[f"--actor.{flag}", value])
+        said = "".join(capsys.readouterr())
+        assert f"--actor.{flag}" in said
+        if name in fields:
+            assert f"--algo.{flag}" in said
+            assert getattr(tyro.cli(module.Args, args=[f"--algo.{flag}", value]).algo, name) == parsed
+        else:
+            with pytest.raises(SystemExit):
+                tyro.cli(module.Args, args=[f"--algo.{flag}", value])
+    capsys.readouterr()
+
+
 def test_dual_clip_flag_must_be_above_one():
     from algos import grpo
     from core.config import check_args
 
     for bad in (1.0, 0.5):
         args = grpo.Args()
-        args.actor.dual_clip = bad
-        with pytest.raises(ValueError, match=f"--actor.dual-clip {bad}: must be > 1"):
+        args.algo.dual_clip = bad
+        with pytest.raises(ValueError, match=f"--algo.dual-clip {bad}: must be > 1"):
             check_args(args)
 
 

@@ -193,7 +193,7 @@ def test_help_lists_grouped_flags():
     out = subprocess.run([sys.executable, str(REPO / "algos" / "ppo.py"), "--help"], capture_output=True, text=True,
                          timeout=120)  # fmt: skip
     assert out.returncode == 0, out.stderr
-    for flag in ("--actor.lr", "--actor.clip-high", "--actor.model.name-or-path", "--critic.name-or-path",
+    for flag in ("--actor.lr", "--algo.clip-high", "--actor.model.name-or-path", "--critic.name-or-path",
                  "--critic.lr", "--critic.value-clip", "--critic.warmup-steps", "--reward.func", "--rollout.n-samples",
                  "--algo.kl-coef", "--algo.gamma", "--algo.lam", "--algo.whiten-advantages", "--vllm.sync-bucket-mb",
                  "--ds.zero-stage", "--eval.k", "--train.ranks", "--ray.num-cpus", "--rollout.env-file",

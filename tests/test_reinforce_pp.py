@@ -169,7 +169,7 @@ def test_help_lists_grouped_flags():
     out = subprocess.run([sys.executable, str(REPO / "algos" / "reinforce_pp.py"), "--help"], capture_output=True,
                          text=True, timeout=120)  # fmt: skip
     assert out.returncode == 0, out.stderr
-    for flag in ("--actor.lr", "--actor.clip-high", "--actor.model.name-or-path", "--reward.func",
+    for flag in ("--actor.lr", "--algo.clip-high", "--actor.model.name-or-path", "--reward.func",
                  "--rollout.n-samples", "--algo.kl-coef", "--algo.kl-estimator", "--algo.baseline", "--algo.gamma",
                  "--vllm.sync-bucket-mb", "--ds.zero-stage", "--eval.k"):  # fmt: skip
         assert flag in out.stdout, flag

@@ -48,7 +48,7 @@ def test_trace_records_each_watched_row_once_as_the_loss_used_it():
 
 
 def test_the_trace_holds_the_ratio_a_sequence_level_loss_used():
-    """GSPO's ratio (`--actor.level sequence`) is one number per sequence: the trace shows that number on every token,
+    """GSPO's ratio (`--algo.level sequence`) is one number per sequence: the trace shows that number on every token,
     as the loss used it, not a per-token exp(logp − old) recomputed beside it."""
     from algos import grpo
 

@@ -58,11 +58,7 @@ def test_a_hotter_gate_fades_an_off_policy_token_faster():
     assert grads[0] > grads[1] > grads[2] > 0
 
 
-def test_clip_flags_and_bad_temperatures_are_refused(tmp_path):
-    args = Args(run_dir=str(tmp_path / "run"))
-    args.actor.clip_high = 0.28
-    with pytest.raises(ValueError, match="SAPO has no clip"):
-        main(args)
+def test_bad_temperatures_are_refused(tmp_path):
     args = Args(run_dir=str(tmp_path / "run"))
     args.algo.tau_pos, args.algo.tau_neg = 2.0, 1.0
     with pytest.raises(ValueError, match="need 0 < τ_pos <= τ_neg"):

@@ -47,20 +47,8 @@ import torch
 import tyro
 
 from agents.make import check_episode_files, load_reward, make_executor
+from core import config, flags, rl, rl_math, rollout, samples
 from core import engine as ds_engine
-from core import flags, rl, rl_math, rollout, samples
-from core.config import (
-    ActorArgs,
-    CkptConfig,
-    DataConfig,
-    DSConfig,
-    EvalArgs,
-    LoggerConfig,
-    RefConfig,
-    RolloutArgs,
-    TrainArgs,
-    check_args,
-)
 from core.logger import Meter, timer
 from core.placement import RayConfig, group
 from core.rollout import VLLMConfig
@@ -82,6 +70,16 @@ class AlgoArgs:
     """generation rounds per step at most when refilling; a batch still short after them trains on what it has."""
     loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
     """loss aggregation (see core/rl_math.aggregate_loss)."""
+    clip_low: flags.NonNegFloat = 0.2
+    """ε_low: ratio lower clip 1 − ε_low."""
+    clip_high: flags.NonNegFloat = 0.2
+    """ε_high: ratio upper clip 1 + ε_high (DAPO's clip-higher uses 0.28)."""
+    dual_clip: flags.AboveOne | None = None
+    """dual-clip constant c > 1 (Ye et al. 2020): bounds the loss of negative-advantage tokens at c·|A|."""
+    level: Literal["token", "sequence"] = "token"
+    """importance ratio per token (PPO/GRPO) or per sequence (GSPO, Zheng et al. 2025)."""
+    entropy_coef: flags.NonNegFloat = 0.0
+    """entropy bonus coefficient (0: off, no extra memory)."""
     kl_coef: flags.NonNegFloat = 0.0
     """β of the k3 KL penalty in the loss; 0 loads no reference model."""
     kl_target: flags.PosFloat | None = None
@@ -101,18 +99,18 @@ class AlgoArgs:
 class Args:
     exp_name: str = Path(__file__).stem
     """run name prefix; defaults to this file's name, so a copied script names its own runs."""
-    actor: ActorArgs = field(default_factory=ActorArgs)
-    ref: RefConfig = field(default_factory=RefConfig)
+    actor: config.ActorArgs = field(default_factory=config.ActorArgs)
+    ref: config.RefConfig = field(default_factory=config.RefConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
-    rollout: RolloutArgs = field(default_factory=RolloutArgs)
-    train: TrainArgs = field(default_factory=TrainArgs)
+    rollout: config.RolloutArgs = field(default_factory=config.RolloutArgs)
+    train: config.TrainArgs = field(default_factory=config.TrainArgs)
     algo: AlgoArgs = field(default_factory=AlgoArgs)
-    eval: EvalArgs = field(default_factory=EvalArgs)
-    data: DataConfig = field(default_factory=DataConfig)
+    eval: config.EvalArgs = field(default_factory=config.EvalArgs)
+    data: config.DataConfig = field(default_factory=config.DataConfig)
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
-    ds: DSConfig = field(default_factory=DSConfig)
-    ckpt: CkptConfig = field(default_factory=CkptConfig)
-    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    ds: config.DSConfig = field(default_factory=config.DSConfig)
+    ckpt: config.CkptConfig = field(default_factory=config.CkptConfig)
+    logger: config.LoggerConfig = field(default_factory=config.LoggerConfig)
     ray: RayConfig = field(default_factory=RayConfig)
     run_dir: str | None = None
     """run folder; default `<logger.run-root>/<exp_name>__<seed>__<time>`. An existing one resumes."""
@@ -165,7 +163,7 @@ def update(actor, ref, seqs: dict, adv: torch.Tensor, args: Args, run: rl.Run, s
     """Minibatches of the loss over one rollout: old and reference log-probs first (by the trainer), then
     `--train.epochs` passes of `--train.minibatches` optimizer steps; `trace` keeps what the loss saw of a few samples
     (samples.jsonl). seqs: (B, L) batch; adv: (B,) -> metrics."""
-    mask, temp, world, a = seqs["loss_mask"], args.rollout.temperature, run.world, args.actor
+    mask, temp, world = seqs["loss_mask"], args.rollout.temperature, run.world
     adv_tok = adv[:, None].expand_as(mask).float()
     batches = rl.minibatches(seqs, args, step, run.rank, world)
     mine = [m for _, micro in batches for m in micro]  # this rank's rows
@@ -177,15 +175,15 @@ def update(actor, ref, seqs: dict, adv: torch.Tensor, args: Args, run: rl.Run, s
     meter = Meter()
     # Dr.GRPO's constant normaliser is the generation budget, not the padded width of the batch
     max_len = args.rollout.max_new_tokens if args.algo.loss_agg == "seq-mean-token-sum-norm" else mask.shape[1]
-    loss_fn = partial(policy_loss, clip_low=a.clip_low, clip_high=a.clip_high, dual_clip=a.dual_clip, level=a.level,
-                      is_correction=args.algo.is_correction, is_threshold=args.algo.is_threshold,
-                      entropy_coef=a.entropy_coef, agg=args.algo.loss_agg, max_len=max_len,
-                      kl_coef=kl_coef, kl_estimator=args.algo.kl_estimator)  # fmt: skip
+    loss_fn = partial(policy_loss, clip_low=args.algo.clip_low, clip_high=args.algo.clip_high,
+                      dual_clip=args.algo.dual_clip, level=args.algo.level, is_correction=args.algo.is_correction,
+                      is_threshold=args.algo.is_threshold, entropy_coef=args.algo.entropy_coef, agg=args.algo.loss_agg,
+                      max_len=max_len, kl_coef=kl_coef, kl_estimator=args.algo.kl_estimator)  # fmt: skip
     for _ in range(args.train.epochs):
         for k, (minibatch, micro) in enumerate(batches):  # normalisers: the whole minibatch, every rank
             norm = {"num_tokens": mask[minibatch].sum().item(), "num_seqs": len(minibatch)}
             for r, mb, real, last in rl.micro_batches(seqs, micro):
-                logp, ent = rl.forward_logp(actor, mb, temp, a.entropy_coef > 0)
+                logp, ent = rl.forward_logp(actor, mb, temp, args.algo.entropy_coef > 0)
                 old = logp.detach() if on_policy else old_logp[r]
                 loss, metrics, used = loss_fn(logp, old, adv_tok[r], mb["loss_mask"], rollout_logp=mb["rollout_logp"],
                                               ent=ent, ref_logp=None if ref is None else ref_logp[r], **norm)  # fmt: skip
@@ -199,7 +197,7 @@ def update(actor, ref, seqs: dict, adv: torch.Tensor, args: Args, run: rl.Run, s
 
 def main(args: Args, engines: rollout.RolloutEngines | None = None, groups: dict | None = None) -> dict:
     # 1. setup ------------------------------------------------------------------------------------------------
-    check_args(args)  # PLUMBING: generic flag rules (sizes > 0, finite floats, ...) before anything is loaded
+    config.check_args(args)  # PLUMBING: generic flag rules (sizes > 0, finite floats, ...) before anything is loaded
     if args.rollout.n_samples < 2:  # ALGO LOGIC: a group of one has no baseline
         raise ValueError(f"--rollout.n-samples {args.rollout.n_samples}: the group-relative advantage needs at least "
                          "2 samples per prompt (with --algo.filter-zero-variance every group of 1 is dropped)")  # fmt: skip
