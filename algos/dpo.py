@@ -33,6 +33,7 @@ A real model and dataset:
 
 from __future__ import annotations
 
+import math
 import os
 import random
 import time
@@ -145,6 +146,13 @@ def dpo_loss(policy_chosen_logps: torch.Tensor, policy_rejected_logps: torch.Ten
     chosen_rewards = beta * (policy_chosen_logps - ref_chosen_logps).detach()
     rejected_rewards = beta * (policy_rejected_logps - ref_rejected_logps).detach()
     return losses.mean(), chosen_rewards, rejected_rewards
+
+
+# ALGO LOGIC: the learning-rate schedule, the multiplier of --train.lr at each optimizer step (CleanRL anneals by hand).
+def lr_schedule(update: int, warmup: int, total: int, floor: float) -> float:
+    """Linear warm-up over `warmup` optimizer steps, then cosine decay from 1 to `floor` at update `total`."""
+    progress = min(1.0, (update - warmup) / max(1, total - warmup))  # of the decay, after the warm-up
+    return (update + 1) / warmup if update < warmup else floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 def pair_logps(model, pairs: list[dict], device, share_prompt: bool = False,
@@ -270,8 +278,11 @@ def main(args: Args) -> dict:
         raise ValueError("--train.sp-size splits packed rows by position ids; prompt sharing needs a 4D mask: add "
                          "--train.no-share-prompt")  # fmt: skip
     dp_rank, dp_world = sequence_parallel.setup(model, sp)
-    engine = ds_engine.make_engine(model, args.ds, args.train.lr, args.train.max_steps, args.train.warmup_steps,
-                                   args.train.min_lr_ratio, args.train.weight_decay, args.train.adam_betas)  # fmt: skip
+    schedule = partial(lr_schedule, warmup=args.train.warmup_steps, total=args.train.max_steps,
+                       floor=args.train.min_lr_ratio)  # per optimizer step
+    engine = ds_engine.make_engine(model, args.ds, args.train.lr, args.train.max_steps,
+                                   weight_decay=args.train.weight_decay, betas=args.train.adam_betas,
+                                   schedule=schedule)  # fmt: skip
     ref_model = None
     if args.train.live_ref and args.model.lora_rank == 0:  # DEVIATION(1): a frozen full replica per rank
         ref_model = models.load_causal_lm(replace(args.model, gradient_checkpointing=False)).to(device).eval()

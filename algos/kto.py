@@ -34,6 +34,7 @@ A real model and dataset (rows: prompt, completion, label true/false):
 
 from __future__ import annotations
 
+import math
 import os
 import random
 import time
@@ -132,6 +133,13 @@ def kto_loss(policy_logps: torch.Tensor, ref_logps: torch.Tensor, desirable: tor
                         undesirable_weight * torch.sigmoid(beta * (z - r)))  # fmt: skip
     lam = torch.where(desirable, desirable_weight, undesirable_weight)
     return (lam - value).mean(), beta * r.detach()
+
+
+# ALGO LOGIC: the learning-rate schedule, the multiplier of --train.lr at each optimizer step (CleanRL anneals by hand).
+def lr_schedule(update: int, warmup: int, total: int, floor: float) -> float:
+    """Linear warm-up over `warmup` optimizer steps, then cosine decay from 1 to `floor` at update `total`."""
+    progress = min(1.0, (update - warmup) / max(1, total - warmup))  # of the decay, after the warm-up
+    return (update + 1) / warmup if update < warmup else floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 def kto_example(row: dict, tokenizer, cfg: DataConfig, completion_key: str, desirable_key: str) -> dict:
@@ -243,8 +251,11 @@ def main(args: Args) -> dict:
     order = torch.randperm(len(train_set), generator=torch.Generator().manual_seed(args.train.seed)).tolist()
     partner = {order[k]: order[(k + 1) % len(order)] for k in range(len(order))}
     model = models.load_causal_lm(args.model).to(device)
-    engine = ds_engine.make_engine(model, args.ds, args.train.lr, args.train.max_steps, args.train.warmup_steps,
-                                   args.train.min_lr_ratio, args.train.weight_decay, args.train.adam_betas)  # fmt: skip
+    schedule = partial(lr_schedule, warmup=args.train.warmup_steps, total=args.train.max_steps,
+                       floor=args.train.min_lr_ratio)  # per optimizer step
+    engine = ds_engine.make_engine(model, args.ds, args.train.lr, args.train.max_steps,
+                                   weight_decay=args.train.weight_decay, betas=args.train.adam_betas,
+                                   schedule=schedule)  # fmt: skip
 
     run_dir = Path(args.run_dir or Path(args.logger.run_root) / run_name(args.exp_name, args.train.seed))
     ckpt_dir = Path(args.ckpt.dir or run_dir / "checkpoints")

@@ -221,8 +221,9 @@ def make_critic(args: Args, device: torch.device, total_updates: int):
                                         args.actor.model.dtype, args.actor.model.attn_implementation, flag)  # fmt: skip
     critic = models.TokenValues(body).to(device)
     sequence_parallel.setup(critic, args.train.sp_size)  # --train.sp-size N: its forwards split the rows as the actor's
-    return ds_engine.make_engine(critic, args.ds, args.critic.lr, total_updates, args.critic.lr_warmup_steps,
-                                 hybrid=args.vllm.enable_sleep)  # fmt: skip
+    schedule = partial(lr_schedule, warmup=args.critic.lr_warmup_steps, total=total_updates, floor=0.1)  # its own
+    return ds_engine.make_engine(critic, args.ds, args.critic.lr, total_updates, hybrid=args.vllm.enable_sleep,
+                                 schedule=schedule)  # fmt: skip
 
 
 def forward_values(critic, batch: dict) -> torch.Tensor:

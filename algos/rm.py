@@ -28,6 +28,7 @@ Serve it:
 
 from __future__ import annotations
 
+import math
 import os
 import random
 import time
@@ -125,6 +126,13 @@ def reward_loss(chosen: torch.Tensor, rejected: torch.Tensor, margin: torch.Tens
             raise ValueError("reward_loss: the logexp loss takes no margin (use kind='sigmoid')")
         return F.softplus(rejected - chosen).mean()
     raise ValueError(f"unknown reward loss {kind!r}: expected sigmoid or logexp")
+
+
+# ALGO LOGIC: the learning-rate schedule, the multiplier of --train.lr at each optimizer step (CleanRL anneals by hand).
+def lr_schedule(update: int, warmup: int, total: int, floor: float) -> float:
+    """Linear warm-up over `warmup` optimizer steps, then cosine decay from 1 to `floor` at update `total`."""
+    progress = min(1.0, (update - warmup) / max(1, total - warmup))  # of the decay, after the warm-up
+    return (update + 1) / warmup if update < warmup else floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
 def packed_scores(model, seqs: list[list[int]], device) -> torch.Tensor:
@@ -246,8 +254,11 @@ def main(args: Args) -> dict:
     if args.model.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     torch.manual_seed(args.train.seed + rank)
-    engine = ds_engine.make_engine(models.TokenValues(model), args.ds, args.train.lr, args.train.max_steps, args.train.warmup_steps,
-                                   args.train.min_lr_ratio, args.train.weight_decay, args.train.adam_betas)  # fmt: skip
+    schedule = partial(lr_schedule, warmup=args.train.warmup_steps, total=args.train.max_steps,
+                       floor=args.train.min_lr_ratio)  # per optimizer step
+    engine = ds_engine.make_engine(models.TokenValues(model), args.ds, args.train.lr, args.train.max_steps,
+                                   weight_decay=args.train.weight_decay, betas=args.train.adam_betas,
+                                   schedule=schedule)  # fmt: skip
     pad_id = tokenizer.pad_token_id
 
     run_dir = Path(args.run_dir or Path(args.logger.run_root) / run_name(args.exp_name, args.train.seed))

@@ -36,6 +36,7 @@ A real model and dataset:
 
 from __future__ import annotations
 
+import math
 import os
 import random
 import sys
@@ -139,6 +140,13 @@ def sft_loss(logp: torch.Tensor, mask: torch.Tensor, num_tokens: float) -> torch
     return -(logp * mask).sum() / num_tokens
 
 
+# ALGO LOGIC: the learning-rate schedule, the multiplier of --train.lr at each optimizer step (CleanRL anneals by hand).
+def lr_schedule(update: int, warmup: int, total: int, floor: float) -> float:
+    """Linear warm-up over `warmup` optimizer steps, then cosine decay from 1 to `floor` at update `total`."""
+    progress = min(1.0, (update - warmup) / max(1, total - warmup))  # of the decay, after the warm-up
+    return (update + 1) / warmup if update < warmup else floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
 def sft_example_with_label(row: dict, tokenizer, cfg: DataConfig, mode: str) -> dict:
     """`data.sft_example` plus the reference response text, for the exact-match eval."""
     label = row.get(cfg.output_key) if mode == "single" else None
@@ -237,8 +245,11 @@ def main(args: Args) -> dict:
     router_aux_coef = args.train.router_aux_coef
     if router_aux_coef is None:
         router_aux_coef = getattr(model.config, "router_aux_loss_coef", 0.0)
-    engine = ds_engine.make_engine(model, args.ds, args.train.lr, args.train.max_steps, args.train.warmup_steps,
-                                   args.train.min_lr_ratio, args.train.weight_decay, args.train.adam_betas)  # fmt: skip
+    schedule = partial(lr_schedule, warmup=args.train.warmup_steps, total=args.train.max_steps,
+                       floor=args.train.min_lr_ratio)  # per optimizer step
+    engine = ds_engine.make_engine(model, args.ds, args.train.lr, args.train.max_steps,
+                                   weight_decay=args.train.weight_decay, betas=args.train.adam_betas,
+                                   schedule=schedule)  # fmt: skip
 
     run_dir = Path(args.run_dir or Path(args.logger.run_root) / run_name(args.exp_name, args.train.seed))
     ckpt_dir = Path(args.ckpt.dir or run_dir / "checkpoints")

@@ -284,8 +284,9 @@ def make_engine(model, ds: DSConfig, lr: float, total_steps: int, warmup_steps: 
                 ema_beta: float = 0.0, schedule: Callable[[int], float] | None = None):  # fmt: skip
     """Wrap `model` in a DeepSpeed engine with AdamW over its trainable parameters (DeepSpeed's FusedAdam on CUDA,
     torch's on CPU; `--ds.optimizer muon`: `muon_optimizer`) and a learning-rate schedule: `schedule(update)`, the
-    peak lr's multiplier at each optimizer step, when the script gives one (the RL scripts' `lr_schedule`), else a
-    warmup/cosine one (`lr_lambda(warmup_steps, total_steps, min_lr_ratio)`). `hybrid`: the engine's
+    peak lr's multiplier at each optimizer step, when the caller gives one (every training script passes its own
+    `lr_schedule`), else a warmup/cosine one (`lr_lambda(warmup_steps, total_steps, min_lr_ratio)`, for tests and
+    benchmarks). `hybrid`: the engine's
     states will be moved off the GPU while vLLM generates (`core.placement.offload_states`). `ema_beta` > 0: keep an
     EMA of the weights (`ema_init`). Returns the engine; `engine.module` is the model, `engine.lr_scheduler` the
     schedule."""

@@ -200,16 +200,21 @@ def test_a_fork_adds_a_model_group_of_its_own_without_touching_core(tmp_path, on
 
 
 def test_the_learning_rate_schedule_is_the_scripts(tiny_path):
-    """Each RL script writes its learning-rate schedule (`lr_schedule`: warm-up, then cosine to a floor) and hands it
-    to core (`rl.make_actor(..., schedule=...)`), which the optimizer then follows step by step; the scripts' schedule
-    gives the multipliers core's default gives, so a run trains as it did."""
+    """Each training script writes its learning-rate schedule (`lr_schedule`: warm-up, then cosine to a floor) and
+    hands it to core (`rl.make_actor(..., schedule=...)`, `make_engine(..., schedule=...)`; PPO's critic too), which
+    the optimizer then follows step by step; the scripts' schedule gives the multipliers core's default gives, so a
+    run trains as it did."""
     from core import engine as ds_engine
     from core import models
     from core.config import DSConfig, ModelConfig
 
-    for script in RL_SCRIPTS:
+    for script in [*RL_SCRIPTS, "sft", "dpo", "kto", "rm"]:
         module = importlib.import_module(f"algos.{script}")
-        assert "rl.make_actor(args, device, schedule=schedule)" in Path(module.__file__).read_text(), script
+        text = Path(module.__file__).read_text()
+        assert ("rl.make_actor(args, device, schedule=schedule)" if script in RL_SCRIPTS else "schedule=schedule)") in text
+        if script == "ppo":  # the critic's optimizer follows the script's schedule too
+            assert "make_engine(critic, args.ds, args.critic.lr, total_updates, hybrid=args.vllm.enable_sleep,\n" \
+                   "                                 schedule=schedule)" in text  # fmt: skip
         for warmup, total, floor in ((0, 80, 0.1), (3, 12, 0.2)):
             default = ds_engine.lr_lambda(warmup, total, floor)
             assert [module.lr_schedule(u, warmup, total, floor) for u in range(total + 3)] == [
