@@ -583,7 +583,7 @@ def minibatches(seqs: dict, args, step: int, rank: int, world: int) -> list[tupl
     (`placement.shard_minibatch`); every rank gets as many micro-batches as every other (a padding one is `real`
     False and its loss counts 0)."""
     n, lengths = len(seqs["loss_mask"]), seqs["attention_mask"].sum(1).tolist()
-    sp = getattr(args.train, "sp_size", 1)  # --train.sp-size: the ranks of an SP group share their micro-batches
+    sp = args.train.sp_size  # --train.sp-size: the ranks of an SP group share their micro-batches
     rank, world = rank // sp, world // sp
     order = list(range(n))
     random.Random(args.train.seed + step).shuffle(order)
@@ -665,7 +665,7 @@ def logp_table(model, rank: int, world: int, seqs: dict, args, step: int) -> tor
     mine = [m for _, micro in minibatches(seqs, args, step, rank, world) for m in micro]
     with ds_engine.on_device(model, seqs["loss_mask"].device):
         return forward_rows(lambda b: forward_logp(model, b, args.rollout.temperature)[0], seqs, mine, world, True,
-                            getattr(args.train, "sp_size", 1))  # fmt: skip
+                            args.train.sp_size)  # fmt: skip
 
 
 def router_aux(model) -> dict:

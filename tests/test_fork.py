@@ -118,27 +118,6 @@ def test_a_step_that_trains_nothing_says_so(tmp_path, one_thread, capsys):
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps_without_update"] == 2
 
 
-@pytest.mark.slow
-def test_sapo_trains_with_lora_on_two_ray_ranks_like_one_process(tmp_path):
-    """sapo.py takes `--train.ranks 2` and `--actor.model.lora-rank` as grpo.py does: LoRA adapters on two ZeRO-3 ranks
-    under Ray (the engine gets the merged weights, `--debug` checks them) give one process's first step. (cispo.py runs
-    the same lines of core with another loss; its two-rank run added two minutes to the suite on a 2-core Xeon.)"""
-    from conftest import f32_rtol, ranks_2_vs_1, zero3_other_reference
-
-    from algos import sapo as module
-
-    def lora(args, ranks):
-        zero3_other_reference(args, ranks)
-        args.actor.model.lora_rank, args.actor.lr = 4, 1e-3
-
-    rows = ranks_2_vs_1(module.Args, module.main, tmp_path, lora)
-    assert len(rows[2]) == 2  # one row per step: only rank 0 logs
-    first2, first1 = rows[2][0], rows[1][0]
-    assert first2["rollout/reward_mean"] == first1["rollout/reward_mean"] and first1["loss/kl"] > 0.1
-    for key in ("loss/policy", "train/grad_norm", "loss/kl", "loss/gate_weight"):  # 16 x 8 rows of <= 16 tokens
-        assert first2[key] == pytest.approx(first1[key], rel=max(1e-4, f32_rtol(16 * 8 * 16)), abs=1e-6), key
-
-
 def fork_with_a_group_of_its_own(folder: Path):
     """algos/grpo.py copied with a second frozen reference, `ref2`, used only for a logged KL (`ref2/kl`, k3 of the
     sampled tokens against it, ≥ 0 per token): its own `--ref2.*` flags, declared among the script's placed models, built where

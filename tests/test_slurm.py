@@ -98,17 +98,34 @@ def test_grpo_ray_sbatch_spreads_ranks_and_engines_over_two_nodes_and_learns(slu
     assert not (address_file.exists() and f":{port}" in address_file.read_text())
 
 
-def test_a_cancelled_grpo_job_resubmitted_with_its_run_folder_resumes(slurm, tmp_path):
+def rollout_rows(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    return sum("rollout/" in line for line in path.read_text().splitlines()) if path.exists() else 0
+
+
+def wait_for_rows(slurm, job: int, run_dir: Path, out: Path, n: int, timeout_s: float = 600) -> None:
+    deadline = time.time() + timeout_s
+    while rollout_rows(run_dir) < n:
+        assert time.time() < deadline, f"no {n} logged steps within {timeout_s} s: {out.read_text()[-3000:]}"
+        assert slurm.state(job) in ("PENDING", "RUNNING"), out.read_text()[-3000:]
+        time.sleep(1)
+
+
+def test_a_cancelled_job_and_a_lost_node_end_cleanly_and_the_same_command_resumes(slurm, tmp_path):
+    """One run folder, three submissions of the same command (6 steps, a checkpoint after each):
+    1. cancelled with `scancel` after two checkpointed steps: the batch file stops Ray on both nodes on its way out
+       and no process of the job is left;
+    2. resubmitted, it resumes; one step later the second node vanishes (its slurmd, the Ray worker node and the
+       trainer rank, engine on it SIGKILLed): the run ends within a minute with the lost actor named and the step it
+       stopped in, the batch script fails instead of hanging, nothing of the job is left on the first node, and the
+       run folder holds a checkpoint. The node is restored afterwards;
+    3. resubmitted once more, it runs to the end: every step was logged once, across the three jobs."""
     run_dir, port = tmp_path / "grpo", 6393
     flags = ("--train.max-steps", "6", "--rollout.batch-size", "16", "--eval.every", "0", "--ckpt.every", "1")
+
+    # 1. scancel
     job = grpo_job(slurm, tmp_path, run_dir, port, *flags)
-    deadline = time.time() + 600
-    while time.time() < deadline:  # cancel once two steps are checkpointed
-        if (run_dir / "metrics.jsonl").exists() and sum("rollout/" in line for line in
-                                                        (run_dir / "metrics.jsonl").read_text().splitlines()) >= 3:  # fmt: skip
-            break
-        assert slurm.state(job) in ("PENDING", "RUNNING"), (tmp_path / f"grpo-{job}.out").read_text()[-3000:]
-        time.sleep(1)
+    wait_for_rows(slurm, job, run_dir, tmp_path / f"grpo-{job}.out", 3)
     slurm.run(["scancel", str(job)])
     assert slurm.wait(job, timeout_s=120) == "CANCELLED"
     assert not wait_for_no_leftovers(f"127.0.0.2:{port}"), "Ray processes outlived the cancelled job"
@@ -116,30 +133,10 @@ def test_a_cancelled_grpo_job_resubmitted_with_its_run_folder_resumes(slurm, tmp
     done_before = {m["step"] for m in metrics(run_dir) if "rollout/reward_mean" in m}
     assert 2 <= len(done_before) < 6, done_before
 
-    job = grpo_job(slurm, tmp_path, run_dir, port, *flags)  # the same command
-    state = slurm.wait(job, timeout_s=600)
-    assert state == "COMPLETED", (tmp_path / f"grpo-{job}.out").read_text()[-3000:]
-    steps = [m["step"] for m in metrics(run_dir) if "rollout/reward_mean" in m]
-    assert sorted(set(steps)) == list(range(1, 7)) and len(steps) == len(set(steps)), steps  # each step once
-    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 6
-
-
-def test_a_node_lost_mid_run_ends_the_job_with_a_clear_message(slurm, tmp_path):
-    """The second node vanishes (its slurmd, the Ray worker node and the trainer rank, engine on it SIGKILLed) after
-    two checkpointed steps: the run ends within a minute with the lost actor named and the step it stopped in, the
-    batch script fails instead of hanging, nothing of the job is left on the first node, and the same run folder
-    holds the checkpoint a resubmitted job resumes from. Last in the file: the node is restored afterwards."""
-    run_dir, port = tmp_path / "grpo", 6395
-    flags = ("--train.max-steps", "8", "--rollout.batch-size", "16", "--eval.every", "0", "--ckpt.every", "1")
+    # 2. resumed, then the second node is lost
     job = grpo_job(slurm, tmp_path, run_dir, port, *flags)
     out = tmp_path / f"grpo-{job}.out"
-    deadline = time.time() + 600
-    while time.time() < deadline:  # two steps checkpointed
-        if (run_dir / "metrics.jsonl").exists() and sum("rollout/" in line for line in
-                                                        (run_dir / "metrics.jsonl").read_text().splitlines()) >= 3:  # fmt: skip
-            break
-        assert slurm.state(job) in ("PENDING", "RUNNING"), out.read_text()[-3000:]
-        time.sleep(1)
+    wait_for_rows(slurm, job, run_dir, out, rollout_rows(run_dir) + 1)
     try:
         assert slurm.lose_node("n2") >= 3  # slurmd, its job step and the Ray node under it
         lost = time.time()
@@ -159,3 +156,11 @@ def test_a_node_lost_mid_run_ends_the_job_with_a_clear_message(slurm, tmp_path):
         assert checkpoint.latest(run_dir / "checkpoints") is not None
     finally:
         slurm.restore_node("n2")
+
+    # 3. to the end
+    job = grpo_job(slurm, tmp_path, run_dir, port, *flags)  # the same command
+    state = slurm.wait(job, timeout_s=600)
+    assert state == "COMPLETED", (tmp_path / f"grpo-{job}.out").read_text()[-3000:]
+    steps = [m["step"] for m in metrics(run_dir) if "rollout/reward_mean" in m]
+    assert sorted(set(steps)) == list(range(1, 7)) and len(steps) == len(set(steps)), steps  # each step once
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 6
