@@ -66,7 +66,7 @@ def test_copies_with_renamed_algo_fields_run_and_log_the_same_names(tmp_path, on
         assert args.exp_name == f"{script}_renamed"  # a copy names its own runs
         args.train.max_steps, args.rollout.batch_size, args.rollout.n_samples = 1, 8, 4
         args.eval.every, args.eval.max_samples = 0, 8
-        args.algo.entropy_coef = 0.01
+        args.algo.x_entropy_coef = 0.01  # the entropy bonus and the KL term, under their renamed fields
         args.algo.x_kl_coef = 0.05
         if script == "opd":
             args.teacher.model = "cleanrlhf/tiny"  # the student's own starting model: no teacher to build
