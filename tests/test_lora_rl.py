@@ -245,6 +245,7 @@ def test_grpo_lora_on_two_zero3_ranks(mode, tmp_path, one_thread):
     the merged weights (or the factors) are gathered a layer at a time on both ranks, rank 0 sends them to the engine
     actor, and `--debug`'s check passes after every sync. Merged: the first step is one process's (`ranks_2_vs_1`:
     the same samples, losses and gradient norm), the check every RL script's LoRA path shares."""
+    import ray
     from conftest import f32_rtol, ranks_2_vs_1
 
     from algos.grpo import Args, main
@@ -258,7 +259,16 @@ def test_grpo_lora_on_two_zero3_ranks(mode, tmp_path, one_thread):
         assert len(rows) == 2 and first2["rollout/reward_mean"] == first1["rollout/reward_mean"]  # the same samples
         for key in ("loss/policy", "train/grad_norm", "loss/clipfrac"):  # 16 x 8 rows of <= 16 tokens
             assert first2[key] == pytest.approx(first1[key], rel=max(1e-4, f32_rtol(16 * 8 * 16)), abs=1e-6), key
-    else:
-        rows = ranks_2_vs_1(Args, main, tmp_path, lora, only_ranks=(2,))[2]
+    else:  # the 2-rank run alone
+        args = Args()
+        lora(args, 2)
+        args.train.ranks, args.ds.zero_stage, args.train.max_steps, args.rollout.batch_size = 2, 3, 2, 16
+        args.eval.every, args.debug, args.ray.num_cpus = 0, True, 4
+        args.logger.quiet, args.logger.tensorboard, args.run_dir = True, False, str(tmp_path / "z3")
+        try:
+            main(args)
+        finally:
+            ray.shutdown()
+        rows = [json.loads(line) for line in (tmp_path / "z3" / "metrics.jsonl").read_text().splitlines()]
     synced = [r for r in rows if "sync/mb" in r]
     assert synced and all("perf/debug_check_s" in r for r in synced)
