@@ -231,13 +231,13 @@ def update(actor, ref, teacher, seqs: dict, task_adv: torch.Tensor | None, args:
     then `--train.epochs` passes of `--train.minibatches` optimizer steps; `trace` keeps what the loss saw of a few
     samples (samples.jsonl). seqs: (B, L) batch; task_adv: (B,) | None."""
     mask, temp, world = seqs["loss_mask"], args.rollout.temperature, run.world
-    batches = rl.minibatches(seqs, args, step, run.rank, world)
+    batches = rl.minibatches(seqs, args.train, step, run.rank, world)
     mine = [m for _, micro in batches for m in micro]  # this rank's rows
     # the advantage needs the sampling policy's log-probs of every row (also when on-policy), so they are gathered
     old_logp = rl.forward_rows(lambda b: rl.forward_logp(actor, b, temp)[0], seqs, mine, world, True,
                                args.train.sp_size)  # on all ranks  # fmt: skip
-    teacher_logp = rl.on_model(teacher, rl.logp_table, seqs, args, step, run=run)  # or --teacher.ranks
-    ref_logp = None if ref is None else rl.on_model(ref, rl.logp_table, seqs, args, step, run=run)  # or --ref.ranks
+    teacher_logp = rl.on_model(teacher, rl.logp_table, seqs, args.train, temp, step, run=run)  # or --teacher.ranks
+    ref_logp = None if ref is None else rl.on_model(ref, rl.logp_table, seqs, args.train, temp, step, run=run)
     meter = Meter()
     # ALGO LOGIC: the teacher's log-prob of each sampled token minus the student's: (B, L) prompt-major, by row below
     adv_tok = distill_advantages(teacher_logp, old_logp, mask, task_adv, args.algo.reward_coef)
@@ -284,16 +284,16 @@ def main(args: Args, engines: rollout.RolloutEngines | None = None, groups: dict
               "reward": reward_group(args.reward)}  # fmt: skip
     if engines is None:  # the files the episodes read (reward, agent, environment), checked before anything loads
         check_episode_files(args.rollout, args.reward)
-        if rl.needs_launch(args, placed):
+        if rl.needs_launch(args.train, placed):
             return rl.launch(main, args, placed)
-    rank, world, device = rl.init_rank(args, engines)
+    rank, world, device = rl.init_rank(engines, args.ds, args.train.seed, args.run_dir)
     tokenizer, train_set, eval_set = rl.load_task(args)
     reward = load_reward(args.rollout, args.reward, (groups or {}).get("reward"))  # None: the episodes reward themselves
     schedule = partial(lr_schedule, warmup=args.actor.warmup_steps, floor=args.actor.min_lr_ratio,
                        total=args.train.max_steps * args.train.minibatches * args.train.epochs)  # optimizer steps
     actor = rl.make_actor(args, device, schedule=schedule)
-    ref = rl.make_ref(args, device, groups, actor) if uses_ref else None  # LoRA: the actor with its adapters off
-    teacher = rl.build_model(groups, "teacher", load_teacher, args, device)  # PLUMBING: here, or its --teacher.ranks
+    ref = rl.make_ref(args.ref, args.actor.model, device, groups, actor) if uses_ref else None  # LoRA: adapters off
+    teacher = rl.build_model(groups, "teacher", load_teacher, device, args)  # PLUMBING: here, or its --teacher.ranks
     episodes = partial(make_executor, args.rollout, reward, args.actor.model.name_or_path, args.vllm.max_model_len)
     run = rl.start(args, {"actor": actor}, engines, tokenizer, eval_set, episodes, rank, world, device, args.exp_name)
     kl_ctl = (rl_math.AdaptiveKLController(args.algo.kl_coef, args.algo.kl_target, args.algo.kl_horizon)
@@ -305,7 +305,7 @@ def main(args: Args, engines: rollout.RolloutEngines | None = None, groups: dict
         perf: dict = {}
         # 2. rollout: G episodes per prompt through the agent executor, token ids in, token ids + log-probs out
         with timer(perf, "perf/gen_s"):
-            ro = rl.collect_rollout(run, args, train_set, step)
+            ro = rl.collect_rollout(run, args.rollout, train_set, step)
         perf["perf/tokens_per_s"] = sum(len(e.token_ids) for e in ro.episodes) / max(perf["perf/gen_s"], 1e-9)
 
         # 3. rewards and advantages
@@ -323,7 +323,7 @@ def main(args: Args, engines: rollout.RolloutEngines | None = None, groups: dict
         with timer(perf, "perf/train_s"):
             seqs = rl.sequences(ro.episodes, tokenizer.pad_token_id, device, args.train.packing)
             stats.update(update(actor, ref, teacher, seqs, task_adv, args, run, step, kl_ctl.value, trace=trace))
-        samples.log(run, args, step, ro, rewards, keep, trace)  # -> samples.jsonl, a panel every show-every steps
+        samples.log(run, step, ro, rewards, keep, trace, G)  # -> samples.jsonl, a panel every show-every steps
         if "loss/kl" in stats:  # β for the next rollout
             kl_ctl.update(stats["loss/kl"], len(ro.episodes))
 
@@ -331,13 +331,13 @@ def main(args: Args, engines: rollout.RolloutEngines | None = None, groups: dict
         with timer(perf, "perf/sync_s"):
             sample = [e.prompt_ids + e.token_ids for e in ro.episodes[:4]]
             examples = [e.example for e in ro.episodes[:4]]  # their pictures, for a vision-language model
-            stats.update(rl.sync_weights(run, args, actor, sample=sample, examples=examples))
+            stats.update(rl.sync_weights(run, actor, sample=sample, examples=examples))
         stats.update({"train/lr": actor.lr_scheduler.get_last_lr()[0], "train/kl_coef": kl_ctl.value, **perf})
-        if rl.end_step(run, args, step, stats, state={"kl_ctl": kl_ctl.state_dict()}):
-            return rl.finish(run, args, actor, tokenizer, halted_at=step)
+        if rl.end_step(run, args.eval, args.ckpt, step, stats, state={"kl_ctl": kl_ctl.state_dict()}):
+            return rl.finish(run, actor, tokenizer, halted_at=step)
 
     # 6. export, learning curve and summary
-    return rl.finish(run, args, actor, tokenizer)
+    return rl.finish(run, actor, tokenizer)
 
 
 if __name__ == "__main__":

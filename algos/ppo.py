@@ -209,7 +209,7 @@ def groups_inside(scores: torch.Tensor, group_size: int, low: float, high: float
     return (mean > low) & (mean < high)
 
 
-def make_critic(args: Args, device: torch.device, total_updates: int):
+def make_critic(args: Args, total_updates: int, device: torch.device):
     """V_φ: a causal LM body + scalar head (`--critic.name-or-path`, default the actor's model) as a second DeepSpeed
     engine with its own AdamW and warmup/cosine schedule. A fresh head is drawn from `--train.seed`, the same on
     every rank and wherever the critic lives. models.TokenValues returns per-token values from the engine's own
@@ -237,7 +237,7 @@ def forward_values(critic, batch: dict) -> torch.Tensor:
 
 def values_table(critic, rank: int, world: int, seqs: dict, args: Args, step: int) -> torch.Tensor:
     """V_old (B, L) of every row of the rollout: each rank its micro-batches, summed over the world (`rl.on_model`)."""
-    mine = [m for _, micro in rl.minibatches(seqs, args, step, rank, world) for m in micro]
+    mine = [m for _, micro in rl.minibatches(seqs, args.train, step, rank, world) for m in micro]
     return rl.forward_rows(partial(forward_values, critic), seqs, mine, world, True, args.train.sp_size)
 
 
@@ -249,7 +249,7 @@ def critic_update(critic, rank: int, world: int, seqs: dict, old_values, returns
     mask, meter = seqs["loss_mask"], Meter()
     max_len = args.rollout.max_new_tokens if args.algo.loss_agg == "seq-mean-token-sum-norm" else mask.shape[1]
     for _ in range(args.train.epochs):
-        for minibatch, micro in rl.minibatches(seqs, args, step, rank, world):
+        for minibatch, micro in rl.minibatches(seqs, args.train, step, rank, world):
             norm = {"num_tokens": mask[minibatch].sum().item(), "num_seqs": len(minibatch), "max_len": max_len}
             for r, mb, real, last in rl.micro_batches(seqs, micro):
                 values = forward_values(critic, mb)
@@ -305,12 +305,12 @@ def update(actor, critic, ref, seqs: dict, rewards: torch.Tensor, args: Args, ru
     --critic.warmup-steps), the actor's; `trace` keeps what the loss saw of a few samples (samples.jsonl).
     seqs: (B, L) batch; rewards: (B,) -> metrics."""
     mask, temp, world = seqs["loss_mask"], args.rollout.temperature, run.world
-    batches = rl.minibatches(seqs, args, step, run.rank, world)
+    batches = rl.minibatches(seqs, args.train, step, run.rank, world)
     mine = [m for _, micro in batches for m in micro]  # this rank's rows
     old_logp = rl.forward_rows(lambda b: rl.forward_logp(actor, b, temp)[0], seqs, mine, world, True,
                                args.train.sp_size)  # every row on every rank  # fmt: skip
     old_values = rl.on_model(critic, values_table, seqs, args, step, run=run)  # trainer ranks or --critic.ranks
-    ref_logp = None if ref is None else rl.on_model(ref, rl.logp_table, seqs, args, step, run=run)  # or --ref.ranks
+    ref_logp = None if ref is None else rl.on_model(ref, rl.logp_table, seqs, args.train, temp, step, run=run)
     out, kl = {"critic/warmup": float(step < args.critic.warmup_steps)}, torch.zeros_like(old_logp)
     if ref_logp is not None:  # KL_t of the sampling policy to the reference, on the sampled tokens
         kl = rl_math.approx_kl(old_logp, ref_logp, args.algo.kl_estimator, mask=mask)
@@ -364,17 +364,17 @@ def main(args: Args, engines: rollout.RolloutEngines | None = None, groups: dict
               "reward": reward_group(args.reward)}  # fmt: skip
     if engines is None:  # the files the episodes read (reward, agent, environment), checked before anything loads
         check_episode_files(args.rollout, args.reward)
-        if rl.needs_launch(args, placed):
+        if rl.needs_launch(args.train, placed):
             return rl.launch(main, args, placed)
-    rank, world, device = rl.init_rank(args, engines)
+    rank, world, device = rl.init_rank(engines, args.ds, args.train.seed, args.run_dir)
     tokenizer, train_set, eval_set = rl.load_task(args)
     reward = load_reward(args.rollout, args.reward, (groups or {}).get("reward"))  # None: the episodes reward themselves
     updates = args.train.minibatches * args.train.epochs  # per step, of the actor and of the critic
     schedule = partial(lr_schedule, warmup=args.actor.warmup_steps, floor=args.actor.min_lr_ratio,
                        total=(args.train.max_steps - args.critic.warmup_steps) * updates)  # the actor's optimizer steps
     actor = rl.make_actor(args, device, schedule=schedule)
-    critic = rl.build_model(groups, "critic", make_critic, args, device, args.train.max_steps * updates)  # DEVIATION(5)
-    ref = rl.make_ref(args, device, groups, actor) if uses_ref else None  # LoRA: the actor with its adapters off
+    critic = rl.build_model(groups, "critic", make_critic, device, args, args.train.max_steps * updates)  # DEVIATION(5)
+    ref = rl.make_ref(args.ref, args.actor.model, device, groups, actor) if uses_ref else None  # LoRA: adapters off
     episodes = partial(make_executor, args.rollout, reward, args.actor.model.name_or_path, args.vllm.max_model_len)
     run = rl.start(args, {"actor": actor, "critic": critic}, engines, tokenizer, eval_set, episodes, rank, world,
                    device, args.exp_name)  # fmt: skip
@@ -391,7 +391,8 @@ def main(args: Args, engines: rollout.RolloutEngines | None = None, groups: dict
         perf: dict = {}
         # 2. rollout: G episodes per prompt through the agent executor, token ids in, token ids + log-probs out
         with timer(perf, "perf/gen_s"):
-            ro = rl.collect_rollout(run, args, train_set, step, keep_groups, args.algo.dynamic_filter_max_rounds)
+            rounds = args.algo.dynamic_filter_max_rounds
+            ro = rl.collect_rollout(run, args.rollout, train_set, step, keep_groups, rounds)
         perf["perf/tokens_per_s"] = sum(len(e.token_ids) for e in ro.episodes) / max(perf["perf/gen_s"], 1e-9)
 
         # 3. rewards (the advantages need the critic's values: GAE runs in `update`)
@@ -407,7 +408,7 @@ def main(args: Args, engines: rollout.RolloutEngines | None = None, groups: dict
         with timer(perf, "perf/train_s"):
             seqs = rl.sequences(ro.episodes, tokenizer.pad_token_id, device, args.train.packing)
             stats.update(update(actor, critic, ref, seqs, rewards, args, run, step, kl_ctl.value, trace=trace))
-        samples.log(run, args, step, ro, rewards, keep, trace)  # -> samples.jsonl, a panel every show-every steps
+        samples.log(run, step, ro, rewards, keep, trace, G)  # -> samples.jsonl, a panel every show-every steps
         if "loss/kl" in stats:  # β for the next rollout
             kl_ctl.update(stats["loss/kl"], len(ro.episodes))
 
@@ -416,13 +417,13 @@ def main(args: Args, engines: rollout.RolloutEngines | None = None, groups: dict
             # during the critic warm-up vLLM already holds the actor's weights, unless sleep level 2 dropped them
             changed = step >= args.critic.warmup_steps or (args.vllm.enable_sleep and args.vllm.sleep_level == 2)
             sample = [e.prompt_ids + e.token_ids for e in ro.episodes[:4]]
-            stats.update(rl.sync_weights(run, args, actor, changed=changed, sample=sample))
+            stats.update(rl.sync_weights(run, actor, changed=changed, sample=sample))
         stats.update({"train/lr": actor.lr_scheduler.get_last_lr()[0], "train/kl_coef": kl_ctl.value, **perf})
-        if rl.end_step(run, args, step, stats, state={"kl_ctl": kl_ctl.state_dict()}):
-            return rl.finish(run, args, actor, tokenizer, halted_at=step)
+        if rl.end_step(run, args.eval, args.ckpt, step, stats, state={"kl_ctl": kl_ctl.state_dict()}):
+            return rl.finish(run, actor, tokenizer, halted_at=step)
 
     # 6. export, learning curve and summary
-    return rl.finish(run, args, actor, tokenizer)
+    return rl.finish(run, actor, tokenizer)
 
 
 if __name__ == "__main__":

@@ -189,20 +189,22 @@ def tag(ro: Rollout, versions: list[list[int]] | int) -> Rollout:
     return ro
 
 
-def interrupted_rollout(run: rl.Run, args, train_set: list[dict], step: int, version: int, pipeline: Pipeline,
-                        keep=None, in_flight: InFlight | None = None, max_rounds: int = 1) -> Rollout:  # fmt: skip
-    """Step `step`'s rollout with a weight sync inside it (partial rollout): the first `--train.partial-rollout` N
-    tokens of every response under the weights of `version` (update step − lag), then `pipeline.pause` (the trainer
+def interrupted_rollout(run: rl.Run, ro_cfg, cut: int, train_set: list[dict], step: int, version: int,
+                        pipeline: Pipeline, keep=None, in_flight: InFlight | None = None,
+                        max_rounds: int = 1) -> Rollout:  # fmt: skip
+    """Step `step`'s rollout with a weight sync inside it (partial rollout; `ro_cfg`: the `--rollout.*` section): the
+    first `cut` (`--train.partial-rollout`) tokens of every response under the weights of `version` (update step −
+    lag), then `pipeline.pause` (the trainer
     syncs the next weights), then the unfinished responses continued under those (`rollout.generate_segment`). A
     step a checkpoint carried (`in_flight`) starts at its second segment. DAPO refill rounds (`keep`) come after the
     sync and are generated whole under the new weights, up to `max_rounds` rounds in all. Scored by the run's executor, episodes tagged per token."""
-    ex, G, max_new = run.executor, args.rollout.n_samples, args.rollout.max_new_tokens
-    prompts, seeds = rl.step_prompts(run, args, train_set, step)
+    ex, G, max_new = run.executor, ro_cfg.n_samples, ro_cfg.max_new_tokens
+    prompts, seeds = rl.step_prompts(run, ro_cfg, train_set, step)
     segment = partial(rollout.generate_segment, run.engines, [p["prompt_ids"] for p in prompts], G, max_new,
                       temperature=ex.temperature, top_p=ex.top_p, seed=seeds)  # fmt: skip
     pause_s = 0.0
     if in_flight is None:
-        in_flight = InFlight(segment(until=args.train.partial_rollout, segment=0, version=version))
+        in_flight = InFlight(segment(until=cut, segment=0, version=version))
         t0 = time.perf_counter()
         version = pipeline.pause(step, in_flight)  # the engines idle: sync, eval, checkpoint
         pause_s = time.perf_counter() - t0
@@ -216,7 +218,7 @@ def interrupted_rollout(run: rl.Run, args, train_set: list[dict], step: int, ver
     if keep is not None:
 
         def more(round_: int) -> Rollout:
-            return tag(rl.generate(run, args, train_set, step, round_), version)
+            return tag(rl.generate(run, ro_cfg, train_set, step, round_), version)
 
         ro = rl.refill(ro, keep, more, G, max_rounds)
     ro.logs["perf/pause_s"] = pause_s
@@ -263,9 +265,10 @@ def start(run: rl.Run, args, train_set: list[dict], keep, cleanup: contextlib.Ex
     def produce(step: int, version: int):
         t0, in_flight = time.perf_counter(), pipeline.resumed(step)
         if cut is not None and lag >= 1 and (step - lag >= run.start_step or in_flight is not None):
-            ro = interrupted_rollout(whole, args, train_set, step, version, pipeline, keep, in_flight, max_rounds)
+            ro = interrupted_rollout(whole, args.rollout, cut, train_set, step, version, pipeline, keep, in_flight,
+                                     max_rounds)  # fmt: skip
         else:
-            ro = rl.collect_rollout(whole, args, train_set, step, keep, max_rounds)
+            ro = rl.collect_rollout(whole, args.rollout, train_set, step, keep, max_rounds)
             ro = ro if cut is None else tag(ro, version)
         gen_s = time.perf_counter() - t0 - ro.logs.get("perf/pause_s", 0.0)
         ro.logs.update({"rollout/lag": step - version, "perf/gen_s": gen_s})

@@ -4,27 +4,31 @@ opd.py) calls by name.
 Plain functions over plain values, no trainer class: a script's `main` reads top to bottom as
 
     placed = {"ref": group(args.ref, ...), "reward": reward_group(args.reward)}  # models on Ray ranks of their own
-    if engines is None and rl.needs_launch(args, placed):
+    if engines is None and rl.needs_launch(args.train, placed):
         return rl.launch(main, args, placed)                               # --train.ranks N: every rank runs main
-    rank, world, device = rl.init_rank(args, engines)                     # 1. setup
+    rank, world, device = rl.init_rank(engines, args.ds, args.train.seed, args.run_dir)  # 1. setup
     tokenizer, train_set, eval_set = rl.load_task(args)
     reward = load_reward(args.rollout, args.reward, groups.get("reward"))  # rewards/ (agents/make.py)
     actor = rl.make_actor(args, device, schedule=partial(lr_schedule, ...))  # the script's lr schedule
-    ref = rl.make_ref(args, device, groups) if <the script's KL term is on> else None
+    ref = rl.make_ref(args.ref, args.actor.model, device, groups) if <the script's KL term is on> else None
     episodes = partial(make_executor, args.rollout, reward, ...)          # agents/: how prompts become episodes
     run = rl.start(args, {"actor": actor}, engines, tokenizer, eval_set, episodes, rank, world, device, name)
     for step in range(run.start_step, args.train.max_steps):
-        ro = rl.collect_rollout(run, args, train_set, step, keep, max_rounds)  # 2. rollout (the filter is the script's)
+        ro = rl.collect_rollout(run, args.rollout, train_set, step, keep, max_rounds)  # 2. rollout (the script's filter)
         rewards, truncated = rl.shape_rewards(ro, ...the script's shaping)  # 3. rewards -> the script's advantages
-        ... the script's update: rl.minibatches, rl.micro_batches, rl.forward_logp, its loss, rl.backward, optimizer_step
-        samples.log(run, args, step, ro, rewards, keep, trace)             # samples.jsonl (core/samples.py)
-        stats.update(rl.sync_weights(run, args, actor))                     # 5. sync, eval, log, checkpoint
-        if rl.end_step(run, args, step, stats, state):                      # True: --train.halt-after stops here
-            return rl.finish(run, args, actor, tokenizer, halted_at=step)
-    return rl.finish(run, args, actor, tokenizer)                           # 6. export and summary
+        ... the script's update: rl.minibatches(seqs, args.train, ...), rl.micro_batches, rl.forward_logp, its loss,
+            rl.backward, optimizer_step
+        samples.log(run, step, ro, rewards, keep, trace, G)                # samples.jsonl (core/samples.py)
+        stats.update(rl.sync_weights(run, actor))                           # 5. sync, eval, log, checkpoint
+        if rl.end_step(run, args.eval, args.ckpt, step, stats, state):      # True: --train.halt-after stops here
+            return rl.finish(run, actor, tokenizer, halted_at=step)
+    return rl.finish(run, actor, tokenizer)                                 # 6. export and summary
 
 The script wires the pieces: its reward (rewards/), its episode executor (agents/) and the models it places in
 groups of their own (`core.placement.Group`); core runs what it is given and imports neither agents/ nor rewards/.
+Only the launch and start functions (`launch`, `load_task`, `make_actor`, `start`) take the whole `Args`; every
+other function takes the sections it reads (`args.train`, `args.rollout`, `args.eval`, ...), and what the loop needs
+of the run's settings after `start` (its seed, steps, halt, hybrid engine, `--debug`) is in the `Run` it returns.
 Core decides no algorithm: what a script chooses (the filter, the reward shaping, whether a reference is loaded, the
 loss and its normalisers) it passes here as plain values; nothing here reads `args.algo`. Distributed bookkeeping
 lives here, not in the loss: with `--train.ranks N` every rank holds the whole rollout and
@@ -77,7 +81,7 @@ def launch(main, args, placed: dict[str, Group] | None = None) -> dict:
     rank in `groups` ({role: ModelGroup}); a group's `setup` runs on its ranks here, the script builds the other
     models there (`build_model`). Embedded model names are resolved (built) once here, so that the ranks agree on the
     models and the run folder."""
-    check_files(args)  # before Ray and the engines start
+    check_files(args.run_dir)  # before Ray and the engines start
     layout = group_layout(placed or {}, args.train.ranks)
     if args.train.sp_size > 1 and layout:  # --train.sp-size splits the actor's forwards over trainer ranks only
         raise ValueError(f"--train.sp-size {args.train.sp_size} is not built for models on ranks of their own "
@@ -93,11 +97,11 @@ def launch(main, args, placed: dict[str, Group] | None = None) -> dict:
     engines = rollout.create_engines(args.actor.model.name_or_path, args.vllm, seed=args.train.seed,
                                      actor_options=engine_options, init_broadcast=False,
                                      tokenizer=args.actor.model.tokenizer,
-                                     max_lora_rank=engine_lora_rank(args))  # fmt: skip
+                                     max_lora_rank=engine_lora_rank(args.actor.model, args.vllm))  # fmt: skip
     group, groups, own_pgs = None, {}, []
     try:
         for role, g in layout.items():
-            groups[role] = start_group(args, role, g, pg if g.colocate else None, share, gpu, own_pgs)
+            groups[role] = start_group(args.ray, args.ds, role, g, pg if g.colocate else None, share, gpu, own_pgs)
         group = placement.ModelGroup(placement.Worker, n, "actor", pg=pg, num_cpus_per_rank=share,
                                      num_gpus_per_rank=share if gpu else 0, timeout_s=args.ray.timeout_s,
                                      backend=args.ds.backend)  # fmt: skip
@@ -111,9 +115,9 @@ def launch(main, args, placed: dict[str, Group] | None = None) -> dict:
         return summary
     except Exception as e:  # a rank, an engine or a group died or raised: say where the run stands
         if hasattr(e, "add_note"):  # Python >= 3.11: printed right under the error
-            e.add_note(where_stopped(args))
+            e.add_note(where_stopped(args.run_dir, args.ckpt.dir, args.exp_name, args.train.max_steps))
         else:
-            print(where_stopped(args), file=sys.stderr)
+            print(where_stopped(args.run_dir, args.ckpt.dir, args.exp_name, args.train.max_steps), file=sys.stderr)
         raise
     finally:
         for g in [group, *groups.values()]:
@@ -126,16 +130,16 @@ def launch(main, args, placed: dict[str, Group] | None = None) -> dict:
         engines.shutdown()
 
 
-def engine_lora_rank(args) -> int:
-    """The LoRA rank the rollout engines must serve: the actor's with `--vllm.lora-sync adapter`, else 0 (merged
-    weights need no LoRA support in vLLM)."""
-    return args.actor.model.lora_rank if args.vllm.lora_sync == "adapter" else 0
+def engine_lora_rank(model: ModelConfig, vllm: rollout.VLLMConfig) -> int:
+    """The LoRA rank the rollout engines must serve: the actor's (`model`, `--actor.model.*`) with `--vllm.lora-sync
+    adapter`, else 0 (merged weights need no LoRA support in vLLM)."""
+    return model.lora_rank if vllm.lora_sync == "adapter" else 0
 
 
-def needs_launch(args, placed: dict[str, Group] | None = None) -> bool:
-    """Whether the run is several processes started through Ray (`launch`): trainer ranks (`--train.ranks N`) or a
-    model the script placed in a group of its own (`placed`, see `group_layout`)."""
-    return args.train.ranks > 1 or bool(group_layout(placed or {}, args.train.ranks))
+def needs_launch(train, placed: dict[str, Group] | None = None) -> bool:
+    """Whether the run is several processes started through Ray (`launch`): trainer ranks (`train.ranks`, i.e.
+    `--train.ranks N`) or a model the script placed in a group of its own (`placed`, see `group_layout`)."""
+    return train.ranks > 1 or bool(group_layout(placed or {}, train.ranks))
 
 
 def group_layout(placed: dict[str, Group], train_ranks: int) -> dict[str, Group]:
@@ -157,17 +161,19 @@ def group_layout(placed: dict[str, Group], train_ranks: int) -> dict[str, Group]
     return layout
 
 
-def start_group(args, role: str, g: Group, pg, share: float, gpu: bool, own_pgs: list) -> placement.ModelGroup:
+def start_group(ray_cfg: placement.RayConfig, ds, role: str, g: Group, pg, share: float, gpu: bool,
+                own_pgs: list) -> placement.ModelGroup:  # fmt: skip
     """One model group of `group_layout`, started: on the trainer's placement group `pg` (rank i on bundle i, `share`
     of it) or, `pg` None, on a placement group of its own (one bundle per rank, appended to `own_pgs`, placed by
-    the group's strategy, default `--ray.strategy`), then its `setup` run on every rank."""
+    the group's strategy, default `--ray.strategy`), then its `setup` run on every rank. `ray_cfg` and `ds` are the
+    `--ray.*` and `--ds.*` sections (timeouts, strategy, the process-group backend)."""
     if pg is None:
-        pg, share = placement.make_placement_group(g.ranks, strategy=g.strategy or args.ray.strategy,
-                                                   timeout_s=args.ray.timeout_s), 1.0  # fmt: skip
+        pg, share = placement.make_placement_group(g.ranks, strategy=g.strategy or ray_cfg.strategy,
+                                                   timeout_s=ray_cfg.timeout_s), 1.0  # fmt: skip
         own_pgs.append(pg)
     group = placement.ModelGroup(placement.Worker, g.ranks, role, pg=pg, num_cpus_per_rank=share,
-                                 num_gpus_per_rank=share if gpu else 0, timeout_s=args.ray.timeout_s,
-                                 backend=args.ds.backend, env={"CLEANRLHF_GROUP": role})  # fmt: skip
+                                 num_gpus_per_rank=share if gpu else 0, timeout_s=ray_cfg.timeout_s,
+                                 backend=ds.backend, env={"CLEANRLHF_GROUP": role})  # fmt: skip
     if g.setup is not None:  # e.g. the reward model's replicas, which score for every trainer rank
         try:
             group.run(g.setup)
@@ -181,18 +187,18 @@ def _calls(worker) -> int:
     return getattr(worker, "calls", 0)
 
 
-def where_stopped(args) -> str:
-    """One line for a run that failed: the step it was in (one past the last logged), the newest checkpoint, and the
-    command that resumes it."""
-    run_dir = Path(args.run_dir)
+def where_stopped(run_dir: str, ckpt_dir: str | None, name: str, max_steps: int) -> str:
+    """One line for a run that failed: the step it was in (one past the last logged), the newest checkpoint (in
+    `ckpt_dir`, default `<run_dir>/checkpoints`), and the command that resumes it."""
+    run_dir = Path(run_dir)
     metrics = run_dir / "metrics.jsonl"
     steps = [json.loads(line).get("step", 0) for line in metrics.read_text().splitlines()] if metrics.exists() else []
     try:
-        ckpt = checkpoint.latest(Path(args.ckpt.dir or run_dir / "checkpoints"))
+        ckpt = checkpoint.latest(Path(ckpt_dir or run_dir / "checkpoints"))
     except ValueError:
         ckpt = None
     resume = f"resumes from {ckpt.name}" if ckpt else "starts over (no checkpoint yet; --ckpt.every N saves them)"
-    return (f"[{args.exp_name}] the run stopped during step {max(steps, default=0) + 1} of {args.train.max_steps}; "
+    return (f"[{name}] the run stopped during step {max(steps, default=0) + 1} of {max_steps}; "
             f"the same command with --run-dir {run_dir} {resume}")
 
 
@@ -215,35 +221,37 @@ def _resolve_model_names(cfg) -> None:
             setattr(cfg, f.name, embedded.resolve_model(value))
 
 
-def check_files(args) -> None:
+def check_files(run_dir: str | None) -> None:
     """A `--run-dir` that is a file (or a folder this run cannot use), refused before anything loads (DeepSpeed, Ray,
     vLLM). The files the episodes read (reward, agent, environment) are the script's to check
     (`agents.make.check_episode_files`)."""
-    if args.run_dir:
-        check_run_dir(args.run_dir)
+    if run_dir:
+        check_run_dir(run_dir)
 
 
-def init_rank(args, engines) -> tuple[int, int, torch.device]:
-    """Join the trainer world and seed every RNG from `--train.seed` (data order and sampling seeds are derived from
-    (seed, step), so they do not depend on these). Returns (rank, world, device)."""
+def init_rank(engines, ds, seed: int, run_dir: str | None) -> tuple[int, int, torch.device]:
+    """Join the trainer world (`ds`: the `--ds.*` section's backend and timeout) and seed every RNG from `seed`
+    (`--train.seed`; data order and sampling seeds are derived from (seed, step), so they do not depend on these).
+    `engines` None: this process starts the run, and its `--run-dir` is checked first. Returns (rank, world, device)."""
     if engines is None:  # this process starts the run (a rank of `launch` was checked by its driver)
-        check_files(args)
+        check_files(run_dir)
         # an earlier run's in-process engine, dropped unclosed, would destroy this run's world later
         rollout.release_dropped_engines()
-    rank, world, device = ds_engine.init_distributed(args.ds.backend, args.ds.timeout_s)
+    rank, world, device = ds_engine.init_distributed(ds.backend, ds.timeout_s)
     if world > 1 and engines is None:
         raise ValueError("several trainer ranks: use --train.ranks N (Ray placement, shared vLLM engine actors), "
                          "not torchrun")  # fmt: skip
-    random.seed(args.train.seed)
-    np.random.seed(args.train.seed)
-    torch.manual_seed(args.train.seed)
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
     return rank, world, device
 
 
-def response_budget(args) -> tuple[int, str]:
-    """Tokens each prompt must leave free in the context for its response, and the flags that set them."""
-    multi_turn = args.rollout.env_file is not None or args.rollout.agent_file is not None
-    reserve = args.rollout.max_new_tokens + (args.rollout.max_total_tokens if multi_turn else 0)
+def response_budget(ro_cfg) -> tuple[int, str]:
+    """Tokens each prompt must leave free in the context for its response (`ro_cfg`: the `--rollout.*` section), and
+    the flags that set them."""
+    multi_turn = ro_cfg.env_file is not None or ro_cfg.agent_file is not None
+    reserve = ro_cfg.max_new_tokens + (ro_cfg.max_total_tokens if multi_turn else 0)
     return reserve, "--rollout.max-new-tokens" + (" + --rollout.max-total-tokens" if multi_turn else "")
 
 
@@ -253,7 +261,7 @@ def load_task(args) -> tuple[object, list[dict], list[dict]]:
     model's context: rows that cannot fit are skipped and counted here, instead of failing inside the rollout engine
     mid-run."""
     actor_path = args.actor.model.name_or_path
-    reserve, reserve_flag = response_budget(args)
+    reserve, reserve_flag = response_budget(args.rollout)
     limits = {"max_position_embeddings of --actor.model.name-or-path":
               models.max_positions(actor_path, "--actor.model.name-or-path"),
               "--vllm.max-model-len": args.vllm.max_model_len}  # fmt: skip
@@ -281,40 +289,46 @@ def make_actor(args, device: torch.device, total_updates: int = 0, schedule=None
             raise ValueError("--train.sp-size needs --train.packing and is not built for pictures (--data.image-key: "
                              "padded forwards)")  # fmt: skip
         sequence_parallel.setup(model, args.train.sp_size)
-    a = args.actor
-    return ds_engine.make_engine(model, args.ds, scaled_lr(args), total_updates, a.warmup_steps, a.min_lr_ratio,
+    a, lr = args.actor, scaled_lr(args.actor, args.rollout, args.train)
+    return ds_engine.make_engine(model, args.ds, lr, total_updates, a.warmup_steps, a.min_lr_ratio,
                                  a.weight_decay, a.adam_betas, hybrid=args.vllm.enable_sleep, ema_beta=a.ema_beta,
                                  schedule=schedule)  # fmt: skip
 
 
-def scaled_lr(args) -> float:
+def scaled_lr(actor, ro_cfg, train) -> float:
     """The actor's peak lr for this run's samples per optimizer step (`core.config.actor_lr`: `--actor.lr` scaled down
-    by samples / `--actor.lr-ref-samples` for a smaller minibatch)."""
-    samples = args.rollout.batch_size * args.rollout.n_samples / args.train.minibatches
-    return actor_lr(args.actor, samples)
+    by samples / `--actor.lr-ref-samples` for a smaller minibatch); the `--actor.*`, `--rollout.*` and `--train.*`
+    sections."""
+    return actor_lr(actor, samples_per_update(ro_cfg, train))
 
 
-def make_ref(args, device: torch.device, groups: dict | None = None, actor=None):
-    """The frozen reference policy of a KL term (`--ref.*`, default the actor's starting model); the script calls it
-    only when its KL term is on. With `--ref.ranks N`: built in the reference's own group (`build_model`). A LoRA `actor`
-    (`--actor.model.lora-rank N`) whose reference is its own starting model is its own reference: the actor engine
-    with its adapters switched off (`core.engine.AdaptersOff`, the frozen base it adapts), no second copy of the
-    weights (`--ref.zero-stage` and `--ref.offload` then do not apply: the reference lives where the actor does)."""
-    own_base = args.ref.name_or_path in (None, args.actor.model.name_or_path)
-    if actor is not None and args.actor.model.lora_rank > 0 and own_base and not (groups and "ref" in groups):
+def samples_per_update(ro_cfg, train) -> float:
+    """Samples per optimizer step: prompts x samples per prompt / minibatches."""
+    return ro_cfg.batch_size * ro_cfg.n_samples / train.minibatches
+
+
+def make_ref(cfg, model: ModelConfig, device: torch.device, groups: dict | None = None, actor=None):
+    """The frozen reference policy of a KL term (`cfg`: the `--ref.*` section; its model defaults to the actor's
+    starting one, `model`: `--actor.model.*`); the script calls it only when its KL term is on. With `--ref.ranks N`:
+    built in the reference's own group (`build_model`). A LoRA `actor` (`--actor.model.lora-rank N`) whose reference
+    is its own starting model is its own reference: the actor engine with its adapters switched off
+    (`core.engine.AdaptersOff`, the frozen base it adapts), no second copy of the weights (`--ref.zero-stage` and
+    `--ref.offload` then do not apply: the reference lives where the actor does)."""
+    own_base = cfg.name_or_path in (None, model.name_or_path)
+    if actor is not None and model.lora_rank > 0 and own_base and not (groups and "ref" in groups):
         return ds_engine.AdaptersOff(actor)
-    return build_model(groups, "ref", load_ref, args, device)
+    return build_model(groups, "ref", load_ref, device, cfg, model)
 
 
-def load_ref(args, device: torch.device, cfg=None, role: str = "ref"):
-    """A frozen policy as a DeepSpeed inference engine: `cfg` (a `RefConfig` section, default `args.ref`; a fork's
-    second reference passes its own, e.g. `build_model(groups, "ref2", load_ref, args, device, args.ref2, "ref2")`)
-    names the model (default the actor's starting one) and its ZeRO stage; the actor's dtype."""
-    cfg = args.ref if cfg is None else cfg
-    path = cfg.name_or_path or args.actor.model.name_or_path
+def load_ref(cfg, model: ModelConfig, role: str = "ref", device: torch.device | None = None):
+    """A frozen policy as a DeepSpeed inference engine: `cfg` (a `RefConfig` section, `--ref.*`; a fork's second
+    reference passes its own, e.g. `build_model(groups, "ref2", load_ref, device, args.ref2, args.actor.model, "ref2")`)
+    names the model (default the actor's starting one, `model`) and its ZeRO stage; the actor's dtype. Flags in
+    errors are named by `role`."""
+    path = cfg.name_or_path or model.name_or_path
     flag = f"--{role}.name-or-path" if cfg.name_or_path else "--actor.model.name-or-path"
-    return ds_engine.make_frozen(models.load_causal_lm(ModelConfig(name_or_path=path, dtype=args.actor.model.dtype),
-                                                       flag), cfg, device)  # fmt: skip
+    return ds_engine.make_frozen(models.load_causal_lm(ModelConfig(name_or_path=path, dtype=model.dtype), flag),
+                                 cfg, device)  # fmt: skip
 
 
 @dataclass
@@ -339,6 +353,12 @@ class Run:
     name: str = "rl"
     own_engines: bool = False  # created by this run (single process): `finish` shuts them down
     idle_steps: int = 0  # steps whose update trained nothing (the script's filter dropped every sample)
+    # the run's settings the loop reads after `start` (from `--train.*`, `--vllm.enable-sleep`, `--debug`)
+    seed: int = 1  # data order and sampling seeds derive from (seed, step)
+    max_steps: int = 0
+    halt_after: int | None = None  # stop (checkpointed) after this many steps of this process
+    hybrid: bool = False  # hybrid engine: the engines sleep while the trainer trains, its states leave the GPU
+    debug: bool = False  # check the engines' log-probs against the trainer's after every weight sync
 
 
 def start(args, engine_models: dict, engines, tokenizer, eval_set: list[dict], episodes, rank: int, world: int,
@@ -357,7 +377,7 @@ def start(args, engine_models: dict, engines, tokenizer, eval_set: list[dict], e
             placement.init_ray(args.ray)
         engines = rollout.create_engines(args.actor.model.name_or_path, args.vllm, seed=args.train.seed,
                                          tokenizer=args.actor.model.tokenizer,
-                                         max_lora_rank=engine_lora_rank(args))  # fmt: skip
+                                         max_lora_rank=engine_lora_rank(args.actor.model, args.vllm))  # fmt: skip
     elif engines.backend == "broadcast":
         engines.init_broadcast(rank, world)  # rank 0 (or every rank: its ZeRO-3 partitions) sends to the engine actors
     start_step, client = checkpoint.resume(engine_models, ckpt_dir, run_dir, args)
@@ -370,15 +390,18 @@ def start(args, engine_models: dict, engines, tokenizer, eval_set: list[dict], e
             placement.offload_states(m)
     run = Run(rank, world, device, engine_models, engines, executor, eval_set, run_dir, ckpt_dir, logger, start_step,
               client, first_eval={}, best=client.get("best", -math.inf), name=name, own_engines=own_engines,
-              idle_steps=client.get("idle_steps", 0))  # fmt: skip
+              idle_steps=client.get("idle_steps", 0), seed=args.train.seed, max_steps=args.train.max_steps,
+              halt_after=args.train.halt_after, hybrid=args.vllm.enable_sleep, debug=args.debug)  # fmt: skip
     if args.eval.every:  # --eval.every 0: no eval at all, the first one included (first_eval stays {})
-        run.first_eval = client.get("first_eval") or all_ranks(evaluate(run, args, 0) if rank == 0 else None, world)
+        run.first_eval = client.get("first_eval") or all_ranks(evaluate(run, args.eval, 0) if rank == 0 else None,
+                                                               world)  # fmt: skip
         if start_step == 0:  # a resumed run logged it when it started
             logger.log(run.first_eval, 0, shown=("eval/pass@1",))
     first = run.first_eval.get("eval/pass@1")
-    if scaled_lr(args) != args.actor.lr:
-        samples = args.rollout.batch_size * args.rollout.n_samples / args.train.minibatches
-        logger.print(f"[{name}] --actor.lr {args.actor.lr:g} scaled to {scaled_lr(args):.3g} for {samples:g} samples "
+    lr = scaled_lr(args.actor, args.rollout, args.train)
+    if lr != args.actor.lr:
+        samples = samples_per_update(args.rollout, args.train)
+        logger.print(f"[{name}] --actor.lr {args.actor.lr:g} scaled to {lr:.3g} for {samples:g} samples "
                      f"per optimizer step ({samples:g} / --actor.lr-ref-samples {args.actor.lr_ref_samples}); "
                      "--actor.lr-ref-samples None keeps --actor.lr)")  # fmt: skip
     logger.print(f"[{name}] {len(eval_set)} eval prompts, {world} trainer rank(s), eval pass@1 "
@@ -387,17 +410,18 @@ def start(args, engine_models: dict, engines, tokenizer, eval_set: list[dict], e
 
 
 @torch.no_grad()
-def evaluate(run: Run, args, step: int) -> dict:
-    """pass@1 (greedy) and pass@k (k samples at the rollout temperature), overall and per data source; an answer is
-    correct when its reward is above 0.5. The first `--logger.eval-samples` greedy answers go to samples.jsonl under
-    `step` (the metrics row the eval belongs to)."""
-    eval_set = run.eval_set
+def evaluate(run: Run, eval_cfg, step: int) -> dict:
+    """pass@1 (greedy) and pass@k (k = `eval_cfg.k` samples at the rollout temperature; `eval_cfg` the `--eval.*`
+    section), overall and per data source; an answer is correct when its reward is above 0.5. The first
+    `--logger.eval-samples` greedy answers go to samples.jsonl under `step` (the metrics row the eval belongs to)."""
+    eval_set, k = run.eval_set, eval_cfg.k
     greedy = run.executor.run(eval_set, n=1, seed=None, step=-1, temperature=0.0)
-    run.logger.log_samples(samples.eval_rows(run.executor.tokenizer, greedy, step, args.logger.eval_samples), step)
-    sampled = run.executor.run(eval_set, n=args.eval.k, seed=12345, step=-1)
+    shown = samples.eval_rows(run.executor.tokenizer, greedy, step, run.logger.cfg.eval_samples)
+    run.logger.log_samples(shown, step)
+    sampled = run.executor.run(eval_set, n=k, seed=12345, step=-1)
     p1 = (greedy.rewards > 0.5).float()
-    pk = (sampled.rewards > 0.5).float().view(len(eval_set), args.eval.k).max(dim=1).values
-    out = {"eval/pass@1": p1.mean().item(), f"eval/pass@{args.eval.k}": pk.mean().item()}
+    pk = (sampled.rewards > 0.5).float().view(len(eval_set), k).max(dim=1).values
+    out = {"eval/pass@1": p1.mean().item(), f"eval/pass@{k}": pk.mean().item()}
     sources = sorted({e["datasource"] for e in eval_set})
     if len(sources) > 1:
         for s in sources:
@@ -407,21 +431,21 @@ def evaluate(run: Run, args, step: int) -> dict:
 
 
 # --------------------------------------------------------------------------------------------------- 2. rollout
-def step_prompts(run: Run, args, train_set: list[dict], step: int, round_: int = 0) -> tuple[list[dict], list[int]]:
-    """This rank's share of the step's prompts (round > 0: a refill) and their sampling seeds (the samples of prompt
-    j get seed j, j + 1, ...). Seeds follow the prompt's place in the global batch, so the samples do not depend on
-    the number of ranks."""
-    G = args.rollout.n_samples
-    idx = data.batch_indices(len(train_set), args.rollout.batch_size, step, args.train.seed + 7919 * round_)
+def step_prompts(run: Run, ro_cfg, train_set: list[dict], step: int, round_: int = 0) -> tuple[list[dict], list[int]]:
+    """This rank's share of the step's `--rollout.batch-size` prompts (`ro_cfg`: the `--rollout.*` section; round > 0:
+    a refill) and their sampling seeds (the samples of prompt j get seed j, j + 1, ...). Seeds follow the prompt's
+    place in the global batch, so the samples do not depend on the number of ranks."""
+    G = ro_cfg.n_samples
+    idx = data.batch_indices(len(train_set), ro_cfg.batch_size, step, run.seed + 7919 * round_)
     mine = placement.split_contiguous(list(range(len(idx))), run.world)[run.rank]
-    base = args.train.seed * 1_000_003 + step * 10_007 + round_
+    base = run.seed * 1_000_003 + step * 10_007 + round_
     return [train_set[idx[j]] for j in mine], [base + j * G for j in mine]
 
 
-def generate(run: Run, args, train_set: list[dict], step: int, round_: int = 0) -> Rollout:
+def generate(run: Run, ro_cfg, train_set: list[dict], step: int, round_: int = 0) -> Rollout:
     """This rank's share of the step's prompts (`step_prompts`), `--rollout.n-samples` episodes each."""
-    prompts, seeds = step_prompts(run, args, train_set, step, round_)
-    return run.executor.run(prompts, args.rollout.n_samples, seeds, step)
+    prompts, seeds = step_prompts(run, ro_cfg, train_set, step, round_)
+    return run.executor.run(prompts, ro_cfg.n_samples, seeds, step)
 
 
 def refill(ro: Rollout, keep, more, G: int, max_rounds: int) -> Rollout:
@@ -455,16 +479,17 @@ def gather(ro: Rollout, world: int) -> Rollout:
     return whole
 
 
-def collect_rollout(run: Run, args, train_set: list[dict], step: int, keep=None, max_rounds: int = 1) -> Rollout:
-    """Step `step`'s rollout on every rank: generate this rank's prompts, replace the groups that `keep` (the script's
-    filter) rejects by fresh ones in up to `max_rounds` generation rounds in all (`refill`) when it is given, gather
-    the ranks' parts, and (hybrid engine) hand the GPU from the engines to the trainer."""
-    ro = generate(run, args, train_set, step)
+def collect_rollout(run: Run, ro_cfg, train_set: list[dict], step: int, keep=None, max_rounds: int = 1) -> Rollout:
+    """Step `step`'s rollout on every rank (`ro_cfg`: the `--rollout.*` section): generate this rank's prompts,
+    replace the groups that `keep` (the script's filter) rejects by fresh ones in up to `max_rounds` generation rounds
+    in all (`refill`) when it is given, gather the ranks' parts, and (hybrid engine) hand the GPU from the engines to
+    the trainer."""
+    ro = generate(run, ro_cfg, train_set, step)
     if keep is not None:
-        more = partial(generate, run, args, train_set, step)
-        ro = refill(ro, keep, more, args.rollout.n_samples, max_rounds)
+        more = partial(generate, run, ro_cfg, train_set, step)
+        ro = refill(ro, keep, more, ro_cfg.n_samples, max_rounds)
     ro = gather(ro, run.world)
-    if args.vllm.enable_sleep:  # hybrid engine: the engines' GPU memory goes to training
+    if run.hybrid:  # hybrid engine: the engines' GPU memory goes to training
         if run.rank == 0:
             run.engines.sleep()
         for m in run.models.values():
@@ -576,20 +601,20 @@ def forward_logp(model, batch: dict, temperature: float, entropy: bool = False):
     return zeros.index_put((b, t), logp), (None if ent is None else zeros.index_put((b, t), ent))
 
 
-def minibatches(seqs: dict, args, step: int, rank: int, world: int) -> list[tuple[list[int], list[tuple[list[int], bool]]]]:
-    """The step's minibatches over the rows of the (B, L) table `seqs`, shuffled by (seed, step): [(rows, micro)]
-    with `rows` the whole minibatch (all ranks) and `micro` this rank's micro-batches of it, [(row indices, real)],
-    of `--train.micro-batch-size` rows or, with `--train.max-tokens-per-micro N`, filled up to N tokens
-    (`placement.shard_minibatch`); every rank gets as many micro-batches as every other (a padding one is `real`
-    False and its loss counts 0)."""
+def minibatches(seqs: dict, train, step: int, rank: int, world: int) -> list[tuple[list[int], list[tuple[list[int], bool]]]]:
+    """The step's `--train.minibatches` minibatches over the rows of the (B, L) table `seqs` (`train`: the `--train.*`
+    section), shuffled by (seed, step): [(rows, micro)] with `rows` the whole minibatch (all ranks) and `micro` this
+    rank's micro-batches of it, [(row indices, real)], of `--train.micro-batch-size` rows or, with
+    `--train.max-tokens-per-micro N`, filled up to N tokens (`placement.shard_minibatch`); every rank gets as many
+    micro-batches as every other (a padding one is `real` False and its loss counts 0)."""
     n, lengths = len(seqs["loss_mask"]), seqs["attention_mask"].sum(1).tolist()
-    sp = args.train.sp_size  # --train.sp-size: the ranks of an SP group share their micro-batches
+    sp = train.sp_size  # --train.sp-size: the ranks of an SP group share their micro-batches
     rank, world = rank // sp, world // sp
     order = list(range(n))
-    random.Random(args.train.seed + step).shuffle(order)
-    size = max(1, math.ceil(n / args.train.minibatches))
-    return [(order[i : i + size], shard_minibatch(order[i : i + size], rank, world, args.train.micro_batch_size,
-                                                  lengths, args.train.max_tokens_per_micro))
+    random.Random(train.seed + step).shuffle(order)
+    size = max(1, math.ceil(n / train.minibatches))
+    return [(order[i : i + size], shard_minibatch(order[i : i + size], rank, world, train.micro_batch_size,
+                                                  lengths, train.max_tokens_per_micro))
             for i in range(0, n, size)]  # fmt: skip
 
 
@@ -641,31 +666,31 @@ def _to(x, device: torch.device):
     return x
 
 
-def build_model(groups: dict | None, role: str, build, args, device: torch.device, *rest):
-    """`build(args, device, *rest)`: the model of `role` in this process, or, with `--<role>.ranks N` (a group in
+def build_model(groups: dict | None, role: str, build, device: torch.device, *args):
+    """`build(*args, device=device)`: the model of `role` in this process, or, with `--<role>.ranks N` (a group in
     `groups`, started by `launch`), on every rank of that group (each its own device, the group's world), started by
     trainer rank 0. Returns the built model or the group, which `on_model` and `core.checkpoint` take alike."""
     if not groups or role not in groups:
-        return build(args, device, *rest)
+        return build(*args, device=device)
     group = groups[role]
     if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
         return group
-    group.run(_build_on_worker, build, args, *rest)
+    group.run(_build_on_worker, build, *args)
     return group
 
 
-def _build_on_worker(worker, build, args, *rest) -> None:
-    worker.engine = build(args, worker.device, *rest)
+def _build_on_worker(worker, build, *args) -> None:
+    worker.engine = build(*args, device=worker.device)
 
 
-def logp_table(model, rank: int, world: int, seqs: dict, args, step: int) -> torch.Tensor:
-    """log π (B, L) of every row of the rollout table `seqs` (0 off the loss mask), e.g. the reference's: each rank
-    of the world computes its micro-batches of the step's minibatches, and the rows are summed over the world. For
-    `on_model`."""
-    mine = [m for _, micro in minibatches(seqs, args, step, rank, world) for m in micro]
+def logp_table(model, rank: int, world: int, seqs: dict, train, temperature: float, step: int) -> torch.Tensor:
+    """log π (B, L) at `temperature` of every row of the rollout table `seqs` (0 off the loss mask), e.g. the
+    reference's: each rank of the world computes its micro-batches of the step's minibatches (`train`: the
+    `--train.*` section), and the rows are summed over the world. For `on_model`."""
+    mine = [m for _, micro in minibatches(seqs, train, step, rank, world) for m in micro]
     with ds_engine.on_device(model, seqs["loss_mask"].device):
-        return forward_rows(lambda b: forward_logp(model, b, args.rollout.temperature)[0], seqs, mine, world, True,
-                            args.train.sp_size)  # fmt: skip
+        return forward_rows(lambda b: forward_logp(model, b, temperature)[0], seqs, mine, world, True,
+                            train.sp_size)  # fmt: skip
 
 
 def router_aux(model) -> dict:
@@ -697,59 +722,61 @@ def backward(engine, loss: torch.Tensor, step: int, world: int, real: bool, last
 
 
 # ---------------------------------------------------------------------------------------- 5. sync, eval, save
-def sync_weights(run: Run, args, actor, changed: bool = True, sample: list[list[int]] | None = None,
+def sync_weights(run: Run, actor, changed: bool = True, sample: list[list[int]] | None = None,
                  examples: list[dict] | None = None) -> dict:  # fmt: skip
     """Hand the GPU back to the engines and send them the actor's new weights, in the order a hybrid engine needs:
     weights memory back, new weights in, then the KV cache. `changed` False skips the transfer (nothing trained).
-    `--debug` with `sample` token lists: check that the engines' log-probs equal the trainer's (on every rank: under
-    ZeRO-3 the trainer's forward is a collective); `examples`: the samples' dataset examples, whose pictures both
-    sides then see."""
+    `--debug` (`run.debug`) with `sample` token lists: check that the engines' log-probs equal the trainer's (on every
+    rank: under ZeRO-3 the trainer's forward is a collective); `examples`: the samples' dataset examples, whose
+    pictures both sides then see."""
     stats, t0 = {}, time.perf_counter()
-    if args.vllm.enable_sleep and run.rank == 0:
+    if run.hybrid and run.rank == 0:
         run.engines.wake_up(["weights"])
     if changed:
         stats = placement.sync_weights(run.engines, actor, run.rank)
         stats["perf/transfer_s"] = time.perf_counter() - t0  # gather, send and load the weights (no debug check)
-    if args.vllm.enable_sleep and run.rank == 0:
+    if run.hybrid and run.rank == 0:
         run.engines.wake_up(["kv_cache"])
-    if changed and args.debug and sample:
+    if changed and run.debug and sample:
         t1 = time.perf_counter()
         rollout.check_weights(run.engines, actor.module, sample, examples=examples)
         stats["perf/debug_check_s"] = time.perf_counter() - t1
     return stats
 
 
-def end_step(run: Run, args, step: int, stats: dict, state: dict | None = None, warn_every: int = 10) -> bool:
-    """The end of step `step`: eval every `--eval.every` steps and at the last (exporting a new best to <run>/best),
-    warn when the step trained nothing (`rollout/kept_frac` 0), log the metrics row, checkpoint every `--ckpt.every` steps, at the last and when halting, and (hybrid engine)
-    move the trainer's states off the GPU for the next rollout. Returns True when `--train.halt-after` stops here."""
-    last = step == args.train.max_steps - 1
+def end_step(run: Run, eval_cfg, ckpt, step: int, stats: dict, state: dict | None = None, warn_every: int = 10) -> bool:
+    """The end of step `step`: eval every `--eval.every` steps and at the last (`eval_cfg`: the `--eval.*` section;
+    a new best exported to <run>/best), warn when the step trained nothing (`rollout/kept_frac` 0), log the metrics
+    row, checkpoint every `--ckpt.every` steps (`ckpt`: the `--ckpt.*` section), at the last and when halting, and
+    (hybrid engine) move the trainer's states off the GPU for the next rollout. Returns True when
+    `--train.halt-after` stops here."""
+    last = step == run.max_steps - 1
     if stats.get("rollout/kept_frac", 1.0) == 0:  # the script's filter dropped every sample: nothing was trained
         run.idle_steps += 1
         if (run.idle_steps - 1) % warn_every == 0:  # the first such step, then every `warn_every`-th
             run.logger.print(f"[{run.name}] warning: step {step + 1} trained nothing: every group was filtered out "
                              f"(rollout/kept_frac 0), {run.idle_steps} such step(s) so far")  # fmt: skip
-    if args.eval.every and ((step + 1) % args.eval.every == 0 or last):
-        stats.update(all_ranks(evaluate(run, args, step + 1) if run.rank == 0 else None, run.world))
-        if args.eval.best_metric and stats.get(args.eval.best_metric, -math.inf) > run.best:
-            run.best = stats[args.eval.best_metric]
+    if eval_cfg.every and ((step + 1) % eval_cfg.every == 0 or last):
+        stats.update(all_ranks(evaluate(run, eval_cfg, step + 1) if run.rank == 0 else None, run.world))
+        if eval_cfg.best_metric and stats.get(eval_cfg.best_metric, -math.inf) > run.best:
+            run.best = stats[eval_cfg.best_metric]
             ds_engine.export_hf(run.models["actor"], run.executor.tokenizer, run.run_dir / "best")
     run.logger.log(stats, step + 1, shown=("rollout/reward_mean", "eval/pass@1"))
-    halted = args.train.halt_after is not None and step + 1 - run.start_step >= args.train.halt_after and not last
-    if halted or (args.ckpt.every and ((step + 1) % args.ckpt.every == 0 or last)):
+    halted = run.halt_after is not None and step + 1 - run.start_step >= run.halt_after and not last
+    if halted or (ckpt.every and ((step + 1) % ckpt.every == 0 or last)):
         client = {"step": step, "first_eval": run.first_eval, "best": run.best, "idle_steps": run.idle_steps,
                   **(state or {})}  # fmt: skip
-        checkpoint.save(run.models, run.ckpt_dir, step, client, args.ckpt.keep_last)
-    if args.vllm.enable_sleep and not (last or halted):  # DeepSpeed states off the GPU while the engines generate
+        checkpoint.save(run.models, run.ckpt_dir, step, client, ckpt.keep_last)
+    if run.hybrid and not (last or halted):  # DeepSpeed states off the GPU while the engines generate
         for m in run.models.values():
             placement.offload_states(m)
     if halted:
-        run.logger.print(f"[{run.name}] halted after {args.train.halt_after} steps; resume with --run-dir {run.run_dir}")
+        run.logger.print(f"[{run.name}] halted after {run.halt_after} steps; resume with --run-dir {run.run_dir}")
         run.logger.close({"steps": step + 1, "halted": True})
     return halted
 
 
-def finish(run: Run, args, actor, tokenizer, halted_at: int | None = None) -> dict:
+def finish(run: Run, actor, tokenizer, halted_at: int | None = None) -> dict:
     """Export the trained policy to <run>/hf (and its EMA to <run>/hf_ema with `--actor.ema-beta`), plot the
     learning curve, print and return the run's summary. A halted run (`halted_at`: its last step) only returns where
     to resume from. The executor releases what it holds (an agent server and its reference to the engines), and the
@@ -759,10 +786,10 @@ def finish(run: Run, args, actor, tokenizer, halted_at: int | None = None) -> di
         if halted_at is not None:
             return {"steps": halted_at + 1, "halted": True, "run_dir": str(run.run_dir)}
         ds_engine.export_hf(actor, tokenizer, run.run_dir / "hf")
-        if args.actor.ema_beta > 0:  # the moving average of the weights, beside the trained ones
+        if getattr(actor, "ema_beta", 0) > 0:  # --actor.ema-beta: the moving average of the weights, beside them
             ds_engine.export_hf(actor, tokenizer, run.run_dir / "hf_ema", ema=True)
         run.logger.plot(run.run_dir / "learning_curve.png", ("rollout/reward_mean", "eval/pass@1"))
-        summary = {"steps": args.train.max_steps, "eval_pass@1_first": run.first_eval.get("eval/pass@1"),
+        summary = {"steps": run.max_steps, "eval_pass@1_first": run.first_eval.get("eval/pass@1"),
                    "eval_pass@1_last": run.logger.latest("eval/pass@1", None),  # None: --eval.every 0
                    "reward_mean_last": run.logger.latest("rollout/reward_mean"),
                    "steps_without_update": run.idle_steps, "run_dir": str(run.run_dir)}  # fmt: skip

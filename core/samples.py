@@ -151,19 +151,20 @@ def panel(row: dict):
     return Panel(body, title=f"step {row['step']}: sample {row['index']} (group {row.get('group')})", expand=False)
 
 
-def log(run, args, step: int, ro, rewards: torch.Tensor, keep: torch.Tensor, trace: Trace,
+def log(run, step: int, ro, rewards: torch.Tensor, keep: torch.Tensor, trace: Trace, group_size: int,
         adv: torch.Tensor | None = None) -> None:  # fmt: skip
     """After step `step`'s update, on every rank (the trace is gathered from all): rank 0 writes the watched
-    samples to samples.jsonl under the step's metrics row (`step + 1`) and, every `--logger.show-every` steps,
-    shows one of them (the first trained one) on the console."""
+    samples (prompts of `group_size` samples each) to samples.jsonl under the step's metrics row (`step + 1`) and,
+    every `--logger.show-every` steps (the run logger's section), shows one of them (the first trained one) on the
+    console."""
     if not trace.watched:
         return
     traced = trace.gather(run.world)
     if run.rank != 0:
         return
-    rows = train_rows(run.executor.tokenizer, ro, step + 1, args.rollout.n_samples, rewards, keep, trace, traced, adv)
+    rows = train_rows(run.executor.tokenizer, ro, step + 1, group_size, rewards, keep, trace, traced, adv)
     run.logger.log_samples(rows, step + 1)
-    every = args.logger.show_every
+    every = run.logger.cfg.show_every
     if every and (step + 1) % every == 0 and rows:
         run.logger.print(panel(rows[0]))
 

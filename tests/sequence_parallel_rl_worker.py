@@ -50,7 +50,7 @@ def main(out: str) -> None:
             metrics = grpo.update(actor, ref, seqs, torch.linspace(-1.0, 1.0, len(episodes)), args, run, 0, 0.1)
         elif module is ppo:
             args.critic.warmup_steps = 0  # the actor trains at step 0 too
-            critic = ppo.make_critic(args, device, total_updates=10)  # its SP setup happens here
+            critic = ppo.make_critic(args, 10, device=device)  # its SP setup happens here
             rewards = torch.linspace(0.0, 1.0, len(episodes))
             metrics = ppo.update(actor, critic, ref, seqs, rewards, args, run, 0, 0.1)
         else:

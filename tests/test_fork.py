@@ -131,10 +131,11 @@ def fork_with_a_group_of_its_own(folder: Path):
         ('              "reward": reward_group(args.reward)}',
          '              "ref2": group(args.ref2), "reward": reward_group(args.reward)}'),
         ("    episodes = partial(make_executor,",
-         '    ref2 = rl.build_model(groups, "ref2", rl.load_ref, args, device, args.ref2, "ref2")\n'
+         '    ref2 = rl.build_model(groups, "ref2", rl.load_ref, device, args.ref2, args.actor.model, "ref2")\n'
          "    episodes = partial(make_executor,"),
         ("            stats.update(update(actor, ref, seqs,",
-         "            ref2_logp = rl.on_model(ref2, rl.logp_table, seqs, args, step, run=run)  # on its own ranks\n"
+         "            ref2_logp = rl.on_model(ref2, rl.logp_table, seqs, args.train, args.rollout.temperature, step,\n"
+         "                                  run=run)  # on its own ranks\n"
          '            kl2 = rl_math.approx_kl(seqs["rollout_logp"], ref2_logp, "k3", mask=seqs["loss_mask"])\n'
          '            stats["ref2/kl"] = rl_math.masked_mean(kl2, seqs["loss_mask"]).item()\n'
          "            stats.update(update(actor, ref, seqs,"),

@@ -102,7 +102,7 @@ def test_lora_reference_is_the_actor_with_adapters_off(tiny_path, tiny_model, mo
     monkeypatch.setattr(rl, "load_ref", no_second_model)
     monkeypatch.setattr(models, "load_causal_lm", no_second_model)
     monkeypatch.setattr(ds_engine, "make_frozen", no_second_model)
-    ref = rl.make_ref(args, torch.device("cpu"), None, actor)
+    ref = rl.make_ref(args.ref, args.actor.model, torch.device("cpu"), None, actor)
     assert isinstance(ref, ds_engine.AdaptersOff) and ref.module is actor.module  # the actor's weights, no copy
     batch = {**collate(PROBES), "packed": True}
     with torch.no_grad():
@@ -116,7 +116,7 @@ def test_lora_reference_is_the_actor_with_adapters_off(tiny_path, tiny_model, mo
     # a reference of its own (another model, or --ref.ranks) is still loaded
     args.ref.name_or_path = "cleanrlhf/tiny-sft"
     with pytest.raises(AssertionError, match="must not load"):
-        rl.make_ref(args, torch.device("cpu"), None, actor)
+        rl.make_ref(args.ref, args.actor.model, torch.device("cpu"), None, actor)
 
 
 def collate(token_ids):

@@ -23,9 +23,9 @@ def test_group_layout_places_what_the_script_declares_and_refuses_by_flag():
     from core.placement import Group, group
     from rewards.loader import RewardConfig, reward_group
 
-    Args = SimpleNamespace(train=SimpleNamespace(ranks=1))
+    train = SimpleNamespace(ranks=1)
     assert rl.group_layout({"ref": Group(None), "reward": reward_group(RewardConfig())}, 1) == {}
-    assert not rl.needs_launch(Args, {"ref": Group(None)}) and rl.needs_launch(Args, {"ref": Group(1)})
+    assert not rl.needs_launch(train, {"ref": Group(None)}) and rl.needs_launch(train, {"ref": Group(1)})
     placed = {"ref": Group(2, colocate=False), "reward": reward_group(RewardConfig(model="rm", ranks=1)),
               "draft": Group(1)}  # fmt: skip
     layout = rl.group_layout(placed, 1)
@@ -125,9 +125,9 @@ def test_a_group_on_bundles_of_its_own_is_placed_by_its_role_strategy():
     try:
         own: list = []
         with pytest.raises(placement.PlacementError, match=r"\(STRICT_SPREAD\) needs 2 nodes .* has 1 alive"):
-            rl.start_group(args, "ref", ref, None, 1.0, False, own)
+            rl.start_group(args.ray, args.ds, "ref", ref, None, 1.0, False, own)
         ref.strategy = None  # the run's strategy
-        group = rl.start_group(args, "ref", ref, None, 1.0, False, own)
+        group = rl.start_group(args.ray, args.ds, "ref", ref, None, 1.0, False, own)
         assert len(group) == 2 and len(own) == 1
         group.shutdown()
     finally:

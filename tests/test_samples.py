@@ -161,9 +161,8 @@ def test_no_samples_kept_with_zero(tmp_path):
     """`--logger.samples 0` and `--logger.eval-samples 0`: no file, and no trace work in the update."""
     trace = samples.Trace(samples.watch(torch.ones(8, dtype=torch.bool), 4, 0), list(range(8)))
     assert trace.watched == [] and trace.index_of_row == {}
-    run = SimpleNamespace(world=1, rank=0)
-    args = SimpleNamespace(logger=SimpleNamespace(show_every=1), rollout=SimpleNamespace(n_samples=4))
-    samples.log(run, args, 0, None, None, None, trace)  # returns before touching anything
+    run = SimpleNamespace(world=1, rank=0, logger=SimpleNamespace(cfg=SimpleNamespace(show_every=1)))
+    samples.log(run, 0, None, None, None, trace, 4)  # returns before touching anything
 
 
 def test_samples_reach_tensorboard_as_text_and_wandb_as_a_table(tmp_path):

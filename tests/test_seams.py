@@ -83,6 +83,23 @@ def test_the_folders_import_downward_only():
     assert _cycle(folders) is None and "agents" in folders["algos"] and "core" in folders["rewards"]
 
 
+# The functions of the RL loop's plumbing that may take a script's whole `Args`: the launch and start functions.
+WHOLE_ARGS = {"core/rl.py": {"launch", "_run_rank", "load_task", "make_actor", "start"},
+              "core/producer.py": {"start_engines", "start"}, "core/samples.py": set()}  # fmt: skip
+
+
+@pytest.mark.parametrize("path", sorted(WHOLE_ARGS))
+def test_core_takes_the_sections_it_reads(path):
+    """Past the launch and start functions, the RL plumbing takes the sections it reads (`args.train`, `args.rollout`,
+    ...), never the whole `Args` (a parameter named `args`), and core probes no section with `getattr(args, ...)`."""
+    tree = ast.parse((ROOT / path).read_text())
+    takes_args = {f.name for f in ast.walk(tree) if isinstance(f, ast.FunctionDef)
+                  if any(a.arg == "args" for a in f.args.posonlyargs + f.args.args + f.args.kwonlyargs)}  # fmt: skip
+    assert takes_args <= WHOLE_ARGS[path], sorted(takes_args - WHOLE_ARGS[path])
+    probes = [p.name for p in (ROOT / "core").glob("*.py") for probe in ('getattr(args, "', "getattr(args, '")
+              if probe in p.read_text()]  # fmt: skip
+    assert probes == [], probes
+
 @pytest.mark.parametrize("script", ["grpo", "rloo", "reinforce_pp", "ppo", "grpo_async", "cispo", "sapo", "opd", "sft",
                                     "dpo", "kto", "rm"])  # fmt: skip
 def test_scripts_leave_embedded_names_to_the_loaders(script):

@@ -24,11 +24,11 @@ def test_grpo_defaults_train_at_the_given_lr_and_a_small_batch_at_a_scaled_one()
     from core import rl
 
     args = Args()
-    assert rl.scaled_lr(args) == args.actor.lr  # 64 × 8 / 2 = 256 samples per optimizer step
+    assert rl.scaled_lr(args.actor, args.rollout, args.train) == args.actor.lr  # 64 × 8 / 2 = 256 samples per optimizer step
     args.rollout.batch_size, args.rollout.n_samples = 8, 4
-    assert rl.scaled_lr(args) == pytest.approx(args.actor.lr / 16, rel=1e-12)
+    assert rl.scaled_lr(args.actor, args.rollout, args.train) == pytest.approx(args.actor.lr / 16, rel=1e-12)
     args.train.minibatches = 1
-    assert rl.scaled_lr(args) == pytest.approx(args.actor.lr / 8, rel=1e-12)
+    assert rl.scaled_lr(args.actor, args.rollout, args.train) == pytest.approx(args.actor.lr / 8, rel=1e-12)
 
 
 @pytest.mark.slow

@@ -165,13 +165,13 @@ def update(actor, ref, seqs: dict, adv: torch.Tensor, args: Args, run: rl.Run, s
     (samples.jsonl). seqs: (B, L) batch; adv: (B,) -> metrics."""
     mask, temp, world = seqs["loss_mask"], args.rollout.temperature, run.world
     adv_tok = adv[:, None].expand_as(mask).float()
-    batches = rl.minibatches(seqs, args, step, run.rank, world)
+    batches = rl.minibatches(seqs, args.train, step, run.rank, world)
     mine = [m for _, micro in batches for m in micro]  # this rank's rows
     # one optimizer step per rollout: the policy is still the sampling policy when the loss is taken, so the old
     # log-probs are the live ones detached (ratio 1) and their extra forward pass is skipped
     on_policy = args.train.minibatches == 1 and args.train.epochs == 1
     old_logp = None if on_policy else rl.forward_rows(lambda b: rl.forward_logp(actor, b, temp)[0], seqs, mine, world, False)
-    ref_logp = None if ref is None else rl.on_model(ref, rl.logp_table, seqs, args, step, run=run)  # or --ref.ranks
+    ref_logp = None if ref is None else rl.on_model(ref, rl.logp_table, seqs, args.train, temp, step, run=run)
     meter = Meter()
     # Dr.GRPO's constant normaliser is the generation budget, not the padded width of the batch
     max_len = args.rollout.max_new_tokens if args.algo.loss_agg == "seq-mean-token-sum-norm" else mask.shape[1]
@@ -209,9 +209,9 @@ def main(args: Args, engines: rollout.RolloutEngines | None = None, groups: dict
               "reward": reward_group(args.reward)}  # fmt: skip
     if engines is None:  # the files the episodes read (reward, agent, environment), checked before anything loads
         check_episode_files(args.rollout, args.reward)
-        if rl.needs_launch(args, placed):
+        if rl.needs_launch(args.train, placed):
             return rl.launch(main, args, placed)
-    rank, world, device = rl.init_rank(args, engines)
+    rank, world, device = rl.init_rank(engines, args.ds, args.train.seed, args.run_dir)
     if args.algo.dr_grpo:
         args.algo.scale_by_std, args.algo.loss_agg = False, "seq-mean-token-sum-norm"
     tokenizer, train_set, eval_set = rl.load_task(args)
@@ -219,7 +219,7 @@ def main(args: Args, engines: rollout.RolloutEngines | None = None, groups: dict
     schedule = partial(lr_schedule, warmup=args.actor.warmup_steps, floor=args.actor.min_lr_ratio,
                        total=args.train.max_steps * args.train.minibatches * args.train.epochs)  # optimizer steps
     actor = rl.make_actor(args, device, schedule=schedule)
-    ref = rl.make_ref(args, device, groups, actor) if uses_ref else None  # LoRA: the actor with its adapters off
+    ref = rl.make_ref(args.ref, args.actor.model, device, groups, actor) if uses_ref else None  # LoRA: adapters off
     episodes = partial(make_executor, args.rollout, reward, args.actor.model.name_or_path, args.vllm.max_model_len)
     run = rl.start(args, {"actor": actor}, engines, tokenizer, eval_set, episodes, rank, world, device, args.exp_name)
     kl_ctl = (rl_math.AdaptiveKLController(args.algo.kl_coef, args.algo.kl_target, args.algo.kl_horizon)
@@ -235,7 +235,8 @@ def main(args: Args, engines: rollout.RolloutEngines | None = None, groups: dict
         perf: dict = {}
         # 2. rollout: G episodes per prompt through the agent executor, token ids in, token ids + log-probs out
         with timer(perf, "perf/gen_s"):
-            ro = rl.collect_rollout(run, args, train_set, step, keep_groups, args.algo.dynamic_filter_max_rounds)
+            rounds = args.algo.dynamic_filter_max_rounds
+            ro = rl.collect_rollout(run, args.rollout, train_set, step, keep_groups, rounds)
         perf["perf/tokens_per_s"] = sum(len(e.token_ids) for e in ro.episodes) / max(perf["perf/gen_s"], 1e-9)
 
         # 3. rewards and advantages
@@ -256,7 +257,7 @@ def main(args: Args, engines: rollout.RolloutEngines | None = None, groups: dict
             seqs = rl.sequences([ro.episodes[i] for i in kept], tokenizer.pad_token_id, device, args.train.packing)
             stats.update(update(actor, ref, seqs, adv[kept].to(device), args, run, step, kl_ctl.value, trace=trace)
                          if kept else {})  # fmt: skip
-        samples.log(run, args, step, ro, rewards, keep, trace, adv)  # -> samples.jsonl, a panel every show-every steps
+        samples.log(run, step, ro, rewards, keep, trace, G, adv)  # -> samples.jsonl, a panel every show-every steps
         if "loss/kl" in stats:  # β for the next rollout
             kl_ctl.update(stats["loss/kl"], len(kept))
 
@@ -264,13 +265,13 @@ def main(args: Args, engines: rollout.RolloutEngines | None = None, groups: dict
         with timer(perf, "perf/sync_s"):
             sample = [ro.episodes[i].prompt_ids + ro.episodes[i].token_ids for i in kept[:4]]
             examples = [ro.episodes[i].example for i in kept[:4]]  # their pictures, for a vision-language model
-            stats.update(rl.sync_weights(run, args, actor, changed=bool(kept), sample=sample, examples=examples))
+            stats.update(rl.sync_weights(run, actor, changed=bool(kept), sample=sample, examples=examples))
         stats.update({"train/lr": actor.lr_scheduler.get_last_lr()[0], "train/kl_coef": kl_ctl.value, **perf})
-        if rl.end_step(run, args, step, stats, state={"kl_ctl": kl_ctl.state_dict()}):
-            return rl.finish(run, args, actor, tokenizer, halted_at=step)
+        if rl.end_step(run, args.eval, args.ckpt, step, stats, state={"kl_ctl": kl_ctl.state_dict()}):
+            return rl.finish(run, actor, tokenizer, halted_at=step)
 
     # 6. export, learning curve and summary
-    return rl.finish(run, args, actor, tokenizer)
+    return rl.finish(run, actor, tokenizer)
 
 
 if __name__ == "__main__":
