@@ -192,10 +192,10 @@ def update(actor, ref, seqs: dict, adv: torch.Tensor, args: Args, run: rl.Run, s
     meter = Meter()
     # Dr.GRPO's constant normaliser is the generation budget, not the padded width of the batch
     max_len = args.rollout.max_new_tokens if args.algo.loss_agg == "seq-mean-token-sum-norm" else mask.shape[1]
-    loss_fn = partial(policy_loss, tau_pos=args.algo.tau_pos, tau_neg=args.algo.tau_neg, level=args.algo.level,
-                      is_correction=args.algo.is_correction, is_threshold=args.algo.is_threshold,
-                      entropy_coef=args.algo.entropy_coef, agg=args.algo.loss_agg, max_len=max_len, kl_coef=kl_coef,
-                      kl_estimator=args.algo.kl_estimator)  # fmt: skip
+    loss_fn = partial(policy_loss, tau_pos=args.algo.tau_pos, tau_neg=args.algo.tau_neg,
+                      level=args.algo.level, is_correction=args.algo.is_correction,
+                      is_threshold=args.algo.is_threshold, entropy_coef=args.algo.entropy_coef, agg=args.algo.loss_agg,
+                      max_len=max_len, kl_coef=kl_coef, kl_estimator=args.algo.kl_estimator)  # fmt: skip
     for _ in range(args.train.epochs):
         for k, (minibatch, micro) in enumerate(batches):  # normalisers: the whole minibatch, every rank
             norm = {"num_tokens": mask[minibatch].sum().item(), "num_seqs": len(minibatch)}
