@@ -303,6 +303,47 @@ def test_two_ranks_agree_on_the_gradient_norm_and_both_stop(tiny_path, tmp_path)
     assert norms["0"] == pytest.approx(norms["2"], rel=1e-5) and norms["0"] == pytest.approx(norms["3"], rel=1e-5)
 
 
+@pytest.mark.slow
+def test_a_dead_torchrun_rank_ends_the_job_with_an_error_instead_of_a_hang(tmp_path):
+    """`torchrun --nproc_per_node 2 algos/sft.py` with rank 1 killed (SIGKILL) once the run has logged a step: the
+    surviving rank does not wait in its next collective for ever. The job exits non-zero within a minute naming the
+    failed rank, and no rank process is left behind (torchrun's agent stops the survivor; `--ds.timeout-s` bounds any
+    collective it is in)."""
+    import signal
+    import time
+
+    import psutil
+
+    run_dir = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port",
+           str(ds_engine.free_port()), str(REPO / "algos" / "sft.py"), "--model.name-or-path", "cleanrlhf/tiny",
+           "--train.max-steps", "100000", "--train.batch-size", "16", "--eval.every", "0", "--ds.timeout-s", "60",
+           "--logger.quiet", "--logger.no-tensorboard", "--run-dir", str(run_dir)]  # fmt: skip
+    log = open(tmp_path / "torchrun.log", "w")
+    proc = subprocess.Popen(cmd, cwd=REPO, env=clean_env() | {"OMP_NUM_THREADS": "1"}, stdout=log,
+                            stderr=subprocess.STDOUT)  # fmt: skip
+    try:
+        deadline = time.time() + 300
+        while not ((run_dir / "metrics.jsonl").exists() and (run_dir / "metrics.jsonl").read_text().strip()):
+            assert proc.poll() is None and time.time() < deadline, (tmp_path / "torchrun.log").read_text()[-3000:]
+            time.sleep(0.5)
+        ranks = {int(p.environ().get("RANK", -1)): p for p in psutil.Process(proc.pid).children(recursive=True)
+                 if "sft.py" in " ".join(p.cmdline())}  # fmt: skip
+        assert set(ranks) == {0, 1}, ranks
+        ranks[1].send_signal(signal.SIGKILL)
+        killed = time.time()
+        code = proc.wait(timeout=120)
+        ended_in = time.time() - killed
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        log.close()
+    out = (tmp_path / "torchrun.log").read_text()
+    assert code != 0 and ended_in < 60, (code, ended_in, out[-3000:])
+    assert "rank" in out and ("exitcode  : -9" in out or "Signal 9" in out or "SIGKILL" in out), out[-3000:]
+    assert not ranks[0].is_running() or ranks[0].status() == psutil.STATUS_ZOMBIE, "the surviving rank was left running"
+
+
 def test_the_world_is_released_before_the_interpreter_finalizes(tmp_path):
     """Left to interpreter finalization, gloo's worker threads can abort a rank with SIGABRT after its last line ran
     ("terminate called without an active exception": a finished two-rank job failed that way). `init_distributed`
