@@ -103,7 +103,7 @@ def test_a_gae_that_ignores_the_mask_is_told_so(tmp_path):
         "        nxt_a = rewards[:, t] + gamma * nxt_v - values[:, t] + gamma * lam * nxt_a\n"
         "        adv[:, t], nxt_v = nxt_a, values[:, t]\n"
         "    return adv, adv + values\n")  # fmt: skip
-    failed = dict((name, why) for name, why in check.run_cases(LESSONS[5], wrong) if why)
+    failed = dict((name, why) for name, why in check.run_cases(LESSONS[5], wrong, in_process=True) if why)
     assert "the mask is not applied" in failed["a padded response"], failed
 
 
@@ -114,7 +114,7 @@ def test_a_planted_mistake_fails_with_a_message_that_names_it(tmp_path, number, 
     assert real.count(old) == 1, f"the planted mistake's text is not (or not once) in {lesson.source}"
     wrong = tmp_path / Path(lesson.source).name
     wrong.write_text(real.replace(old, new))
-    failed = [why for _, why in check.run_cases(lesson, wrong) if why]
+    failed = [why for _, why in check.run_cases(lesson, wrong, in_process=True) if why]  # one Python start fewer each
     assert failed, "the planted mistake passes every case"
     assert any(says in why for why in failed), failed
     assert all("expected" in why or "hint" in why or "carry" in why for why in failed), failed
