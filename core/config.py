@@ -330,7 +330,7 @@ class EvalArgs:
     max_samples: PosInt = 500
     """eval prompts."""
     k: PosInt = 4
-    """pass@k uses k samples per prompt at the rollout temperature; pass@1 is greedy."""
+    """pass@k uses k samples per prompt at the rollout temperature; pass@1 is greedy (k 1: greedy pass@1 only)."""
     best_metric: str | None = "eval/pass@1"
     """export the model to `<run>/best` whenever this eval metric reaches a new maximum (None: off)."""
 

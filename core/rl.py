@@ -411,17 +411,19 @@ def start(args, engine_models: dict, engines, tokenizer, eval_set: list[dict], e
 
 @torch.no_grad()
 def evaluate(run: Run, eval_cfg, step: int) -> dict:
-    """pass@1 (greedy) and pass@k (k = `eval_cfg.k` samples at the rollout temperature; `eval_cfg` the `--eval.*`
-    section), overall and per data source; an answer is correct when its reward is above 0.5. The first
-    `--logger.eval-samples` greedy answers go to samples.jsonl under `step` (the metrics row the eval belongs to)."""
+    """pass@1 (greedy) and pass@k (k = `eval_cfg.k` > 1 samples at the rollout temperature; `eval_cfg` the `--eval.*`
+    section; k = 1: greedy pass@1 only), overall and per data source; an answer is correct when its reward is above
+    0.5. The first `--logger.eval-samples` greedy answers go to samples.jsonl under `step` (the metrics row the eval
+    belongs to)."""
     eval_set, k = run.eval_set, eval_cfg.k
     greedy = run.executor.run(eval_set, n=1, seed=None, step=-1, temperature=0.0)
     shown = samples.eval_rows(run.executor.tokenizer, greedy, step, run.logger.cfg.eval_samples)
     run.logger.log_samples(shown, step)
-    sampled = run.executor.run(eval_set, n=k, seed=12345, step=-1)
     p1 = (greedy.rewards > 0.5).float()
-    pk = (sampled.rewards > 0.5).float().view(len(eval_set), k).max(dim=1).values
-    out = {"eval/pass@1": p1.mean().item(), f"eval/pass@{k}": pk.mean().item()}
+    out = {"eval/pass@1": p1.mean().item()}
+    if k > 1:  # (a sampled pass@1 would overwrite the greedy one under the same name)
+        sampled = run.executor.run(eval_set, n=k, seed=12345, step=-1)
+        out[f"eval/pass@{k}"] = (sampled.rewards > 0.5).float().view(len(eval_set), k).max(dim=1).values.mean().item()
     sources = sorted({e["datasource"] for e in eval_set})
     if len(sources) > 1:
         for s in sources:

@@ -144,13 +144,14 @@ def in_process_engines(path: str, dtype: str):
     engines.shutdown()
 
 
-def short_rl_run(main, args, run_dir, steps: int = 20) -> tuple[dict, list[dict]]:
+def short_rl_run(main, args, run_dir, steps: int = 20, eval_k: int = 1) -> tuple[dict, list[dict]]:
     """The learning check every RL script's slow test makes: `steps` steps of the script's defaults (64 prompts x 8
-    samples; 12 x 32 was too noisy to test), eval at the start and end, and `--debug` so the engine's log-probs must
-    equal the trainer's after every sync. Returns the summary and the metrics.jsonl rows."""
+    samples; 12 x 32 was too noisy to test), eval at the start and end (greedy pass@1, what the tests assert; `eval_k`
+    > 1 adds the sampled pass@k, 4 x the eval's generations), and `--debug` so the engine's log-probs must equal the
+    trainer's after every sync. Returns the summary and the metrics.jsonl rows."""
     import json
 
-    args.train.max_steps, args.eval.every = steps, steps
+    args.train.max_steps, args.eval.every, args.eval.k = steps, steps, eval_k
     args.logger.quiet, args.logger.tensorboard = True, False
     args.run_dir = str(run_dir)
     args.debug = True

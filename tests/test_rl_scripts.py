@@ -33,6 +33,31 @@ def _small(module: str, run_dir, steps: int):
 
 
 @pytest.mark.slow
+def test_eval_k_1_is_greedy_pass_at_1_only_and_k_2_adds_the_sampled_pass_at_2():
+    """`--eval.k 1`: the greedy pass@1 alone (a sampled pass@1 would overwrite it under the same name); `--eval.k 2`:
+    the greedy pass@1 and pass@2, the share of prompts one of whose 2 samples at the rollout temperature is right."""
+    from types import SimpleNamespace
+
+    from core import rl
+    from core.config import EvalArgs
+
+    calls = []
+
+    class Executor:
+        tokenizer = None
+
+        def run(self, prompts, n, seed, step, temperature=None):
+            calls.append((n, temperature))  # greedy: every other answer right; sampled: one of each prompt's two
+            return SimpleNamespace(rewards=torch.tensor([1.0, 0.0] * (len(prompts) * n // 2)), episodes=[])
+
+    logger = SimpleNamespace(cfg=SimpleNamespace(eval_samples=0), log_samples=lambda rows, step: None)
+    run = SimpleNamespace(eval_set=[{"datasource": "add2"}] * 4, executor=Executor(), logger=logger)
+    assert rl.evaluate(run, EvalArgs(k=1), 0) == {"eval/pass@1": 0.5} and calls == [(1, 0.0)]
+    calls.clear()
+    assert rl.evaluate(run, EvalArgs(k=2), 0) == {"eval/pass@1": 0.5, "eval/pass@2": 1.0}
+    assert calls == [(1, 0.0), (2, None)]
+
+
 def test_eval_every_0_runs_no_eval_at_all(tmp_path, monkeypatch, one_thread):
     """`--eval.every 0` ("0 disables") once still evaluated every eval prompt at step 0 (the first eval) and at the
     last step: now nothing is evaluated, no eval/* metric is logged, and the summary's eval fields are None."""
