@@ -84,7 +84,8 @@ def test_grpo_ray_sbatch_spreads_ranks_and_engines_over_two_nodes_and_learns(slu
     refuses the group otherwise), two vLLM engines colocated with them, so rank 0 syncs weights to an engine on the
     other node; `--debug` checks the engines' log-probs against the trainer's after every sync."""
     run_dir, port = tmp_path / "grpo", 6391
-    job = grpo_job(slurm, tmp_path, run_dir, port, "--train.max-steps", "20", "--eval.every", "20", "--debug")
+    job = grpo_job(slurm, tmp_path, run_dir, port, "--train.max-steps", "20", "--eval.every", "20", "--eval.k", "1",
+                   "--debug")  # greedy pass@1 only: the sampled pass@k is not asserted
     state = slurm.wait(job, timeout_s=900)
     log = (tmp_path / f"grpo-{job}.out").read_text()
     assert state == "COMPLETED", log[-3000:]

@@ -43,7 +43,7 @@ class Lesson:
 
 # The RL learning run: 20 steps of the script's defaults (64 prompts x 8 samples on the embedded add-2 task, from the
 # embedded SFT warm start), greedy pass@1 on 500 held-out prompts before the first step and after the last.
-RL_RUN = ("--train.max-steps", "20", "--eval.every", "20")
+RL_RUN = ("--train.max-steps", "20", "--eval.every", "20", "--eval.k", "1")  # judged on greedy pass@1 alone
 
 LESSONS: dict[int, Lesson] = {
     lesson.number: lesson
