@@ -124,9 +124,9 @@ def fork_with_a_group_of_its_own(folder: Path):
     `--ref2.ranks` puts it and asked through `rl.on_model`, all in the copy. Returns the imported module."""
     text = (ROOT / "algos" / "grpo.py").read_text()
     edits = [
-        ("    ref: RefConfig = field(default_factory=RefConfig)\n",
-         "    ref: RefConfig = field(default_factory=RefConfig)\n"
-         "    ref2: RefConfig = field(default_factory=RefConfig)\n"
+        ("    ref: config.RefConfig = field(default_factory=config.RefConfig)\n",
+         "    ref: config.RefConfig = field(default_factory=config.RefConfig)\n"
+         "    ref2: config.RefConfig = field(default_factory=config.RefConfig)\n"
          '    """a second frozen reference, only for the logged `ref2/kl`."""\n'),
         ('              "reward": reward_group(args.reward)}',
          '              "ref2": group(args.ref2), "reward": reward_group(args.reward)}'),
