@@ -113,7 +113,7 @@ def grpo_command(model: Path, run_dir: Path, steps: int, halt_after: int | None)
            "--train.max-steps", str(steps), "--train.minibatches", "1", "--rollout.batch-size", "8",
            "--rollout.n-samples", "2", "--rollout.max-new-tokens", "16", "--algo.no-filter-zero-variance",
            "--eval.every", "0", "--eval.max-samples", "8", "--eval.k", "1", "--eval.best-metric", "None",
-           "--ckpt.every", "1", "--logger.quiet", "--run-dir",
+           "--ckpt.every", "0", "--logger.quiet", "--run-dir",  # the halt checkpoints: the one the resume needs
            str(run_dir)]  # fmt: skip
     return cmd + (["--train.halt-after", str(halt_after)] if halt_after else [])
 
@@ -250,6 +250,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--layers", type=int, default=24)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--out", default=None, help="work folder (default: a new temporary one)")
+    ap.add_argument("--no-bounds", action="store_true", help="skip the physical bounds (a gloo broadcast of the same "
+                    "bytes, the engine alone loading the weights): the run, its sync share and the export only")
     ap.add_argument("--engine-load", default=None, help=argparse.SUPPRESS)  # internal: `_engine_load` in a child
     opts = ap.parse_args(argv)
     if opts.engine_load:
@@ -272,8 +274,8 @@ def main(argv: list[str] | None = None) -> dict:
     from core import models
     from core.config import ModelConfig
 
-    floor = gloo_floor(steps[-1]["sync/mb"])
-    load = engine_load(model)
+    floor = float("nan") if opts.no_bounds else gloo_floor(steps[-1]["sync/mb"])
+    load = {"load_s": float("nan"), "repack_s": float("nan")} if opts.no_bounds else engine_load(model)
     n_params = sum(p.numel() for p in models.load_causal_lm(ModelConfig(name_or_path=str(model))).parameters())
     peaks = {k: max(peaks1.get(k, 0.0), peaks2.get(k, 0.0)) for k in {*peaks1, *peaks2}}
     result = {
