@@ -295,7 +295,7 @@ def test_grpo_after_sft_raises_the_reward_on_pictures(tmp_path, one_thread):
     g = grpo.Args()  # the defaults: 64 prompts x 8 samples, lr 3e-4
     g.actor.model.name_or_path, g.data.path, g.data.image_key = summary["export_dir"], SHAPES, "image"
     g.reward.func, g.rollout.max_new_tokens = "rewards/shapes.py", 3  # rollouts: in-process vLLM, with the pictures
-    g.data.max_samples, g.eval.max_samples, g.eval.k = 3000, 200, 2
+    g.data.max_samples, g.eval.max_samples = 3000, 200  # short_rl_run: greedy pass@1 only
     out, rows = short_rl_run(grpo.main, g, tmp_path / "grpo", steps=STEPS)
     assert sum("perf/debug_check_s" in r for r in rows) == STEPS  # the engine was checked after every sync
     before, after = sampled_accuracy(summary["export_dir"]), sampled_accuracy(str(tmp_path / "grpo" / "hf"))
