@@ -67,7 +67,7 @@ ARTIFACT_VERSION = "9"
 
 def home() -> Path:
     """Root of the build cache (`CLEANRLHF_HOME`, default ~/.cache/cleanrlhf)."""
-    return Path(os.environ.get("CLEANRLHF_HOME", Path.home() / ".cache" / "cleanrlhf"))
+    return Path(os.environ.get("CLEANRLHF_HOME") or Path.home() / ".cache" / "cleanrlhf")  # set but empty: the default
 
 
 def _is_built(target: Path, version: str = ARTIFACT_VERSION) -> bool:

@@ -55,6 +55,15 @@ def test_resolve_data_builds_the_task_folder(tmp_path, monkeypatch):
     assert src.name.endswith("add2/test.jsonl") and len(src.rows) == 500
 
 
+def test_an_empty_home_variable_means_the_default_cache_not_the_working_folder(monkeypatch):
+    """`CLEANRLHF_HOME=` (set, empty: how `export CLEANRLHF_HOME=` reads) is the default ~/.cache/cleanrlhf; as a
+    path it would have been the current folder, and builds would have landed in whatever folder a run started in."""
+    monkeypatch.setenv("CLEANRLHF_HOME", "")
+    assert embedded.home() == embedded.Path.home() / ".cache" / "cleanrlhf"
+    monkeypatch.setenv("CLEANRLHF_HOME", "/somewhere")
+    assert str(embedded.home()) == "/somewhere"
+
+
 def test_artifact_from_another_build_version_is_rebuilt(tmp_path, monkeypatch):
     monkeypatch.setenv("CLEANRLHF_HOME", str(tmp_path))
     folder = embedded.ensure_task_data("add1")
