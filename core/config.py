@@ -145,6 +145,13 @@ class DSConfig:
     """torch.compile the trained model (DeepSpeed's `engine.compile`): fuses the element-wise work between matmuls
     and drops per-op Python overhead. The first steps pay the compilation (20-60 s for the tiny model on CPU, which
     needs a C++ compiler), and a new batch shape can compile again; HF generation (eval) stays eager."""
+    deepcompile: flags.CudaOnly(
+        "DeepSpeed 0.19.8 runs DeepCompile only on a CUDA accelerator: deepspeed.compile.util.is_deepcompile_supported"
+    ) = False
+    """DeepSpeed's DeepCompile (`"compile": {"deepcompile": true}` and `engine.compile()`): torch.compile with
+    DeepSpeed's own graph passes, which schedule ZeRO-1/2's gradient reduction and ZeRO-3's parameter gathers and
+    releases inside the compiled graph (prefetching the next layer's gather) instead of in module hooks. CUDA only;
+    refused on CPU before anything loads."""
 
 
 @dataclass
@@ -385,6 +392,12 @@ def field_rules(cls, name: str) -> tuple[Rule, ...]:
 
 
 def _check_value(flag: str, name: str, value, rules: tuple[Rule, ...] = ()) -> list[str]:
+    if value is True:
+        for why in (r.removeprefix(flags.CUDA_ONLY) for r in rules if r.startswith(flags.CUDA_ONLY)):
+            import torch
+
+            if not torch.cuda.is_available():
+                return [f"{flag}: needs a CUDA GPU and this machine has none ({why}); leave {flag} off here"]
     if isinstance(value, bool) or value is None:
         return []
     if isinstance(value, tuple | list):

@@ -180,7 +180,8 @@ def ds_config(ds: DSConfig, dtype: torch.dtype, stage: int) -> dict:
         zero["stage3_gather_16bit_weights_on_model_save"] = True
     if ds.optimizer == "muon":
         zero["reduce_scatter"] = False  # DeepSpeed 0.19.8's ZeRO-3 refuses Muon with it; tested off at 0-3
-    return {
+    compiled = {"compile": {"deepcompile": True}} if ds.deepcompile else {}  # its passes run at engine.compile()
+    return compiled | {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
         # a stage-0 fp32 engine computes the gradient norm only when it clips (see make_engine): clip at ∞ then
@@ -328,7 +329,7 @@ def make_engine(model, ds: DSConfig, lr: float, total_steps: int, warmup_steps: 
         engine.clip_fp32_gradients = clip_and_keep_norm
         if not dist.is_initialized() or dist.get_world_size() == 1:
             engine.enable_backward_allreduce = False  # a world of one: its "all-reduce" only flattens and copies back
-    if ds.compile:
+    if ds.compile or ds.deepcompile:  # DeepCompile's passes are installed by the same engine.compile()
         if not torch.cuda.is_available() and cpp_compiler() is None:
             raise ValueError("--ds.compile on CPU needs a C++ compiler (torch.compile writes C++ kernels): install "
                              "g++ or set CXX, or leave --ds.compile off")  # fmt: skip

@@ -10,7 +10,8 @@ from typing import Annotated
 
 class Rule(str):
     """A flag rule in a field's `Annotated` type: "positive", "non-negative", "at-most-one", "above-one",
-    "interval:weight", "interval:open" or "model-path". None always passes (it means "off" or "the default")."""
+    "interval:weight", "interval:open", "model-path" or "cuda-only:<why>" (a switch that cannot be on without a CUDA
+    GPU, and why). None always passes (it means "off" or "the default")."""
 
 
 POSITIVE, NON_NEGATIVE, AT_MOST_ONE, ABOVE_ONE = Rule("positive"), Rule("non-negative"), Rule("at-most-one"), Rule("above-one")
@@ -33,5 +34,13 @@ WeightBounds = Annotated[tuple[float, float], Rule("interval:weight")]
 the gradient's sign: `clamp(w, -1, -2)` is -2 everywhere)."""
 OpenInterval = Annotated[tuple[float, float], Rule("interval:open")]
 """(low, high) keeping what lies strictly inside: low < high (an empty one keeps nothing)."""
+CUDA_ONLY = "cuda-only:"
+
+
+def CudaOnly(why: str):  # noqa: N802 - a type, as the others here
+    """A switch that needs a CUDA GPU: on without one it is refused before anything loads, with `why`."""
+    return Annotated[bool, Rule(CUDA_ONLY + why)]
+
+
 ModelPath = Annotated[str, Rule("model-path")]
 """a model (HF id, embedded name or local folder); a local folder must exist (with config.json, but a tokenizer's)."""

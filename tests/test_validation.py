@@ -226,6 +226,31 @@ def test_every_script_refuses_batch_size_0_before_loading_anything(name, nothing
         module.main(args)
 
 
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the refusal is for a machine without CUDA")
+@pytest.mark.parametrize("name", SCRIPTS)
+def test_every_script_refuses_deepcompile_without_cuda_before_loading_anything(name, nothing_loads):
+    """DeepSpeed 0.19.8 runs DeepCompile on CUDA only (`is_deepcompile_supported`): `--ds.deepcompile` here is one
+    error naming the flag and the reason, before a model, tokenizer or process group is set up."""
+    module = script(name)
+    args = module.Args()
+    args.ds.deepcompile = True
+    with pytest.raises(ValueError, match=r"^--ds\.deepcompile: needs a CUDA GPU and this machine has none \(DeepSpeed "
+                                         r"0\.19\.8 runs DeepCompile only on a CUDA accelerator"):  # fmt: skip
+        module.main(args)
+
+
+def test_deepcompile_asks_deepspeed_for_its_compile_passes():
+    """On a GPU the flag becomes DeepSpeed's `compile.deepcompile` (its passes are installed by `engine.compile()`,
+    which make_engine calls for it); off, the config has no compile section at all."""
+    import torch
+
+    from core.config import DSConfig
+    from core.engine import ds_config
+
+    assert ds_config(DSConfig(deepcompile=True), torch.float32, 3)["compile"] == {"deepcompile": True}
+    assert "compile" not in ds_config(DSConfig(), torch.float32, 3)
+
+
 @pytest.mark.parametrize("name", ["grpo", "grpo_async"])
 def test_grpo_refuses_groups_of_one_before_loading_anything(name, nothing_loads):
     module = script(name)

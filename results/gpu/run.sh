@@ -3,7 +3,8 @@
 #
 #   bash results/gpu/run.sh            # = all: environment, GPU tests, GPU benchmarks, RL runs with vLLM
 #   bash results/gpu/run.sh tests      # tests/test_gpu.py (DeepSpeed over NCCL, packing, hybrid engine, CUDA IPC sync)
-#   bash results/gpu/run.sh bench      # weight transports; SFT and DPO against TRL; packed RL step; LM-head memory
+#   bash results/gpu/run.sh bench      # weight transports; SFT and DPO against TRL; packed RL step; LM-head memory;
+#                                      #   SFT at ZeRO-3 without and with --ds.deepcompile
 #   bash results/gpu/run.sh rl         # grpo.py on the GPU with vLLM, --debug after every sync; with 2+ GPUs also
 #                                      #   --train.ranks 2 with the NCCL weight broadcast to a separate engine GPU;
 #                                      #   without vLLM, 80 steps in one process with --vllm.engine hf
@@ -66,6 +67,10 @@ if [[ $MODE == bench || $MODE == all ]]; then
     part bench_rl_packing 600 $PY tests/benchmarks/bench_rl_packing.py --device cuda
     part bench_head_memory 600 bash -c "$PY tests/benchmarks/bench_head_memory.py --device cuda &&
         $PY tests/benchmarks/bench_head_memory.py --device cuda --model"
+    # DeepCompile (--ds.deepcompile, CUDA only): the same SFT run at ZeRO-3 without and with it, the step time of each
+    part sft_deepcompile 900 bash -c "$PY algos/sft.py --ds.zero-stage 3 --model.dtype bf16 --train.max-steps 60 \
+        --eval.every 60 --run-dir $OUT/runs/sft_z3 && $PY algos/sft.py --ds.zero-stage 3 --model.dtype bf16 \
+        --ds.deepcompile --train.max-steps 60 --eval.every 60 --run-dir $OUT/runs/sft_z3_deepcompile"
 fi
 if [[ $MODE == rl || $MODE == all ]]; then
     if [ "$HAS_VLLM" = 1 ]; then
