@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 
 from core import engine as ds_engine
+from core import models
 from core.placement import ModelGroup
 
 MANIFEST = "manifest.json"
@@ -218,9 +219,13 @@ def load(engines: dict, path: str | Path) -> dict:
         if isinstance(engine, ModelGroup):  # a model in a group of its own: its ranks load it, asked by rank 0
             state = engine.run(_group_load, str(path), name)[0] if _rank() == 0 else {}
         else:
+            # a 4-bit base (QLoRA) saves bitsandbytes' quantization state beside each weight, keys torch's loader
+            # does not take back; that base is frozen and loads again from the model as it was quantized
+            strict = not models.is_4bit(engine)
             _, state = engine.load_checkpoint(
-                str(path), tag=name, load_optimizer_states=True, load_lr_scheduler_states=True
-            )
+                str(path), tag=name, load_optimizer_states=True, load_lr_scheduler_states=True,
+                load_module_strict=strict,
+            )  # fmt: skip
         if state is None:
             raise ValueError(f"{path}/{name}: not a loadable DeepSpeed checkpoint")
         _load_ema(engine, path, name)

@@ -71,6 +71,12 @@ class ModelConfig:
     """LoRA dropout."""
     lora_target_modules: str = "all-linear"
     """comma-separated module names for LoRA, or `all-linear`."""
+    load_in_4bit: bool = False
+    """QLoRA (Dettmers et al. 2023): load the frozen base in 4-bit NF4 with double quantization (bitsandbytes, through
+    transformers' `BitsAndBytesConfig`), computing in `dtype`; only the LoRA adapters train, in full precision, so it
+    needs `lora-rank` > 0. About a quarter of the fp16 weights' memory for the linears (measured in docs/guide.md).
+    The engines and the HF export get the dequantized base plus the merged adapters. Not with ZeRO-3 (DeepSpeed
+    cannot partition 4-bit parameters)."""
 
 
 @dataclass

@@ -8,6 +8,7 @@ MASTER_ADDR/MASTER_PORT/RANK/WORLD_SIZE/LOCAL_RANK themselves.
 from __future__ import annotations
 
 import atexit
+import contextlib
 import math
 import os
 import re
@@ -23,6 +24,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from core import models
 from core.config import DSConfig, RefConfig
 from core.models import TokenValues
 
@@ -294,6 +296,10 @@ def make_engine(model, ds: DSConfig, lr: float, total_steps: int, warmup_steps: 
     import deepspeed
 
     stage = zero_stage(ds, hybrid)
+    if stage == 3 and models.is_4bit(model):
+        raise ValueError("--model.load-in-4bit with ZeRO-3 (--ds.zero-stage 3, or its offload-params): DeepSpeed "
+                         "cannot partition bitsandbytes' 4-bit weights; QLoRA runs at ZeRO 0-2 (the frozen 4-bit base "
+                         "is small, and ZeRO-2 still shards the adapters' optimizer states)")  # fmt: skip
     if hybrid and stage == 0 and torch.cuda.is_available():
         raise ValueError("--vllm.enable-sleep with --ds.zero-stage 0: DeepSpeed cannot move a stage-0 engine's states "
                          "off the GPU; use --ds.zero-stage 2 or 3 (the default picks 2)")  # fmt: skip
@@ -571,12 +577,24 @@ def full_named_parameters(engine, keep=None):
     named = [(n, p) for n, p in engine.module.named_parameters() if keep is None or keep(n)]
     if engine.zero_optimization_stage() != 3:
         for name, p in named:
-            yield name, p.detach()
+            yield name, dequantized(p)
         return
     for group in gather_groups(named):
         with deepspeed.zero.GatheredParameters([p for _, p in group], modifier_rank=None):
             full = [(name, p.detach().clone()) for name, p in group]
         yield from full
+
+
+def dequantized(p: torch.Tensor) -> torch.Tensor:
+    """A parameter as the forward computes with it: a 4-bit bitsandbytes weight (`--model.load-in-4bit`, QLoRA)
+    dequantized to its compute dtype (the engines and the export get what the trainer's linears multiply by, NF4
+    rounding included); any other parameter detached as it is."""
+    state = getattr(p, "quant_state", None)
+    if state is None or type(p).__name__ != "Params4bit":
+        return p.detach()
+    import bitsandbytes.functional as bnb_f
+
+    return bnb_f.dequantize_4bit(p.data, state).to(state.dtype)
 
 
 def zero3_partitions(engine) -> tuple[list[tuple[str, torch.Tensor, torch.Size]] | None, str]:
@@ -729,11 +747,11 @@ def export_hf(engine, tokenizer, out_dir: str | Path, ema: bool = False) -> None
     Collective: call on every rank. Refuses (FloatingPointError naming `out_dir`) weights holding a NaN or inf.
     `ema`: export the engine's EMA weights (`ema_init`) instead of the trained ones."""
     out_dir = Path(out_dir)
-    if ema:
-        with ema_weights(engine):
-            state = gathered_state_dict(engine)
-    else:
+    four_bit = models.is_4bit(engine.module)
+    with ema_weights(engine) if ema else contextlib.nullcontext():
         state = gathered_state_dict(engine)
+        if four_bit and state is not None:  # QLoRA: the dequantized base with the adapters merged (make_engine refuses
+            state = dict(merged_named_parameters(engine))  # ZeRO-3, so this is no collective)
     bad = [k for k, v in (state or {}).items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
     if all_reduce(len(bad)) > 0:  # every rank raises, not only rank 0, which holds the gathered weights
         raise FloatingPointError(
@@ -747,7 +765,13 @@ def export_hf(engine, tokenizer, out_dir: str | Path, ema: bool = False) -> None
             model, state = model.model, {k.removeprefix("model."): v for k, v in state.items()}
         tmp = out_dir.with_name(out_dir.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
-        if hasattr(model, "peft_config"):  # rebuild base + adapters from the gathered weights, then merge
+        if four_bit:  # a plain HF model in the compute dtype, without the 4-bit quantization config
+            model = model.get_base_model()
+            config = model.config.to_dict()
+            config.pop("quantization_config", None)
+            model = AutoModelForCausalLM.from_config(type(model.config).from_dict(config),
+                                                     dtype=next(iter(state.values())).dtype)  # fmt: skip
+        elif hasattr(model, "peft_config"):  # rebuild base + adapters from the gathered weights, then merge
             from peft import get_peft_model
 
             base = AutoModelForCausalLM.from_config(model.get_base_model().config)

@@ -7,6 +7,7 @@ Tested with transformers 5.16-5.19 (Qwen2 and Llama architectures; Qwen2-MoE wit
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import torch
@@ -117,6 +118,10 @@ def load_causal_lm(cfg: ModelConfig, flag: str = "--model.name-or-path"):
     its vision tower (trained too)."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
+    prefix = flag.removesuffix("name-or-path")  # `--actor.model.`: the section's other flags
+    if cfg.load_in_4bit and cfg.lora_rank <= 0:
+        raise ValueError(f"{prefix}load-in-4bit needs {prefix}lora-rank > 0: the 4-bit base is frozen (its NF4 codes "
+                         "have no gradient), so only LoRA adapters can train on it (QLoRA)")  # fmt: skip
     check_causal_lm(cfg.name_or_path, flag)
     path = _check_model_path(cfg.name_or_path, flag)
     try:
@@ -124,8 +129,9 @@ def load_causal_lm(cfg: ModelConfig, flag: str = "--model.name-or-path"):
         vision = getattr(AutoConfig.from_pretrained(path), "vision_config", None) is not None
         auto = AutoModelForImageTextToText if vision else AutoModelForCausalLM
         model = auto.from_pretrained(
-            path, dtype=dtype, attn_implementation=attn_implementation(cfg.attn_implementation, dtype)
-        )
+            path, dtype=dtype, attn_implementation=attn_implementation(cfg.attn_implementation, dtype),
+            **(four_bit(dtype) if cfg.load_in_4bit else {}),
+        )  # fmt: skip
     except OSError as e:
         raise ValueError(f"{flag} {cfg.name_or_path!r}: cannot load a causal LM: {e}") from None
     except Exception as e:
@@ -136,6 +142,8 @@ def load_causal_lm(cfg: ModelConfig, flag: str = "--model.name-or-path"):
     if cfg.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         model.config.use_cache = False
+        if cfg.load_in_4bit:  # no parameter before the first adapter trains: checkpointed blocks need an input grad
+            model.enable_input_require_grads()
     if cfg.lora_rank > 0:
         from peft import LoraConfig, get_peft_model
 
@@ -149,6 +157,25 @@ def load_causal_lm(cfg: ModelConfig, flag: str = "--model.name-or-path"):
         )
         model = get_peft_model(model, lora)
     return model
+
+
+def four_bit(dtype: torch.dtype) -> dict:
+    """`from_pretrained` arguments that load a model's linears in 4-bit NF4 with double quantization (QLoRA's recipe;
+    bitsandbytes' CPU kernels on a CPU), computing in `dtype`, on this process's device (`LOCAL_RANK`'s GPU, or the
+    CPU). The LM head and embeddings stay in `dtype` (transformers keeps the output layer unquantized)."""
+    from transformers import BitsAndBytesConfig
+
+    device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu"
+    config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                bnb_4bit_compute_dtype=dtype, bnb_4bit_quant_storage=torch.uint8)  # fmt: skip
+    return {"quantization_config": config, "device_map": {"": device}}
+
+
+def is_4bit(model) -> bool:
+    """Whether `model` (an HF model, a PEFT model or a DeepSpeed engine around one) holds 4-bit bitsandbytes weights."""
+    hf = getattr(model, "module", model)
+    return bool(getattr(hf, "is_loaded_in_4bit", False) or getattr(getattr(hf, "base_model", None), "is_loaded_in_4bit", False)
+                or any(type(p).__name__ == "Params4bit" for p in hf.parameters()))  # fmt: skip
 
 
 def is_moe(model) -> bool:

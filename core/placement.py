@@ -289,6 +289,7 @@ def sync_weights(engines, engine, rank: int) -> dict[str, float]:
     import torch.distributed as dist
 
     from core import engine as ds_engine
+    from core import models
 
     parts = None
     partitioned = getattr(engines, "backend", None) == "broadcast" and getattr(engines, "senders", 1) > 1
@@ -300,6 +301,15 @@ def sync_weights(engines, engine, rank: int) -> dict[str, float]:
             dist.barrier()
         return stats
     adapter = engines.cfg.lora_sync == "adapter" and hasattr(engine.module, "peft_config")
+    first: dict[str, float] = {}
+    if adapter and not getattr(engine, "synced_base", False) and models.is_4bit(engine):
+        # QLoRA: the engines loaded the full-precision base, the trainer computes with its NF4 rounding; they get the
+        # dequantized base once (ZeRO-0/2: no collective), then adapters as for LoRA
+        base = (
+            (ds_engine.hf_name(n), t)
+            for n, t in ds_engine.full_named_parameters(engine, keep=lambda n: ".lora_" not in n)
+        )
+        first = engines.update_weights(base) if rank == 0 else {}
     if adapter:
         named = ds_engine.adapter_named_parameters(engine)
     else:
@@ -307,6 +317,7 @@ def sync_weights(engines, engine, rank: int) -> dict[str, float]:
     stats: dict[str, float] = {}
     if rank == 0 and adapter:
         stats = engines.update_adapter(named, ds_engine.adapter_config(engine.module))
+        stats = {k: v + first.get(k, 0.0) for k, v in stats.items()}  # the base's bytes and seconds, if sent
     elif rank == 0:
         stats = engines.update_weights(named)
     else:
