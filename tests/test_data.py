@@ -329,3 +329,18 @@ def test_prompt_example(tokenizer):
     assert data.prompt_example({"prompt": "1", "answer": "1"}, tokenizer, CFG)["datasource"] == "default"
     with pytest.raises(data.BadRow, match="missing key 'answer'"):
         data.prompt_example({"prompt": "1"}, tokenizer, CFG)
+
+
+@pytest.mark.parametrize("name", ["cleanrlhf/tiny", "cleanrlhf/tiny-chat"])
+def test_prompt_ids_through_the_tokenizer_backend_equal_the_tokenizers_own_call(name):
+    """`data._ids` calls a fast tokenizer's Rust backend directly (a tenth of the time per prompt): the ids equal
+    transformers' call for every embedded task prompt, and for chat-templated text with and without special tokens."""
+    from core import models
+
+    tok = models.load_tokenizer(name)
+    (src,) = data.load_sources("cleanrlhf/add2", "test")
+    texts = [row["prompt"] for row in src.rows.to_list()]
+    texts.append(tok.apply_chat_template([{"role": "user", "content": texts[0]}], tokenize=False,
+                                         add_generation_prompt=True) if tok.chat_template else texts[0] + "\n")  # fmt: skip
+    for special in (True, False):
+        assert [data._ids(tok, t, special) for t in texts] == tok(texts, add_special_tokens=special)["input_ids"]
