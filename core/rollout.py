@@ -529,6 +529,7 @@ def vllm_lora_rank(rank: int) -> int:
 
 
 _DROPPED_CORES: list = []  # engine cores of in-process engines dropped without `shutdown`, shut down at a safe point
+_OPEN_CORES: weakref.WeakSet = weakref.WeakSet()  # in-process engine cores built and not yet shut down
 
 
 def _defer_shutdown_when_dropped(llm) -> None:
@@ -543,14 +544,15 @@ def _defer_shutdown_when_dropped(llm) -> None:
     if isinstance(finalizer, weakref.finalize) and hasattr(client, "engine_core"):  # vllm's InprocClient
         finalizer.detach()
         client._finalizer = weakref.finalize(client, _DROPPED_CORES.append, client.engine_core)
+        _OPEN_CORES.add(client.engine_core)
 
 
 def release_dropped_engines() -> int:
     """Shut down the in-process engines dropped without `shutdown` (after collecting any that only a reference cycle
     still held). Call it where no torch.distributed world is in use yet (`core.rl.init_rank` does, before joining
     the trainer's): vLLM's shutdown destroys the default world. Returns how many it shut down."""
-    import gc
-
+    if not _OPEN_CORES and not _DROPPED_CORES:  # every engine built here was shut down: nothing to collect for
+        return 0
     gc.collect()
     cores, _DROPPED_CORES[:] = list(_DROPPED_CORES), []
     for core in cores:
@@ -1258,7 +1260,9 @@ class RolloutEngines:
 
                 ray.kill(engine)
             elif isinstance(engine, VLLMEngine):  # an HFEngine's model goes with its last reference
-                engine.llm.llm_engine.engine_core.shutdown()  # vllm 0.32: InprocClient.shutdown
+                client = engine.llm.llm_engine.engine_core
+                client.shutdown()  # vllm 0.32: InprocClient.shutdown
+                _OPEN_CORES.discard(getattr(client, "engine_core", None))
         self.engines = []
 
 
