@@ -224,6 +224,9 @@ def main(args: Args) -> dict:
     check_args(args)  # PLUMBING: generic flag rules (sizes > 0, finite floats, ...) before anything is loaded
     if args.data.image_key:  # PLUMBING: pictures are read by sft.py and the RL scripts only
         raise ValueError(f"--data.image-key {args.data.image_key!r}: rm.py reads no pictures (sft.py and the RL scripts do)")
+    if args.model.lora_rank > 0 or args.model.load_in_4bit:
+        flag = "--model.lora-rank" if args.model.lora_rank > 0 else "--model.load-in-4bit"
+        raise ValueError(f"{flag}: LoRA (and so QLoRA) is not supported for reward models here (train all parameters)")
     # PLUMBING: process group (world of one for `python algos/rm.py`), tokenizer, pairs, model, DeepSpeed engine.
     rank, world, device = ds_engine.init_distributed(args.ds.backend, args.ds.timeout_s)
     # Same seed on every rank for the data order and the head's init (each rank must build the same model);
@@ -231,8 +234,6 @@ def main(args: Args) -> dict:
     random.seed(args.train.seed)
     np.random.seed(args.train.seed)
     torch.manual_seed(args.train.seed)
-    if args.model.lora_rank > 0:
-        raise ValueError("--model.lora-rank: LoRA is not supported for reward models here (train all parameters)")
     if args.margin_key and args.train.loss != "sigmoid":
         raise ValueError(f"--margin-key {args.margin_key!r} needs --train.loss sigmoid (logexp takes no margin)")
     if args.train.share_prompt and args.model.attn_implementation not in ("auto", "sdpa", "eager"):
