@@ -1372,7 +1372,11 @@ def create_engines(model_path: str, cfg: VLLMConfig, seed: int = 0, actor_option
         }
         actors.append(actor_cls.options(**options).remote(model_path, cfg, seed + i, name, tokenizer, max_lora_rank))
     engines = RolloutEngines(actors, names, cfg, actors=True, dtype=dtype)
-    engines._all("ready")
+    try:
+        engines._all("ready")
+    except BaseException:  # an engine that never became ready must not keep its CPUs / GPUs from the next try
+        engines.shutdown()
+        raise
     if engines.backend == "broadcast" and init_broadcast:
         engines.init_broadcast()
     return engines

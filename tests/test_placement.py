@@ -299,7 +299,8 @@ def test_no_rank_leaves_the_weight_sync_before_the_engines_hold_the_new_weights(
 def test_zero3_group_trains_then_syncs_weights_to_a_vllm_actor(pair, tiny_path):
     path = str(tiny_path)
     building = pair.submit("run", _build_zero3, path)  # the engine actor starts meanwhile
-    cfg = rollout.VLLMConfig(in_process=False, dtype="float32", kv_cache_gib=0.5, timeout_s=120, sync_bucket_mb=1)
+    # the engine starts while both ranks build their ZeRO-3 engine, beside the other test worker: 300 s, as below
+    cfg = rollout.VLLMConfig(in_process=False, dtype="float32", kv_cache_gib=0.5, timeout_s=300, sync_bucket_mb=1)
     engines = rollout.create_engines(path, cfg, seed=0, init_broadcast=False)  # the group's rank 0 will send
     try:
         building.get()
