@@ -401,7 +401,9 @@ def test_an_engine_that_is_not_ready_in_time_is_named_and_gives_its_cpu_back(ray
     under load took three more tests' placement groups with it)."""
     cfg = rollout.VLLMConfig(in_process=False, dtype="float32", kv_cache_gib=0.25, timeout_s=1)  # a start takes > 1 s
     total = ray_cluster.cluster_resources()["CPU"]
-    with pytest.raises(rollout.EngineError, match=r"vLLM engine 'vllm-engine-0' did not finish ready within 1 s") as err:
+    with pytest.raises(
+        rollout.EngineError, match=r"vLLM engine 'vllm-engine-0' did not finish ready within 1 s"
+    ) as err:
         rollout.create_engines(base_dir, cfg, seed=0)
     # the error's traceback keeps create_engines' locals (the engines' handles) alive, as a failing test's report does
     assert err.tb is not None
