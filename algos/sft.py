@@ -170,8 +170,9 @@ def micro_batches(examples: list[dict], args: Args, pad_id: int, device) -> list
 
 @torch.no_grad()
 def evaluate(engine, tokenizer, examples: list[dict], args: Args, rank: int, world: int, device):
-    """Token-mean eval loss and (optionally) greedy exact-match accuracy; every rank takes an equal slice (padded
-    with repeats that carry zero weight) so ZeRO-3's collective forwards stay in step."""
+    """Token-mean eval loss and (optionally) greedy exact-match accuracy; every data-parallel rank (`rank` of `world`:
+    an SP or TP group's ranks share theirs) takes an equal slice (padded with repeats that carry zero weight) so
+    ZeRO-3's and AutoTP's collective forwards stay in step."""
     model = engine.module
     model.eval()
     n = len(examples)
@@ -203,7 +204,8 @@ def evaluate(engine, tokenizer, examples: list[dict], args: Args, rank: int, wor
             correct += w * float(
                 tokenizer.decode(out, skip_special_tokens=True).strip() == examples[i]["label"].strip()
             )
-        metrics["eval/accuracy"] = ds_engine.all_reduce(correct) / n
+        copies = ds_engine.all_reduce(1) / world  # ranks that evaluated each slice
+        metrics["eval/accuracy"] = ds_engine.all_reduce(correct) / n / copies
     model.train()
     return metrics
 
@@ -234,14 +236,18 @@ def main(args: Args) -> dict:
     eval_sources = data.load_sources(args.data.eval_path or args.data.path, args.data.eval_split, args.eval.max_samples)
     eval_set = [ex for g in data.build_examples(eval_sources, make, args.data, log) for ex in g]
     model = models.load_causal_lm(args.model).to(device)
-    # PLUMBING: --train.sp-size N: groups of N ranks share each sample, its tokens split among them; the data is
-    # split over the groups (sp = N = 1: dp_rank, dp_world = rank, world)
+    # PLUMBING: --train.sp-size N (each sample's tokens split over N ranks) or --ds.tensor-parallel-size N (each
+    # linear layer split over N ranks): groups of N ranks share each sample, and the data is split over the groups
+    # (dp_rank, dp_world; without either: rank, world). `copies`: the ranks that hold each sample
     sp = args.train.sp_size
     if sp > 1 and (not args.train.packing or models.is_moe(model) or args.data.image_key):
         raise ValueError("--train.sp-size needs --train.packing, a dense model (the router's aux loss of a "
                          "mixture-of-experts model is not split over ranks) and no pictures (--data.image-key: "
                          "padded batches)")  # fmt: skip
-    dp_rank, dp_world = sequence_parallel.setup(model, sp)
+    dp_rank, dp_world = ds_engine.tp_data_split(args.ds, sp)
+    if sp > 1:
+        dp_rank, dp_world = sequence_parallel.setup(model, sp)
+    copies = world // dp_world
     router_aux_coef = args.train.router_aux_coef
     if router_aux_coef is None:
         router_aux_coef = getattr(model.config, "router_aux_loss_coef", 0.0)
@@ -261,19 +267,19 @@ def main(args: Args) -> dict:
                  f"ZeRO-{engine.zero_optimization_stage()}, run dir {run_dir}")  # fmt: skip
     first_eval = {}  # --eval.every 0: no eval at all, the first one included
     if args.eval.every:
-        first_eval = client.get("first_eval") or evaluate(engine, tokenizer, eval_set, args, rank, world, device)
+        first_eval = client.get("first_eval") or evaluate(engine, tokenizer, eval_set, args, dp_rank, dp_world, device)
         if start_step == 0:  # a resumed run logged it when it started
             logger.log(first_eval, 0)
     perf: dict = {}
     tokens_seen, t_train, step = 0, 0.0, start_step - 1
 
     for step in range(start_step, args.train.max_steps):
-        # 2. batch: the global batch is a pure function of (seed, step); each SP group (each rank, without sequence
-        # parallelism) takes every dp_world-th sample
+        # 2. batch: the global batch is a pure function of (seed, step); each SP or TP group (each rank, without
+        # them) takes every dp_world-th sample
         idx = data.batch_indices(len(train_set), args.train.batch_size, step, args.train.seed)[dp_rank::dp_world]
         mbs = micro_batches([train_set[i] for i in idx], args, tokenizer.pad_token_id, device)
-        # sums over ranks count each sample once per rank of its SP group: divide by sp
-        num_tokens = ds_engine.all_reduce(sum(mb["loss_mask"].sum().item() for mb in mbs)) / sp
+        # sums over ranks count each sample once per rank of its SP or TP group: divide by copies
+        num_tokens = ds_engine.all_reduce(sum(mb["loss_mask"].sum().item() for mb in mbs)) / copies
         n_micro = int(ds_engine.all_reduce(len(mbs), op="max"))  # ranks must run the same number of passes
 
         # 3. forward / backward over micro-batches, one optimizer step
@@ -289,11 +295,12 @@ def main(args: Args) -> dict:
                 share = mb["loss_mask"].sum() / num_tokens
                 loss = nll + router_aux_coef * aux * share
                 total_aux += (aux * share).item()
-            # DeepSpeed averages gradients over ranks; scale by world so the sum over ranks is the global mean (with
-            # sequence parallelism each rank's backward gives the gradient of its own tokens' share: the same scale).
+            # DeepSpeed averages gradients over its data-parallel ranks (engine.dp_world_size: the world, or the world
+            # over --ds.tensor-parallel-size); scale by their number so the sum is the global mean (with sequence
+            # parallelism each rank's backward gives the gradient of its own tokens' share: the same scale).
             ds_engine.check_finite(loss, step)  # PLUMBING: a NaN/inf loss or gradient stops the run before the step
             engine.set_gradient_accumulation_boundary(i == n_micro - 1)
-            engine.backward(loss * world)
+            engine.backward(loss * engine.dp_world_size)
             total_loss += nll.item()
             tokens_seen += int(mb["input_ids"].numel()) if i < len(mbs) else 0
         grad_norm = ds_engine.optimizer_step(engine, step)
@@ -302,18 +309,18 @@ def main(args: Args) -> dict:
 
         # 4. logging, eval, checkpoint
         metrics = {
-            "loss/sft": ds_engine.all_reduce(total_loss) / sp,
+            "loss/sft": ds_engine.all_reduce(total_loss) / copies,
             **({"loss/router_aux": ds_engine.all_reduce(total_aux)} if models.is_moe(engine.module) else {}),
             "train/lr": engine.lr_scheduler.get_last_lr()[0],
             "train/grad_norm": grad_norm,
             "train/tokens": num_tokens,
             "perf/train_s": t_step,
-            "perf/tokens_per_s": ds_engine.all_reduce(tokens_seen) / sp / max(t_train, 1e-9),
+            "perf/tokens_per_s": ds_engine.all_reduce(tokens_seen) / copies / max(t_train, 1e-9),
         }
         last = step == args.train.max_steps - 1
         if args.eval.every and ((step + 1) % args.eval.every == 0 or last):
             with timer(perf, "perf/eval_s"):
-                metrics.update(evaluate(engine, tokenizer, eval_set, args, rank, world, device))
+                metrics.update(evaluate(engine, tokenizer, eval_set, args, dp_rank, dp_world, device))
         logger.log(metrics, step + 1, shown=("loss/sft", "eval/loss", "eval/accuracy"))  # step = updates done
         reached = (
             args.eval.stop_at_accuracy is not None and metrics.get("eval/accuracy", -1) >= args.eval.stop_at_accuracy

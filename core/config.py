@@ -158,6 +158,13 @@ class DSConfig:
     DeepSpeed's own graph passes, which schedule ZeRO-1/2's gradient reduction and ZeRO-3's parameter gathers and
     releases inside the compiled graph (prefetching the next layer's gather) instead of in module hooks. CUDA only;
     refused on CPU before anything loads."""
+    tensor_parallel_size: PosInt = 1
+    """DeepSpeed AutoTP training (`"tensor_parallel": {"autotp_size": N}`): the decoder layers' linear layers
+    (attention and MLP projections) are sharded over N consecutive ranks, which run each forward and backward together
+    (all-reduces inside the layers) on the same samples; the embedding and LM head stay whole on every rank (the
+    log-prob code needs every token's logit, and DeepSpeed's vocabulary-parallel head would leave each rank a slice);
+    data parallelism runs across the groups (`--train.ranks 4 --ds.tensor-parallel-size 2`: 2 TP groups of 2). Must
+    divide the number of ranks. ZeRO 0-3; not with LoRA, 4-bit weights or `--train.sp-size`."""
 
 
 @dataclass

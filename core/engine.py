@@ -183,6 +183,8 @@ def ds_config(ds: DSConfig, dtype: torch.dtype, stage: int) -> dict:
     if ds.optimizer == "muon":
         zero["reduce_scatter"] = False  # DeepSpeed 0.19.8's ZeRO-3 refuses Muon with it; tested off at 0-3
     compiled = {"compile": {"deepcompile": True}} if ds.deepcompile else {}  # its passes run at engine.compile()
+    if ds.tensor_parallel_size > 1:  # AutoTP: DeepSpeed shards the linears at initialize (see tp_data_split)
+        compiled["tensor_parallel"] = {"autotp_size": ds.tensor_parallel_size, "vocab_parallel_lm_head": False}
     return compiled | {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
@@ -195,6 +197,79 @@ def ds_config(ds: DSConfig, dtype: torch.dtype, stage: int) -> dict:
         "steps_per_print": 10**12,
         "wall_clock_breakdown": False,
     }
+
+
+def tp_data_split(ds: DSConfig, sp_size: int = 1) -> tuple[int, int]:
+    """This rank's (data-parallel rank, data-parallel world) under `--ds.tensor-parallel-size N` (DeepSpeed AutoTP):
+    the N consecutive ranks of a tensor-parallel group (DeepSpeed's (data, tensor) mesh: ranks r with the same
+    r // N) compute every forward and backward together, so they take the same samples, and the data is split over
+    the groups. N = 1: (rank, world). Refuses an N that does not divide the world, and N > 1 with `--train.sp-size`
+    (`sp_size` > 1: both would split the ranks into groups of their own)."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    tp = ds.tensor_parallel_size
+    if tp == 1:
+        return rank, world
+    if sp_size > 1:
+        raise ValueError(f"--ds.tensor-parallel-size {tp} with --train.sp-size {sp_size}: tensor and sequence "
+                         "parallelism together are not built; use one of them")  # fmt: skip
+    if world % tp:
+        raise ValueError(f"--ds.tensor-parallel-size {tp}: must divide the number of ranks ({world})")
+    return rank // tp, world // tp
+
+
+def tp_group_size() -> int:
+    """Ranks per tensor-parallel group of this process's trainer world: `--ds.tensor-parallel-size` once an AutoTP
+    engine was built here (DeepSpeed keeps its groups per process; the next script's `init_distributed` releases
+    them), else 1. The RL plumbing reads it where the ranks of a group share their rows (`core.rl.minibatches`)."""
+    from deepspeed.utils import groups
+
+    group = getattr(groups, "_TENSOR_MODEL_PARALLEL_GROUP", None)
+    return 1 if group is None or not dist.is_initialized() else dist.get_world_size(group)
+
+
+def tp_size(engine) -> int:
+    """The tensor-parallel size of a DeepSpeed engine (`--ds.tensor-parallel-size`; 1 without AutoTP)."""
+    size = engine.autotp_size() if hasattr(engine, "autotp_size") else 1
+    return max(1, int(size or 1))
+
+
+def _tp_sharded(p: torch.Tensor) -> bool:
+    """Whether `p` is one rank's shard of a weight AutoTP split over its tensor-parallel group (DeepSpeed 0.19.8 tags
+    them `tensor_model_parallel`; a row-parallel layer's bias, norms and the rest stay whole on every rank)."""
+    return bool(getattr(p, "tensor_model_parallel", False))
+
+
+def tp_full(p: torch.Tensor) -> torch.Tensor:
+    """The whole tensor of an AutoTP-sharded parameter, gathered over its tensor-parallel group into a new tensor
+    (the layer's own `gather_params`, given a copy: the trained parameter keeps its shard and its place in the
+    optimizer's buffers); any other parameter detached as it is. Collective over the TP group for a shard: the ranks
+    of a group must ask for the same parameters in the same order."""
+    if not _tp_sharded(p):
+        return p.detach()
+    copy = p.detach().clone()
+    p.gather_params([copy])  # rebinds copy.data to the gathered weight
+    return copy
+
+
+def _tp_clip_and_keep_norm(engine, max_norm: float) -> torch.Tensor:
+    """Global gradient norm of a stage-0 AutoTP engine, and clipping by it: every rank of a tensor-parallel group holds
+    a shard's gradient of each sharded weight and a whole copy of the replicated ones' (norms, row-parallel
+    biases), so the shards' squares are summed over the group and the replicated ones counted once. Every rank gets
+    the same norm, hence the same clip coefficient (a rank-local norm would clip the replicas differently and drift
+    them apart)."""
+    from deepspeed.utils import groups
+
+    params = [p for p in engine.module.parameters() if p.grad is not None]
+    sharded = [torch.linalg.vector_norm(p.grad, dtype=torch.float32) for p in params if _tp_sharded(p)]
+    whole = [torch.linalg.vector_norm(p.grad, dtype=torch.float32) for p in params if not _tp_sharded(p)]
+    sq = torch.stack(sharded).pow(2).sum() if sharded else torch.zeros(())
+    dist.all_reduce(sq, group=groups.get_tensor_model_parallel_group())
+    if whole:
+        sq = sq + torch.stack(whole).pow(2).sum()
+    norm = sq.sqrt()
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    return norm
 
 
 def lr_lambda(warmup_steps: int, total_steps: int, min_lr_ratio: float):
@@ -303,6 +378,19 @@ def make_engine(model, ds: DSConfig, lr: float, total_steps: int, warmup_steps: 
     if hybrid and stage == 0 and torch.cuda.is_available():
         raise ValueError("--vllm.enable-sleep with --ds.zero-stage 0: DeepSpeed cannot move a stage-0 engine's states "
                          "off the GPU; use --ds.zero-stage 2 or 3 (the default picks 2)")  # fmt: skip
+    if ds.tensor_parallel_size > 1:
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if hasattr(model, "peft_config") or models.is_4bit(model):
+            raise ValueError(f"--ds.tensor-parallel-size {ds.tensor_parallel_size} with LoRA or 4-bit weights "
+                             "(--model.lora-rank / --model.load-in-4bit): AutoTP shards plain linear layers, not "
+                             "PEFT's or bitsandbytes' wrappers; train the full model, or LoRA without tensor "
+                             "parallelism")  # fmt: skip
+        if world % ds.tensor_parallel_size:
+            raise ValueError(f"--ds.tensor-parallel-size {ds.tensor_parallel_size}: must divide the number of ranks "
+                             f"({world})")  # fmt: skip
+        if ds.optimizer == "muon":
+            raise ValueError(f"--ds.tensor-parallel-size {ds.tensor_parallel_size} with --ds.optimizer muon: Muon "
+                             "orthogonalises whole matrices, and AutoTP leaves each rank a shard")  # fmt: skip
     if ds.optimizer == "muon" and stage > 0 and ds.grad_clip > 0:
         raise ValueError(f"--ds.optimizer muon at ZeRO-{stage} with --ds.grad-clip {ds.grad_clip}: DeepSpeed 0.19.8 "
                          "orthogonalises the Muon matrices' gradients before it clips, so it would clip the updates "
@@ -328,6 +416,9 @@ def make_engine(model, ds: DSConfig, lr: float, total_steps: int, warmup_steps: 
         # DeepSpeed clips a stage-0 fp32 engine's (already all-reduced) gradients but drops their norm, so
         # get_global_grad_norm() would be None: clip here and keep the norm, as its ZeRO and bf16 optimizers do
         def clip_and_keep_norm():
+            if tp_size(engine) > 1:  # the shards of a TP group make one gradient: one norm for the group
+                engine._global_grad_norm = _tp_clip_and_keep_norm(engine, ds.grad_clip or math.inf)
+                return
             engine._global_grad_norm = torch.nn.utils.clip_grad_norm_(
                 engine.module.parameters(), ds.grad_clip or math.inf
             )
@@ -410,7 +501,14 @@ def make_frozen(model, cfg: RefConfig, device: torch.device):
         "bf16": {"enabled": next(model.parameters()).dtype == torch.bfloat16},
         "steps_per_print": 10**12,
     }
-    engine, *_ = deepspeed.initialize(model=model, config=config)
+    # After an AutoTP engine (`--ds.tensor-parallel-size`) DeepSpeed's process-wide groups are its (data, tensor)
+    # mesh, and an engine built without them fails (deepspeed 0.19.8 asks a missing mpu for its model-parallel rank):
+    # hand it those groups. Its partitions then span the data-parallel ranks, and the ranks of a TP group, which
+    # forward the same rows, each hold the same partition.
+    from deepspeed.utils import groups
+
+    mpu = groups if tp_group_size() > 1 else None
+    engine, *_ = deepspeed.initialize(model=model, config=config, mpu=mpu)
     engine.eval()
     return engine
 
@@ -541,10 +639,22 @@ def gathered_state_dict(engine) -> dict[str, torch.Tensor] | None:
 
     model = engine.module
     zero3 = engine.zero_optimization_stage() == 3
+    if tp_size(engine) > 1:  # AutoTP: every rank gathers each shard with its group (a layer at a time under ZeRO-3)
+        state = {n: t.to("cpu", copy=True) for n, t in full_named_parameters(engine)}
+        params = dict(model.named_parameters(remove_duplicate=False))  # a tied head: the embedding's tensor
+        state = {k: state[_tied_name(model, k, params)] if k in params else v.detach().to("cpu", copy=True)
+                 for k, v in model.state_dict().items()}  # fmt: skip
+        return state if dist.get_rank() == 0 else None
     with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None, enabled=zero3):
         if dist.get_rank() != 0:
             return None
         return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
+
+
+def _tied_name(model, name: str, params: dict) -> str:
+    """The name under which `named_parameters()` (duplicates removed) lists the tensor of parameter `name`."""
+    target = params[name]
+    return next(n for n, p in model.named_parameters() if p is target)
 
 
 _LAYER_PREFIX = re.compile(r"^(.*?\.layers\.\d+)\.")
@@ -569,7 +679,8 @@ def full_named_parameters(engine, keep=None):
     """Yield (name, full tensor) for every trainer parameter, for weight sync; `keep(name)` False skips a parameter
     (never gathered). Under ZeRO-3 a decoder layer's parameters are gathered together (one coalesced all-gather per
     layer, `gather_groups`) and copied out before the next layer is gathered, so one layer is held at a time
-    (collective: every rank must iterate to the end, with the same `keep`); otherwise the live tensors. Gathering
+    (collective: every rank must iterate to the end, with the same `keep`); otherwise the live tensors. Under AutoTP
+    (`--ds.tensor-parallel-size`) each shard is gathered over its tensor-parallel group (`tp_full`): collective too. Gathering
     parameter by parameter cost a collective each: ~290 for a 24-layer Qwen2, about three quarters of a 0.5B-shaped
     model's sync on 2 CPU ranks."""
     import deepspeed
@@ -577,11 +688,11 @@ def full_named_parameters(engine, keep=None):
     named = [(n, p) for n, p in engine.module.named_parameters() if keep is None or keep(n)]
     if engine.zero_optimization_stage() != 3:
         for name, p in named:
-            yield name, dequantized(p)
+            yield name, tp_full(p) if _tp_sharded(p) else dequantized(p)  # AutoTP: a shard gathered (collective)
         return
     for group in gather_groups(named):
         with deepspeed.zero.GatheredParameters([p for _, p in group], modifier_rank=None):
-            full = [(name, p.detach().clone()) for name, p in group]
+            full = [(name, tp_full(p) if _tp_sharded(p) else p.detach().clone()) for name, p in group]
         yield from full
 
 
@@ -608,6 +719,8 @@ def zero3_partitions(engine) -> tuple[list[tuple[str, torch.Tensor, torch.Size]]
     (e.g. hierarchical / expert groups), partitions swapped out to NVMe or quantized."""
     if engine.zero_optimization_stage() != 3:
         return None, f"ZeRO stage {engine.zero_optimization_stage()} keeps no partitions"
+    if tp_size(engine) > 1:
+        return None, "AutoTP (--ds.tensor-parallel-size): the partitions are of tensor-parallel shards"
     world = dist.get_world_size()
     checked: set[int] = set()
     out = []

@@ -290,6 +290,7 @@ def make_actor(args, device: torch.device, total_updates: int = 0, schedule=None
             raise ValueError("--train.sp-size needs --train.packing and is not built for pictures (--data.image-key: "
                              "padded forwards)")  # fmt: skip
         sequence_parallel.setup(model, args.train.sp_size)
+    ds_engine.tp_data_split(args.ds, args.train.sp_size)  # --ds.tensor-parallel-size: refused with SP or a bad size
     a, lr = args.actor, scaled_lr(args.actor, args.rollout, args.train)
     return ds_engine.make_engine(model, args.ds, lr, total_updates, a.warmup_steps, a.min_lr_ratio,
                                  a.weight_decay, a.adam_betas, hybrid=args.vllm.enable_sleep, ema_beta=a.ema_beta,
@@ -611,8 +612,9 @@ def minibatches(seqs: dict, train, step: int, rank: int, world: int) -> list[tup
     `--train.max-tokens-per-micro N`, filled up to N tokens (`placement.shard_minibatch`); every rank gets as many
     micro-batches as every other (a padding one is `real` False and its loss counts 0)."""
     n, lengths = len(seqs["loss_mask"]), seqs["attention_mask"].sum(1).tolist()
-    sp = train.sp_size  # --train.sp-size: the ranks of an SP group share their micro-batches
-    rank, world = rank // sp, world // sp
+    # --train.sp-size / --ds.tensor-parallel-size: the ranks of an SP or TP group share their micro-batches
+    group = train.sp_size * ds_engine.tp_group_size()
+    rank, world = rank // group, world // group
     order = list(range(n))
     random.Random(train.seed + step).shuffle(order)
     size = max(1, math.ceil(n / train.minibatches))
@@ -626,8 +628,9 @@ def forward_rows(fn, batch: dict, micro: list[tuple[list[int], bool]], world: in
                  sp: int = 1) -> torch.Tensor:  # fmt: skip
     """`fn(rows(batch, r)) -> (b, L)` on this rank's micro-batches `micro`, written into a (B, L) tensor. Every pass
     runs, padding ones included (under ZeRO-3 each forward is a collective). `gather_ranks`: each row was computed by
-    exactly one rank (0 elsewhere), or by every rank of one SP group of `sp` ranks (`--train.sp-size`), so a sum over
-    ranks divided by `sp` gives every rank every row."""
+    exactly one rank (0 elsewhere), or by every rank of one SP group of `sp` ranks (`--train.sp-size`) or of one
+    tensor-parallel group (`--ds.tensor-parallel-size`, `core.engine.tp_group_size`), so a sum over ranks divided by
+    the group's size gives every rank every row."""
     out = torch.zeros(batch["loss_mask"].shape, device=batch["loss_mask"].device)
     for r, real in micro:
         value = fn(rows(batch, r))
@@ -635,7 +638,8 @@ def forward_rows(fn, batch: dict, micro: list[tuple[list[int], bool]], world: in
             out[r] = value
     if gather_ranks and world > 1:
         torch.distributed.all_reduce(out)
-        out = out / sp if sp > 1 else out
+        group = sp * ds_engine.tp_group_size()
+        out = out / group if group > 1 else out
     return out
 
 
@@ -711,17 +715,19 @@ def micro_batches(seqs: dict, micro: list[tuple[list[int], bool]]):
 
 
 def backward(engine, loss: torch.Tensor, step: int, world: int, real: bool, last: bool, what: str = "loss") -> float:
-    """One micro-batch's backward: stop before any optimizer step on a NaN/inf loss; scale by world (DeepSpeed averages
-    gradients over ranks, the loss is this rank's share of the minibatch's token mean) or by 0 for a padding pass;
-    mark the last micro-batch of the minibatch as the accumulation boundary. Returns the unscaled loss (0 for padding)
-    over the ranks of the engine's SP group (`--train.sp-size`, which all hold the same loss; 1 without), so that its
-    sum over micro-batches and ranks is the minibatch's loss. With sequence parallelism each rank's backward gives the
-    gradient of its own tokens' share of the loss: the same world scaling holds."""
+    """One micro-batch's backward: stop before any optimizer step on a NaN/inf loss; scale by the number of ranks
+    DeepSpeed averages gradients over (the world, or the world over `--ds.tensor-parallel-size`: the ranks of a TP
+    group hold shards of one gradient; the loss is this rank's share of the minibatch's token mean) or by 0 for a
+    padding pass; mark the last micro-batch of the minibatch as the accumulation boundary. Returns the unscaled loss
+    (0 for padding) over the ranks of the engine's SP or TP group (`--train.sp-size`, which all hold the same loss; 1
+    without), so that its sum over micro-batches and ranks is the minibatch's loss. With sequence parallelism each
+    rank's backward gives the gradient of its own tokens' share of the loss: the same world scaling holds."""
     ds_engine.check_finite(loss, step, what)
     engine.set_gradient_accumulation_boundary(last)
-    engine.backward(loss * (world if real else 0.0))
+    tp = ds_engine.tp_group_size()
+    engine.backward(loss * (world // tp if real else 0.0))
     group = sequence_parallel.sp_group(engine)
-    return loss.item() / (1 if group is None else torch.distributed.get_world_size(group)) if real else 0.0
+    return loss.item() / (1 if group is None else torch.distributed.get_world_size(group)) / tp if real else 0.0
 
 
 # ---------------------------------------------------------------------------------------- 5. sync, eval, save

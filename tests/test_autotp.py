@@ -1,0 +1,146 @@
+"""DeepSpeed AutoTP training (`--ds.tensor-parallel-size N`) on CPU (gloo, fp32): the decoder layers' linears sharded
+over N ranks compute what one rank computes, in sft.py, dpo.py (tests/test_dpo.py) and an RL actor (grpo.py, whose
+weight sync gathers the shards for the vLLM engine), and the refusals of what is not built.
+
+Tolerances: two ways of computing one step add the same float32 terms in other orders (a row-parallel layer's
+all-reduce sums its halves, the data-parallel mean sums the ranks' shares), `conftest.f32_rtol`; the weights after
+Adam steps are compared in norm against the update itself, because Adam divides each element's step by the root of
+its squared-gradient average, so an element whose gradient is at rounding level may step anywhere in ±lr."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import assert_first_step_agrees, child_env, f32_rtol, ranks_2_vs_1, zero3_other_reference
+
+from core import embedded, models
+from core import engine as ds_engine
+from core.config import DSConfig, ModelConfig
+from core.engine import free_port
+
+REPO = Path(__file__).resolve().parent.parent
+SFT = REPO / "algos" / "sft.py"
+STEPS, BATCH, TOKENS = 4, 16, 16  # a step: 16 samples of <= 16 tokens
+
+
+def sft_run(tmp: Path, name: str, nproc: int, *extra: str) -> Path:
+    """algos/sft.py for STEPS steps on the tiny model (eval at the start and the end, accuracy included), in one
+    process (`nproc` 0) or under torchrun with `nproc` ranks; its run folder."""
+    run_dir = tmp / name
+    launcher = [sys.executable] if nproc == 0 else [
+        sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(nproc), "--master_addr", "127.0.0.1",
+        "--master_port", str(free_port())]  # fmt: skip
+    cmd = [*launcher, str(SFT), "--model.name-or-path", "cleanrlhf/tiny", "--train.max-steps", str(STEPS),
+           "--train.batch-size", str(BATCH), "--train.warmup-steps", "0", "--eval.every", str(STEPS),
+           "--eval.max-samples", "32", "--logger.quiet", "--logger.no-tensorboard", "--run-dir", str(run_dir),
+           *extra]  # fmt: skip
+    out = subprocess.run(cmd, env={**child_env(), "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    return run_dir
+
+
+def rows(run_dir: Path) -> dict[int, dict]:
+    out: dict[int, dict] = {}
+    for line in open(run_dir / "metrics.jsonl"):
+        r = json.loads(line)
+        out.setdefault(r["step"], {}).update(r)
+    return out
+
+
+def exported(run_dir: Path) -> dict[str, torch.Tensor]:
+    model = models.load_causal_lm(ModelConfig(name_or_path=str(run_dir / "hf")))  # loads in transformers as is
+    return {n: p.detach() for n, p in model.named_parameters()}
+
+
+def assert_same_run(one: Path, other: Path) -> None:
+    """Every step's loss and gradient norm, the eval at the start and the end, and the exported weights of `other`
+    equal `one`'s up to float32 reordering."""
+    a, b = rows(one), rows(other)
+    assert sorted(a) == sorted(b) == list(range(STEPS + 1))
+    for step in range(STEPS + 1):
+        rtol = max(1e-5, f32_rtol(BATCH * TOKENS, updates=step))
+        for key in ("loss/sft", "train/grad_norm", "eval/loss", "eval/accuracy"):
+            if key in a[step]:
+                assert b[step][key] == pytest.approx(a[step][key], rel=rtol, abs=1e-6), (key, step, a[step], b[step])
+    base = {n: p.detach() for n, p in models.load_causal_lm(ModelConfig(name_or_path="cleanrlhf/tiny")).named_parameters()}
+    wa, wb = exported(one), exported(other)
+    assert wa.keys() == wb.keys() == base.keys()
+    for n in wa:  # the same shapes (whole, gathered), and the same step in norm
+        assert wa[n].shape == wb[n].shape == base[n].shape, n
+        moved = (wa[n] - base[n]).norm()
+        assert moved > 0, f"{n} did not train"
+        assert (wb[n] - wa[n]).norm() <= 1e-2 * moved, (n, (wb[n] - wa[n]).norm().item(), moved.item())
+
+
+@pytest.fixture(scope="module")
+def one_rank(tmp_path_factory) -> Path:
+    embedded.ensure_tiny_base()
+    return sft_run(tmp_path_factory.mktemp("autotp"), "one", 0, "--ds.zero-stage", "0")
+
+
+@pytest.mark.slow
+def test_sft_tensor_parallel_2_halted_and_resumed_equals_one_rank(one_rank, tmp_path):
+    """TP=2 over 2 ranks (ZeRO-1), halted after 2 steps (a checkpoint of each rank's shards) and resumed, trains,
+    evaluates (greedy generation through the sharded layers) and exports (the shards gathered into a whole HF model)
+    what one rank does uninterrupted."""
+    tp = ("--ds.tensor-parallel-size", "2", "--ds.zero-stage", "1")
+    halted = sft_run(tmp_path, "tp2", 2, *tp, "--train.halt-after", "2", "--ckpt.every", "0")
+    assert sorted(rows(halted)) == [0, 1, 2] and not (halted / "hf").exists()
+    shards = sorted(p.name for p in (halted / "checkpoints").glob("step_*/model/mp_rank_*_model_states.pt"))
+    assert shards == ["mp_rank_00_model_states.pt", "mp_rank_01_model_states.pt"]  # each rank's half of the layers
+    resumed = sft_run(tmp_path, "tp2", 2, *tp)
+    logged = [json.loads(line)["step"] for line in open(resumed / "metrics.jsonl")]
+    assert logged == list(range(STEPS + 1))  # steps 3 and 4 from the checkpoint, not a second run from step 0
+    assert_same_run(one_rank, resumed)
+
+
+@pytest.mark.slow
+def test_sft_two_tensor_parallel_groups_of_2_equal_one_rank(one_rank, tmp_path):
+    """4 ranks as 2 data-parallel × 2 tensor-parallel (ZeRO-0: the gradient norm and clipping that core computes for
+    a TP group) give one rank's run."""
+    assert_same_run(one_rank, sft_run(tmp_path, "tp2x2", 4, "--ds.tensor-parallel-size", "2", "--ds.zero-stage", "0"))
+
+
+@pytest.mark.slow
+def test_grpo_actor_with_tensor_parallel_2_trains_like_one_process(tmp_path):
+    """`--train.ranks 2 --ds.tensor-parallel-size 2`: the actor's layers sharded over both Ray ranks (ZeRO-1), the
+    reference partitioned over them (ZeRO-3); the same first-step losses, gradient norm and KL as one process, and
+    `--debug` checks after every sync that the engine, which got the gathered shards, computes the trainer's
+    log-probs."""
+    from algos.grpo import Args, main
+
+    def configure(args, ranks: int) -> None:
+        zero3_other_reference(args, ranks)
+        args.ds.zero_stage = 1
+        args.ds.tensor_parallel_size = ranks
+
+    assert_first_step_agrees(ranks_2_vs_1(Args, main, tmp_path, configure))
+
+
+def test_the_data_split_gives_a_tensor_parallel_group_one_share():
+    assert ds_engine.tp_data_split(DSConfig()) == (0, 1)  # one process, no TP
+    with pytest.raises(ValueError, match=r"--ds.tensor-parallel-size 2: must divide the number of ranks \(1\)"):
+        ds_engine.tp_data_split(DSConfig(tensor_parallel_size=2))
+    with pytest.raises(ValueError, match="--ds.tensor-parallel-size 2 with --train.sp-size 2"):
+        ds_engine.tp_data_split(DSConfig(tensor_parallel_size=2), sp_size=2)
+
+
+def test_tensor_parallel_with_lora_is_refused_naming_both_flags(tiny_model):
+    from peft import LoraConfig, get_peft_model
+
+    lora = get_peft_model(tiny_model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    with pytest.raises(ValueError, match="--ds.tensor-parallel-size 2 with LoRA or 4-bit weights"):
+        ds_engine.make_engine(lora, DSConfig(tensor_parallel_size=2), 1e-3, 10)
+
+
+def test_sft_refuses_a_tensor_parallel_size_the_ranks_cannot_hold(tmp_path):
+    out = subprocess.run([sys.executable, str(SFT), "--model.name-or-path", "cleanrlhf/tiny", "--train.max-steps", "1",
+                          "--ds.tensor-parallel-size", "2", "--run-dir", str(tmp_path / "r"), "--logger.quiet"],
+                         env=child_env(), capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert out.returncode != 0
+    assert "--ds.tensor-parallel-size 2: must divide the number of ranks (1)" in out.stderr
