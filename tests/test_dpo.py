@@ -286,9 +286,10 @@ def test_dpo_resume_is_exact(tmp_path):
 
 
 @pytest.mark.slow
-def test_two_ranks_zero3_match_one_rank(tmp_path):
-    """torchrun with 2 ranks and ZeRO-3 (reference cache assembled over ranks, pad passes) logs the same losses and
-    held-out metrics as one process."""
+def test_two_ranks_zero3_and_tensor_parallel_match_one_rank(tmp_path):
+    """torchrun with 2 ranks and ZeRO-3 (reference cache assembled over ranks, pad passes), and with 2 ranks as one
+    AutoTP group (`--ds.tensor-parallel-size 2`: both ranks take every pair, each holds half of every layer), log the
+    same losses and held-out metrics as one process."""
     import os
     import subprocess
     import sys
@@ -301,16 +302,19 @@ def test_two_ranks_zero3_match_one_rank(tmp_path):
     env["OMP_NUM_THREADS"] = "1"
     script = str(Path(__file__).resolve().parent.parent / "algos" / "dpo.py")
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", f"--master-port={free_port()}"]
-    runs = {"one": [sys.executable, script, "--ds.zero-stage", "2"], "two": torchrun + [script, "--ds.zero-stage", "3"]}
+    runs = {"one": [sys.executable, script, "--ds.zero-stage", "2"], "two": torchrun + [script, "--ds.zero-stage", "3"],
+            "tp": torchrun + [script, "--ds.zero-stage", "1", "--ds.tensor-parallel-size", "2"]}  # fmt: skip
     metrics = {}
     for name, cmd in runs.items():
         out = subprocess.run(cmd + common + ["--run-dir", str(tmp_path / name)], env=env, capture_output=True,
                              text=True, timeout=400)  # fmt: skip
         assert out.returncode == 0, out.stderr[-3000:]
         metrics[name] = [json.loads(line) for line in open(tmp_path / name / "metrics.jsonl")]
-    one, two = metrics["one"], metrics["two"]
-    assert [r["step"] for r in one] == [r["step"] for r in two] == [0, 1, 2]
-    for key in ("loss/dpo", "train/margin", "train/chosen_logp", "eval/loss", "eval/margin", "eval/logp_accuracy"):
-        for a, b in zip(one, two):
-            if key in a:
-                assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (key, a["step"])
+    one = metrics["one"]
+    for two in (metrics["two"], metrics["tp"]):
+        assert [r["step"] for r in one] == [r["step"] for r in two] == [0, 1, 2]
+        for key in ("loss/dpo", "train/margin", "train/chosen_logp", "train/grad_norm", "eval/loss", "eval/margin",
+                    "eval/logp_accuracy"):  # fmt: skip
+            for a, b in zip(one, two):
+                if key in a:
+                    assert b[key] == pytest.approx(a[key], rel=1e-4, abs=1e-6), (key, a["step"])

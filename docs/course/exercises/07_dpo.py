@@ -188,8 +188,10 @@ def micro_batches(idx: list[int], pairs: list[dict], max_tokens: int) -> list[li
 @torch.no_grad()
 def all_pair_logps(model, pairs: list[dict], chunk: int, rank: int, world: int, device,
                    share_prompt: bool = False) -> torch.Tensor:  # fmt: skip
-    """(P, 2) summed log-probs [chosen, rejected] of every pair, in eval mode. Each rank computes an equal-sized
-    slice (padded with repeats, so ZeRO-3's collective forwards stay in step) and a sum over ranks assembles it."""
+    """(P, 2) summed log-probs [chosen, rejected] of every pair, in eval mode. Each data-parallel rank (`rank` of
+    `world`; the ranks of an SP or TP group share one) computes an equal-sized slice (padded with repeats, so ZeRO-3's
+    and AutoTP's collective forwards stay in step) and a sum over ranks, divided by the ranks of a group, assembles
+    it."""
     was_training = model.training
     model.eval()
     n = len(pairs)
@@ -202,8 +204,9 @@ def all_pair_logps(model, pairs: list[dict], chunk: int, rank: int, world: int, 
         keep = torch.tensor([i < n for i in idx], device=device)
         rows = torch.tensor([i % n for i in idx], device=device)
         out[rows[keep]] = torch.stack([c, r], dim=1)[keep].double()
-    if world > 1:
+    if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(out)
+        out /= dist.get_world_size() // world  # the ranks that computed each slice
     model.train(was_training)
     return out.float()
 
@@ -270,13 +273,17 @@ def main(args: Args) -> dict:
     eval_sources = data.load_sources(args.data.eval_path or args.data.path, args.data.eval_split, args.eval.max_samples)
     eval_set = [ex for g in data.build_examples(eval_sources, make, args.data, log) for ex in g]
     model = models.load_causal_lm(args.model).to(device)
-    # PLUMBING: --train.sp-size N: groups of N ranks share each pair, its tokens split among them; the data is split
-    # over the groups (sp = N = 1: dp_rank, dp_world = rank, world)
+    # PLUMBING: --train.sp-size N (each pair's tokens split over N ranks) or --ds.tensor-parallel-size N (each linear
+    # layer split over N ranks): groups of N ranks share each pair, and the data is split over the groups (dp_rank,
+    # dp_world; without either: rank, world). `copies`: the ranks that hold each pair
     sp = args.train.sp_size
     if sp > 1 and args.train.share_prompt:
         raise ValueError("--train.sp-size splits packed rows by position ids; prompt sharing needs a 4D mask: add "
                          "--train.no-share-prompt")  # fmt: skip
-    dp_rank, dp_world = sequence_parallel.setup(model, sp)
+    dp_rank, dp_world = ds_engine.tp_data_split(args.ds, sp)
+    if sp > 1:
+        dp_rank, dp_world = sequence_parallel.setup(model, sp)
+    copies = world // dp_world
     schedule = partial(lr_schedule, warmup=args.train.warmup_steps, total=args.train.max_steps,
                        floor=args.train.min_lr_ratio)  # per optimizer step
     engine = ds_engine.make_engine(model, args.ds, args.train.lr, args.train.max_steps,
@@ -310,27 +317,27 @@ def main(args: Args) -> dict:
                 raise ValueError(f"{ckpt_dir}: its cached reference log-probs cover the batches of the original "
                                  f"--train.max-steps only; resume with that value (or train with --train.live-ref)")  # fmt: skip
         else:
-            eval_ref = all_pair_logps(engine.module, eval_set, chunk, rank, world, device, args.train.share_prompt)
+            eval_ref = all_pair_logps(engine.module, eval_set, chunk, dp_rank, dp_world, device, args.train.share_prompt)
             train_ref = None
             if not args.train.live_ref:
                 train_ref = torch.full((len(train_set), 2), float("nan"))  # NaN: a pair no batch uses
-                train_ref[used] = all_pair_logps(engine.module, [train_set[i] for i in used], chunk, rank, world,
+                train_ref[used] = all_pair_logps(engine.module, [train_set[i] for i in used], chunk, dp_rank, dp_world,
                                                  device, args.train.share_prompt).cpu()  # fmt: skip
     first_eval = {}  # --eval.every 0: no eval at all, the first one included
     if args.eval.every:
-        first_eval = client.get("first_eval") or evaluate(engine.module, eval_set, eval_ref, args, rank, world, device,
-                                                          logger, tokenizer, 0)  # fmt: skip
+        first_eval = client.get("first_eval") or evaluate(engine.module, eval_set, eval_ref, args, dp_rank, dp_world,
+                                                          device, logger, tokenizer, 0)  # fmt: skip
     if start_step == 0:  # a resumed run logged it when it started
         logger.log({**first_eval, **perf}, 0)
     tokens_seen, t_train, step = 0, 0.0, start_step - 1
 
     for step in range(start_step, args.train.max_steps):
-        # 3. batch: the global batch is a pure function of (seed, step); each SP group (each rank, without sequence
-        # parallelism) takes every dp_world-th pair; sums over ranks count a pair once per rank of its group: / sp
+        # 3. batch: the global batch is a pure function of (seed, step); each SP or TP group (each rank, without them)
+        # takes every dp_world-th pair; sums over ranks count a pair once per rank of its group: / copies
         idx = data.batch_indices(len(train_set), args.train.batch_size, step, args.train.seed)[dp_rank::dp_world]
         groups = micro_batches(idx, train_set, args.train.max_tokens_per_micro)
         n_micro = int(ds_engine.all_reduce(len(groups), op="max"))  # ranks must run the same number of passes
-        num_chosen = ds_engine.all_reduce(sum(sum(train_set[i]["chosen"]["loss_mask"]) for i in idx)) / sp
+        num_chosen = ds_engine.all_reduce(sum(sum(train_set[i]["chosen"]["loss_mask"]) for i in idx)) / copies
 
         # 4. policy update: forward (chosen + rejected packed) / backward over micro-batches, one optimizer step
         t0 = time.perf_counter()
@@ -345,9 +352,10 @@ def main(args: Args) -> dict:
                 ref_c, ref_r = reference_logps(engine, ref_model, pairs, device, args.train.share_prompt)
             dpo, rc, rr = dpo_loss(pc, pr, ref_c, ref_r, args.train.beta, args.train.label_smoothing, args.train.ipo)
             nll = -pc.sum() / num_chosen  # RPO term: token mean over all chosen tokens of the global batch
-            # mean over the global batch; DeepSpeed averages gradients over ranks, so scale by world (with sequence
+            # mean over the global batch; DeepSpeed averages gradients over its data-parallel ranks, so scale by their
+            # number, engine.dp_world_size (the world, or the world over --ds.tensor-parallel-size; with sequence
             # parallelism each rank's backward gives the gradient of its own tokens' share: the same scale).
-            loss = (dpo * len(g) / args.train.batch_size + args.train.nll_coef * nll) * world * weight
+            loss = (dpo * len(g) / args.train.batch_size + args.train.nll_coef * nll) * engine.dp_world_size * weight
             ds_engine.check_finite(loss, step)  # PLUMBING: a NaN/inf loss or gradient stops the run before the step
             engine.set_gradient_accumulation_boundary(i == n_micro - 1)
             engine.backward(loss)
@@ -359,7 +367,7 @@ def main(args: Args) -> dict:
         t_train += time.perf_counter() - t0
 
         # 5. logging, eval, checkpoint
-        s = [ds_engine.all_reduce(x) / sp for x in stats.tolist()]
+        s = [ds_engine.all_reduce(x) / copies for x in stats.tolist()]
         tokens_seen += s[7]
         b = args.train.batch_size
         metrics = {
@@ -380,8 +388,8 @@ def main(args: Args) -> dict:
         last = step == args.train.max_steps - 1
         if args.eval.every and ((step + 1) % args.eval.every == 0 or last):
             with timer(metrics, "perf/eval_s"):
-                metrics.update(evaluate(engine.module, eval_set, eval_ref, args, rank, world, device, logger, tokenizer,
-                                        step + 1))  # fmt: skip
+                metrics.update(evaluate(engine.module, eval_set, eval_ref, args, dp_rank, dp_world, device, logger,
+                                        tokenizer, step + 1))  # fmt: skip
         logger.log(metrics, step + 1, shown=("loss/dpo", "train/reward_accuracy", "eval/pref_accuracy"))
         halted = args.train.halt_after is not None and step + 1 - start_step >= args.train.halt_after and not last
         if halted or (args.ckpt.every and ((step + 1) % args.ckpt.every == 0 or last)):
