@@ -113,6 +113,9 @@ class TeacherArgs:
     strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] | None = None
     """with `ranks` and `no-colocate`: how its own bundles are placed over the nodes (see `--ray.strategy`, the
     default)."""
+    load_in_4bit: bool = False
+    """as --ref.load-in-4bit: the teacher's linears in 4-bit NF4 (bitsandbytes), about a quarter of its 16-bit
+    memory; the distillation signal then carries NF4's rounding. Zero-stage 0 only."""
 
 
 @dataclass
@@ -167,7 +170,8 @@ def distill_advantages(teacher_logp: torch.Tensor, student_logp: torch.Tensor, m
 def load_teacher(args: Args, device: torch.device):
     """The frozen teacher (`--teacher.*`) in the actor's dtype, placed as a reference policy would be."""
     t = args.teacher
-    model = models.load_causal_lm(config.ModelConfig(name_or_path=t.model, dtype=args.actor.model.dtype), "--teacher.model")
+    model = models.load_causal_lm(config.ModelConfig(name_or_path=t.model, dtype=args.actor.model.dtype,
+                                                     load_in_4bit=t.load_in_4bit), "--teacher.model", frozen=True)  # fmt: skip
     return ds_engine.make_frozen(model, config.RefConfig(zero_stage=t.zero_stage, offload=t.offload), device)
 
 

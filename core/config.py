@@ -191,6 +191,11 @@ class RefConfig:
     strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] | None = None
     """with `ranks` and `no-colocate`: how its own bundles are placed over the nodes (see `--ray.strategy`, the
     default)."""
+    load_in_4bit: bool = False
+    """load the reference's linears in 4-bit NF4 (bitsandbytes, as `--actor.model.load-in-4bit`), computing in the
+    actor's dtype: 4.5 bits per weight instead of 16 or 32 (docs/guide.md, QLoRA). Frozen, it needs no LoRA; its
+    log-probs carry NF4's rounding, so the KL term is measured against the rounded starting policy. Zero-stage 0 only
+    (DeepSpeed cannot partition 4-bit weights)."""
 
 
 @dataclass

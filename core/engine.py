@@ -490,6 +490,10 @@ def make_frozen(model, cfg: RefConfig, device: torch.device):
     import deepspeed
 
     model.eval().requires_grad_(False)
+    if cfg.zero_stage == 3 and models.is_4bit(model):
+        raise ValueError("a 4-bit frozen model (--ref.load-in-4bit, --teacher.load-in-4bit) with zero-stage 3: "
+                         "DeepSpeed cannot partition bitsandbytes' 4-bit weights; use zero-stage 0 (the 4-bit model "
+                         "is whole on every rank, at about a quarter of its 16-bit size)")  # fmt: skip
     if cfg.zero_stage == 0:
         return model.to("cpu" if cfg.offload and device.type != "cpu" else device)
     zero: dict = {"stage": 3}

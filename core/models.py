@@ -110,8 +110,9 @@ def check_causal_lm(name_or_path: str, flag: str = "--model.name-or-path") -> No
                          "non-LM head), not a causal LM; give a policy or SFT model")  # fmt: skip
 
 
-def load_causal_lm(cfg: ModelConfig, flag: str = "--model.name-or-path"):
+def load_causal_lm(cfg: ModelConfig, flag: str = "--model.name-or-path", frozen: bool = False):
     """Load the policy as an HF causal LM in `cfg.dtype`, with gradient checkpointing and LoRA as configured.
+    `frozen`: a model that only runs forward passes (a reference, a teacher), which may load in 4-bit without LoRA.
     A missing path or hub id gives one clear ValueError naming `flag` (the flag `cfg.name_or_path` came from, e.g.
     `--actor.model.name-or-path`) instead of a hub traceback. A vision-language model (a config with a
     `vision_config`, e.g. Qwen2-VL) loads as `AutoModelForImageTextToText`: the same causal LM head over text, with
@@ -119,7 +120,7 @@ def load_causal_lm(cfg: ModelConfig, flag: str = "--model.name-or-path"):
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     prefix = flag.removesuffix("name-or-path")  # `--actor.model.`: the section's other flags
-    if cfg.load_in_4bit and cfg.lora_rank <= 0:
+    if cfg.load_in_4bit and cfg.lora_rank <= 0 and not frozen:
         raise ValueError(f"{prefix}load-in-4bit needs {prefix}lora-rank > 0: the 4-bit base is frozen (its NF4 codes "
                          "have no gradient), so only LoRA adapters can train on it (QLoRA)")  # fmt: skip
     check_causal_lm(cfg.name_or_path, flag)
@@ -159,15 +160,17 @@ def load_causal_lm(cfg: ModelConfig, flag: str = "--model.name-or-path"):
     return model
 
 
-def four_bit(dtype: torch.dtype) -> dict:
+def four_bit(dtype: torch.dtype, keep: tuple[str, ...] = ()) -> dict:
     """`from_pretrained` arguments that load a model's linears in 4-bit NF4 with double quantization (QLoRA's recipe;
     bitsandbytes' CPU kernels on a CPU), computing in `dtype`, on this process's device (`LOCAL_RANK`'s GPU, or the
-    CPU). The LM head and embeddings stay in `dtype` (transformers keeps the output layer unquantized)."""
+    CPU). The LM head and embeddings stay in `dtype` (transformers keeps the output layer unquantized), and so do the
+    modules named in `keep` (a reward model's one-output `score` head)."""
     from transformers import BitsAndBytesConfig
 
     device = f"cuda:{int(os.environ.get('LOCAL_RANK', 0))}" if torch.cuda.is_available() else "cpu"
     config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                                bnb_4bit_compute_dtype=dtype, bnb_4bit_quant_storage=torch.uint8)  # fmt: skip
+                                bnb_4bit_compute_dtype=dtype, bnb_4bit_quant_storage=torch.uint8,
+                                llm_int8_skip_modules=list(keep) or None)  # fmt: skip
     return {"quantization_config": config, "device_map": {"": device}}
 
 
@@ -234,19 +237,22 @@ def damaged_weights(error: Exception, path: str, flag: str, name: str) -> Except
     return ValueError(f"{flag} {name!r}: damaged weights file: {what}. Export or copy the model again.")
 
 
-def load_scalar_model(name_or_path: str, dtype: str = "auto", attn: str = "auto", flag: str = "--model.name-or-path"):
+def load_scalar_model(name_or_path: str, dtype: str = "auto", attn: str = "auto", flag: str = "--model.name-or-path",
+                      load_in_4bit: bool = False):  # fmt: skip
     """A causal LM body with a scalar head (`AutoModelForSequenceClassification`, num_labels=1): the reward model
     and the critic. Loading a plain causal LM initialises a fresh head; `save_pretrained` output loads back with
     `AutoModelForSequenceClassification.from_pretrained`. `attn`: as `--model.attn-implementation`. Load errors name
-    `flag`, the flag `name_or_path` came from (`--critic.name-or-path`, `--reward.model`)."""
+    `flag`, the flag `name_or_path` came from (`--critic.name-or-path`, `--reward.model`). `load_in_4bit`: the body's
+    linears in 4-bit NF4 (`four_bit`; the score head stays in `dtype`), for a frozen reward model."""
     from transformers import AutoModelForSequenceClassification
 
     path = _check_model_path(name_or_path, flag)
     try:
         torch_dt = torch_dtype(dtype)
         model = AutoModelForSequenceClassification.from_pretrained(
-            path, num_labels=1, dtype=torch_dt, attn_implementation=attn_implementation(attn, torch_dt)
-        )
+            path, num_labels=1, dtype=torch_dt, attn_implementation=attn_implementation(attn, torch_dt),
+            **(four_bit(torch_dt, keep=("score",)) if load_in_4bit else {}),
+        )  # fmt: skip
     except OSError as e:
         raise ValueError(f"{flag} {name_or_path!r}: cannot load a scalar-head model: {e}") from None
     except Exception as e:

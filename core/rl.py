@@ -329,8 +329,9 @@ def load_ref(cfg, model: ModelConfig, role: str = "ref", device: torch.device | 
     errors are named by `role`."""
     path = cfg.name_or_path or model.name_or_path
     flag = f"--{role}.name-or-path" if cfg.name_or_path else "--actor.model.name-or-path"
-    return ds_engine.make_frozen(models.load_causal_lm(ModelConfig(name_or_path=path, dtype=model.dtype), flag),
-                                 cfg, device)  # fmt: skip
+    frozen = models.load_causal_lm(ModelConfig(name_or_path=path, dtype=model.dtype, load_in_4bit=cfg.load_in_4bit),
+                                   flag, frozen=True)  # fmt: skip
+    return ds_engine.make_frozen(frozen, cfg, device)
 
 
 @dataclass

@@ -65,6 +65,10 @@ class RewardConfig:
     in the run's config.json."""
     normalize: bool = False
     """with `model`: score (r − reward_mean) / reward_std using the statistics `algos/rm.py` saved."""
+    load_in_4bit: bool = False
+    """with `model`: load the reward model's body in 4-bit NF4 (bitsandbytes; its score head stays in full
+    precision), about a quarter of its 16-bit memory, in this process or in each `ranks` replica. Its scores carry
+    NF4's rounding."""
     ranks: PosInt | None = None
     """with `model`: None scores in the trainer ranks' processes. N: a Ray group of N replicas of the reward model
     (each holds the whole model and scores its share of every batch), OpenRLHF's reward group; RL scripts started
@@ -119,7 +123,7 @@ def load_reward_func(cfg: RewardConfig, group=None):
     if cfg.model:
         if group is not None:
             return GroupReward(group), f"{cfg.model} ({len(group)} replicas)"
-        return ModelReward(cfg.model, cfg.normalize), cfg.model
+        return ModelReward(cfg.model, cfg.normalize, load_in_4bit=cfg.load_in_4bit), cfg.model
     if cfg.func is None:
         from rewards.arithmetic import reward_func
 
@@ -149,7 +153,8 @@ def reward_group(cfg: RewardConfig) -> Group:
     `--reward.model`, each built when the group starts (`build_group_reward`); no group without `--reward.ranks`."""
     if cfg.ranks is not None and not cfg.model:
         raise ValueError(f"--reward.ranks {cfg.ranks}: only for a reward model (--reward.model PATH)")
-    return group(cfg, setup=functools.partial(build_group_reward, path=cfg.model, normalize=cfg.normalize))
+    return group(cfg, setup=functools.partial(build_group_reward, path=cfg.model, normalize=cfg.normalize,
+                                              load_in_4bit=cfg.load_in_4bit))  # fmt: skip
 
 
 def check_reward_source(cfg: RewardConfig) -> None:

@@ -148,19 +148,21 @@ class RemoteReward:
 class ModelReward:
     """Score queries in-process with a reward model (`algos/rm.py` export): the server's scorer without HTTP."""
 
-    def __init__(self, path: str, normalize: bool = False, batch_size: int = 64, device: str | None = None):
+    def __init__(self, path: str, normalize: bool = False, batch_size: int = 64, device: str | None = None,
+                 load_in_4bit: bool = False):  # fmt: skip
         from rewards.server import RewardScorer
 
-        self.scorer = RewardScorer(path, normalize=normalize, batch_size=batch_size, device=device)
+        self.scorer = RewardScorer(path, normalize=normalize, batch_size=batch_size, device=device,
+                                   load_in_4bit=load_in_4bit)  # fmt: skip
 
     def __call__(self, queries: list[str], prompts: list[str], labels: list) -> dict:
         out = torch.tensor(self.scorer(list(queries)), dtype=torch.float32)
         return {"rewards": out, "scores": out}
 
 
-def build_group_reward(worker, path: str, normalize: bool) -> None:
+def build_group_reward(worker, path: str, normalize: bool, load_in_4bit: bool = False) -> None:
     """On each rank of a reward group: the whole reward model of this replica (`worker.engine`)."""
-    worker.engine = ModelReward(path, normalize)
+    worker.engine = ModelReward(path, normalize, load_in_4bit=load_in_4bit)
 
 
 def _score(worker, queries: list[str]) -> list[float]:

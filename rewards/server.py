@@ -159,9 +159,10 @@ class RewardScorer:
     is capped by the model's `max_position_embeddings` (`n_positions` for GPT-2-like configs)."""
 
     def __init__(self, path: str, normalize: bool = False, batch_size: int = 64, max_len: int = 2048,
-                 dtype: str = "auto", device: str | None = None):  # fmt: skip
+                 dtype: str = "auto", device: str | None = None, load_in_4bit: bool = False):  # fmt: skip
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
-        self.model = models.load_scalar_model(path, dtype).to(self.device).eval()
+        self.model = models.load_scalar_model(path, dtype, load_in_4bit=load_in_4bit)  # 4-bit: on its device already
+        self.model = (self.model if load_in_4bit else self.model.to(self.device)).eval()
         self.tokenizer = models.load_tokenizer(path)
         config = self.model.config
         self.add_special_tokens = getattr(config, "reward_add_special_tokens", True)

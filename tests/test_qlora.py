@@ -185,3 +185,63 @@ def test_preference_scripts_train_a_4bit_base(script, tmp_path):
     summary = module.main(args)
     assert summary["eval_pref_accuracy_first"] == 0.5 and summary["eval_pref_accuracy_last"] >= 0.6, summary
     assert "quantization_config" not in json.loads((tmp_path / script / "hf" / "config.json").read_text())
+
+
+def holds_the_dequantized_weights(four, full, inputs) -> None:
+    """A frozen 4-bit model computes what `full`'s architecture computes with the dequantized NF4 weights (loaded into
+    a copy of `full`): the same products summed in another order, float32 rounding of 128-term sums; and that is not
+    what `full` computes (NF4 rounded its weights)."""
+    import copy
+
+    plain = copy.deepcopy(full)
+    missing, unexpected = plain.load_state_dict({n: ds_engine.dequantized(p) for n, p in four.named_parameters()},
+                                                strict=False)  # fmt: skip
+    assert not unexpected and all(k.endswith("lm_head.weight") for k in missing), (missing, unexpected)
+    with torch.no_grad():
+        got, want, before = four(input_ids=inputs)[0], plain(input_ids=inputs)[0], full(input_ids=inputs)[0]
+    assert torch.allclose(got, want, rtol=1e-4, atol=1e-5), (got - want).abs().max()
+    assert not torch.allclose(got, before, rtol=1e-3, atol=1e-3)
+
+
+def test_frozen_models_load_in_4bit_without_lora_and_compute_with_their_nf4_weights(tiny_path, tmp_path):
+    """--ref.load-in-4bit, --teacher.load-in-4bit, --reward.load-in-4bit: frozen models need no adapters; each loads
+    its linears in NF4 (the reward model's score head stays fp32) and computes with those rounded weights."""
+    from algos import opd
+    from core import rl
+    from core.config import RefConfig
+    from rewards.remote import ModelReward
+
+    tiny_path = str(tiny_path)
+    full = models.load_causal_lm(ModelConfig(name_or_path=tiny_path, dtype="fp32")).eval()
+    ref = rl.load_ref(RefConfig(name_or_path=tiny_path, load_in_4bit=True), ModelConfig(dtype="fp32"),
+                      device=torch.device("cpu"))  # fmt: skip
+    assert models.is_4bit(ref) and not any(p.requires_grad for p in ref.parameters())
+    holds_the_dequantized_weights(ref, full, PROBES)
+    args = opd.Args()
+    args.teacher.model, args.teacher.load_in_4bit, args.actor.model.dtype = tiny_path, True, "fp32"
+    assert models.is_4bit(opd.load_teacher(args, torch.device("cpu")))
+    with pytest.raises(ValueError, match="4-bit frozen model .* zero-stage 3"):
+        rl.load_ref(RefConfig(name_or_path=tiny_path, zero_stage=3, load_in_4bit=True), ModelConfig(dtype="fp32"),
+                    device=torch.device("cpu"))  # fmt: skip
+
+    torch.manual_seed(0)  # a reward model with a fixed random head, saved as rm.py exports one
+    models.load_scalar_model(tiny_path, "fp32").save_pretrained(tmp_path / "rm")
+    models.load_tokenizer(tiny_path).save_pretrained(tmp_path / "rm")
+    four = ModelReward(str(tmp_path / "rm"), load_in_4bit=True).scorer.model
+    assert models.is_4bit(four) and four.score.weight.dtype == torch.float32
+    holds_the_dequantized_weights(four, models.load_scalar_model(str(tmp_path / "rm"), "fp32").eval(), PROBES[:1])
+
+
+@pytest.mark.slow
+def test_grpo_with_a_4bit_reference_measures_the_kl_to_the_rounded_policy(tmp_path):
+    """`--ref.load-in-4bit` with the KL on: at the first step the actor is still its starting model, so the KL to the
+    4-bit reference is NF4's rounding alone: above 0 (a full-precision reference gives 0 there) and small."""
+    from algos.grpo import Args, main
+
+    args = Args()
+    args.algo.kl_coef, args.ref.load_in_4bit = 0.05, True
+    args.train.max_steps, args.rollout.batch_size, args.eval.every = 1, 16, 0
+    args.logger.quiet, args.logger.tensorboard, args.run_dir = True, False, str(tmp_path / "run")
+    main(args)
+    row = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    assert 1e-4 < row["loss/kl"] < 0.05, row["loss/kl"]
