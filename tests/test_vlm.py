@@ -87,7 +87,7 @@ def test_with_image_expands_the_picture_tokens_and_checks_rows(vl, tmp_path):
     cfg = DataConfig(path=SHAPES, image_key="image")
     make = vision.with_image(lambda r: data.prompt_example(r, tokenizer, cfg), cfg, tokenizer, processor)
     prompt = make(rows[0])
-    assert prompt["prompt_ids"] == ex["input_ids"][: len(prompt["prompt_ids"])] and prompt["image"] is not None
+    assert prompt["prompt_ids"] == ex["input_ids"][: len(prompt["prompt_ids"])] and prompt["images"] is not None
     # bad pictures and bad keys are BadRows naming the key; through build_examples they name file and row
     for bad in ({**rows[0], "image": "not an image"}, {**rows[0], "image": 3}, {"prompt": "x", "answer": "1"}):
         with pytest.raises(data.BadRow) as e:
@@ -158,7 +158,7 @@ def test_the_transformers_engine_samples_with_pictures_and_syncs_the_vision_towe
     engines = rollout.create_engines(path, cfg, seed=0)
     exs = examples(tokenizer, processor, picture_rows(3))
     prompts = [ex["input_ids"][: ex["loss_mask"].index(1)] for ex in exs]
-    images = [ex["image"] for ex in exs]
+    images = [ex["images"] for ex in exs]
     groups = engines.generate(prompts, n=2, max_new_tokens=3, temperature=1.0, seed=7, images=images)
     again = engines.generate(prompts, n=2, max_new_tokens=3, temperature=1.0, seed=7, images=images)
     assert [[s.token_ids for s in g] for g in groups] == [[s.token_ids for s in g] for g in again]  # seeded
@@ -207,7 +207,7 @@ def test_vllm_serves_pictures_and_syncs_the_vision_tower(vl):
     try:
         exs = examples(tokenizer, processor, picture_rows(3))
         prompts = [ex["input_ids"][: ex["loss_mask"].index(1)] for ex in exs]
-        images = [ex["image"] for ex in exs]
+        images = [ex["images"] for ex in exs]
         groups = engines.generate(prompts, n=2, max_new_tokens=3, temperature=1.0, seed=7, images=images)
         again = engines.generate(prompts, n=2, max_new_tokens=3, temperature=1.0, seed=7, images=images)
         assert [[s.token_ids for s in g] for g in groups] == [[s.token_ids for s in g] for g in again]
@@ -223,6 +223,63 @@ def test_vllm_serves_pictures_and_syncs_the_vision_tower(vl):
         change_then_sync(engines, changed, "model.visual.", seqs, sample_examples)  # the vision tower alone
     finally:
         engines.shutdown()
+
+
+def two_picture_rows(n: int) -> list[dict]:
+    """Rows asking about two pictures, each placed where the prompt says: "<pic> squares, then <pic> squares?"."""
+    rows = picture_rows(2 * n, seed=3)
+    slot = vision.IMAGE_PLACEHOLDER
+    return [{"prompt": f"Left {slot} right {slot} total?", "image": [a["image"], b["image"]],
+             "answer": str(int(a["answer"]) + int(b["answer"]))} for a, b in zip(rows[::2], rows[1::2])]  # fmt: skip
+
+
+def test_several_pictures_per_prompt_sit_where_the_row_places_them(vl, tmp_path):
+    """`--data.max-images-per-prompt 2`: a row's list of pictures, each expanded at its own placeholder; the trainer
+    and the vLLM engine (`multi_modal_data` with both) compute the same log-probs; swapping the two pictures changes
+    them (each is read where it sits); a row with more pictures than the flag allows is skipped and counted, or
+    refused naming the file, row and count."""
+    model, tokenizer, processor = vl
+    cfg = DataConfig(path=SHAPES, image_key="image", max_images_per_prompt=2)
+    rows = two_picture_rows(3)
+    exs = examples(tokenizer, processor, rows, cfg)
+    pad = exs[0]["image_token_id"]
+    per_picture = vision.image_tokens(exs[0]["image_grid_thw"][0], processor)
+    for ex in exs:
+        assert len(ex["images"]) == 2 and ex["image_grid_thw"].shape == (2, 3)
+        ids = ex["input_ids"]
+        assert ids.count(pad) == 2 * per_picture and ex["loss_mask"][ids.index(pad)] == 0
+        first, last = ids.index(pad), len(ids) - ids[::-1].index(pad) - 1
+        assert pad not in ids[first + per_picture : last - per_picture + 1]  # two runs, text between them
+    swapped = examples(tokenizer, processor, [{**rows[0], "image": rows[0]["image"][::-1]}], cfg)[0]
+    batch = vision.collate([exs[0], swapped], tokenizer.pad_token_id, "cpu")
+    with torch.no_grad():
+        logp = packing.token_logprobs(model, batch)
+    assert not torch.allclose(logp[0], logp[1], atol=1e-4)
+
+    path = embedded.resolve_model(VL)
+    engine_cfg = rollout.VLLMConfig(in_process=True, dtype="float32", kv_cache_gib=0.25, max_model_len=256,
+                                    timeout_s=300)  # fmt: skip
+    engines = rollout.create_engines(path, engine_cfg, seed=0)
+    try:
+        seqs = [ex["input_ids"] for ex in exs]
+        assert rollout.check_weights(engines, model, seqs, examples=exs) < 1e-4
+        prompts = [ex["input_ids"][: ex["loss_mask"].index(1)] for ex in exs]
+        groups = engines.generate(prompts, n=2, max_new_tokens=3, seed=7, images=[ex["images"] for ex in exs])
+        assert all(len(s.token_ids) > 0 and pad not in s.token_ids for g in groups for s in g)
+    finally:
+        engines.shutdown()
+
+    three = {**rows[0], "image": rows[0]["image"] + rows[1]["image"][:1]}
+    bad_file = tmp_path / "bad.jsonl"
+    bad_file.write_text("\n".join(json.dumps(r) for r in (rows[0], three, rows[1])) + "\n")
+    make = vision.with_image(lambda r: data.sft_example(r, tokenizer, cfg), cfg, tokenizer, processor)
+    kept = data.build_examples(data.load_sources(str(bad_file), "train"), make, cfg)
+    assert sum(len(g) for g in kept) == 2  # the three-picture row skipped
+    strict = replace(cfg, on_bad_row="raise")
+    make = vision.with_image(lambda r: data.sft_example(r, tokenizer, strict), strict, tokenizer, processor)
+    with pytest.raises(ValueError, match=r"bad.jsonl: row 1: key 'image': 3 pictures, more than "
+                                         r"--data.max-images-per-prompt 2"):  # fmt: skip
+        data.build_examples(data.load_sources(str(bad_file), "train"), make, strict)
 
 
 def test_vllm_gets_the_picture_tokens_collapsed_to_one():
@@ -270,7 +327,7 @@ def sampled_accuracy(model_dir: str, n: int = 4) -> float:
     prompts = [make(r) for r in data.load_sources(SHAPES, "test")[0].rows]
     engine = rollout.HFEngine(model_dir, rollout.VLLMConfig(engine="hf"))
     groups = engine.generate([p["prompt_ids"] for p in prompts], n=n, max_new_tokens=3, temperature=1.0, seed=4242,
-                             images=[p["image"] for p in prompts])  # fmt: skip
+                             images=[p["images"] for p in prompts])  # fmt: skip
     scores = [shapes.score(tokenizer.decode(s.token_ids, skip_special_tokens=True), p["label"])
               for p, g in zip(prompts, groups) for s in g]  # fmt: skip
     return sum(scores) / len(scores)
