@@ -225,8 +225,9 @@ def evaluate(model, examples: list[dict], ref: torch.Tensor, args: Args, rank: i
 def main(args: Args) -> dict:
     # 1. setup ------------------------------------------------------------------------------------------------
     check_args(args)  # PLUMBING: generic flag rules (sizes > 0, finite floats, ...) before anything is loaded
-    if args.data.image_key:  # PLUMBING: pictures are read by sft.py and the RL scripts only
-        raise ValueError(f"--data.image-key {args.data.image_key!r}: kto.py reads no pictures (sft.py and the RL scripts do)")
+    if args.data.image_key:  # PLUMBING: pictures are read by sft.py, dpo.py and the RL scripts
+        raise ValueError(f"--data.image-key {args.data.image_key!r}: kto.py reads no pictures (sft.py, dpo.py and the "
+                         "RL scripts do)")  # fmt: skip
     # PLUMBING: process group (world of one for `python algos/kto.py`), tokenizer, examples, policy, engine.
     rank, world, device = ds_engine.init_distributed(args.ds.backend, args.ds.timeout_s)
     # Same seed on every rank for the data order (each rank slices the same global batch); per-rank offset for

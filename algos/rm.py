@@ -222,8 +222,10 @@ def evaluate(model, pairs: list[dict], args: Args, pad_id: int, rank: int, world
 def main(args: Args) -> dict:
     # 1. setup ------------------------------------------------------------------------------------------------
     check_args(args)  # PLUMBING: generic flag rules (sizes > 0, finite floats, ...) before anything is loaded
-    if args.data.image_key:  # PLUMBING: pictures are read by sft.py and the RL scripts only
-        raise ValueError(f"--data.image-key {args.data.image_key!r}: rm.py reads no pictures (sft.py and the RL scripts do)")
+    if args.data.image_key:  # PLUMBING: pictures are read by sft.py, dpo.py and the RL scripts
+        raise ValueError(f"--data.image-key {args.data.image_key!r}: rm.py reads no pictures: its scalar-head model "
+                         "is transformers' AutoModelForSequenceClassification, which has no vision-language (Qwen2-VL) "
+                         "class; sft.py, dpo.py and the RL scripts read them")  # fmt: skip
     if args.model.lora_rank > 0 or args.model.load_in_4bit:
         flag = "--model.lora-rank" if args.model.lora_rank > 0 else "--model.load-in-4bit"
         raise ValueError(f"{flag}: LoRA (and so QLoRA) is not supported for reward models here (train all parameters)")

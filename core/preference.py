@@ -7,6 +7,7 @@ Built on first use under `CLEANRLHF_HOME` (like `core/embedded.py` builds the ta
 |------------------------|--------------------------------------------------------------------------------------|
 | `cleanrlhf/addN-pref`  | paired: `prompt`, `chosen` (the sum), `rejected` (a plausible wrong sum), `kind`      |
 | `cleanrlhf/addN-kto`   | unpaired: `prompt`, `completion`, `label` (true = desirable), `kind`                  |
+| `cleanrlhf/shapes-pref`| paired with a picture: `image`, `prompt`, `chosen` (the count), `rejected` (another)  |
 
 The prompts and the train/test split are exactly those of `cleanrlhf/addN`, so the 500 test prompts are held out
 from the SFT warm start as well. A wrong answer is one of the mistakes a half-trained model makes: a dropped carry
@@ -22,6 +23,7 @@ measured pair by pair.
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 
@@ -88,12 +90,31 @@ def unpaired_rows(pairs: list[dict], seed: int, both: bool) -> list[dict]:
     return out
 
 
+def shapes_pair_rows(rows: list[dict], seed: int) -> list[dict]:
+    """One pair per `cleanrlhf/shapes` row, for vision-language DPO (`--data.image-key image`): the row's picture and
+    question, chosen = the count of squares, rejected = another count from 1-5 drawn uniformly."""
+    rng = random.Random(seed)
+    return [{**row, "chosen": row["answer"], "rejected": rng.choice([c for c in "12345" if c != row["answer"]]),
+             "kind": "other_count"} for row in rows]  # fmt: skip
+
+
 def ensure_preference_data(name: str, seed: int = 0) -> Path:
-    """Build (once) and return the folder with `train.jsonl` / `test.jsonl` for `addN-pref` or `addN-kto`."""
+    """Build (once) and return the folder with `train.jsonl` / `test.jsonl` for `addN-pref`, `addN-kto` or
+    `shapes-pref`."""
+    if name == "shapes-pref":
+        shapes = embedded.ensure_shapes_data()
+
+        def build_shapes(tmp: Path) -> None:
+            for split, offset in (("train", 0), ("test", 10_000)):
+                rows = [json.loads(line) for line in (shapes / f"{split}.jsonl").read_text().splitlines()]
+                embedded._write_jsonl(tmp / f"{split}.jsonl", shapes_pair_rows(rows, seed + offset))
+
+        return embedded._atomic_build(embedded.home() / "data" / name, build_shapes,
+                                      f"{embedded.ARTIFACT_VERSION}.{PREF_DATA_VERSION}")  # fmt: skip
     task, _, fmt = name.rpartition("-")
     if fmt not in ("pref", "kto") or not (task.startswith("add") and task[3:].isdigit() and 1 <= int(task[3:]) <= 9):
         raise ValueError(
-            f"unknown embedded dataset {embedded.PREFIX}{name!r}: expected {embedded.PREFIX}addN-pref or addN-kto"
+            f"unknown embedded dataset {embedded.PREFIX}{name!r}: expected {embedded.PREFIX}addN-pref, addN-kto or shapes-pref"
         )
 
     def build(tmp: Path) -> None:

@@ -379,9 +379,10 @@ def test_loaders_name_the_flag_they_are_given(tmp_path):
         models.load_tokenizer(missing, "--actor.model.name-or-path / --actor.model.tokenizer")
 
 
-@pytest.mark.parametrize("script", ["dpo", "rm", "kto"])
+@pytest.mark.parametrize("script", ["rm", "kto"])
 def test_the_preference_scripts_refuse_a_picture_column(script, tmp_path):
-    """dpo/rm/kto offer `--data.image-key` through the shared data section but read no pictures: refused by name."""
+    """rm/kto offer `--data.image-key` through the shared data section but read no pictures: refused by name (dpo.py
+    reads them, tests/test_vlm.py)."""
     import importlib
 
     mod = importlib.import_module(f"algos.{script}")
