@@ -85,7 +85,13 @@ class Environment(Protocol):
         e.g. `{"role": "user", "content": "Wrong, try again."}`) is appended as the chat template continues the
         conversation: the separator after the model's end-of-turn token, the messages and the next assistant header
         (`core.chat.continuation_ids`); with a chat prompt (`--data.apply-chat-template`) that is what keeps the
-        episode a well-formed conversation."""
+        episode a well-formed conversation.
+
+        Pictures (a vision-language model): text feedback as `{"text": str, "images": [picture, ...]}`, each picture
+        where the text holds Qwen2-VL's placeholder `<|vision_start|><|image_pad|><|vision_end|>` (or all in front of
+        a text without one), or chat messages whose `content` is a list of parts, `{"type": "image", "image":
+        picture}` among `{"type": "text", "text": ...}`. A picture is a PIL image, a file path or base64 PNG/JPEG. Its
+        tokens join the episode as the model's processor counts them, and the engine and the trainer see it there."""
         ...
 
 
@@ -101,22 +107,52 @@ class MultiTurnExecutor:
 
     def __init__(self, engines, tokenizer, env_factory: Callable[[dict], Environment], max_new_tokens: int,
                  max_turns: int = 4, max_total_tokens: int = 1024, temperature: float = 1.0,
-                 top_p: float = 1.0):  # fmt: skip
+                 top_p: float = 1.0, model_path: str | None = None):  # fmt: skip
         self.engines, self.tokenizer, self.env_factory = engines, tokenizer, env_factory
         self.max_new_tokens, self.max_turns, self.max_total_tokens = max_new_tokens, max_turns, max_total_tokens
         self.temperature, self.top_p = temperature, top_p
+        self.model_path = model_path  # the policy's folder: its image processor, for feedback with pictures
 
     def _tokens(self, text: str) -> list[int]:
         return self.tokenizer(text, add_special_tokens=False)["input_ids"] if text else []
 
-    def _feedback_ids(self, feedback: str | dict | list[dict], turn: list[int]) -> list[int] | None:
-        """The tokens appended after the model's `turn` for the environment's `feedback`; None when chat messages
-        cannot follow that turn (it did not end with the template's end-of-turn token)."""
+    def _feedback_ids(self, feedback: str | dict | list[dict], turn: list[int]) -> tuple[list[int], list] | None:
+        """The tokens appended after the model's `turn` for the environment's `feedback`, and the pictures it holds
+        (their image tokens not yet expanded: one `<|image_pad|>` each); None when chat messages cannot follow that
+        turn (it did not end with the template's end-of-turn token)."""
+        from core import vision
+
         if isinstance(feedback, str):
-            return self._tokens(feedback)
+            return self._tokens(feedback), []
+        if isinstance(feedback, dict) and "role" not in feedback:  # {"text", "images"}: text with pictures
+            images, text = list(feedback.get("images") or []), str(feedback.get("text", ""))
+            if images and vision.IMAGE_PAD not in text:
+                text = vision.IMAGE_PLACEHOLDER * len(images) + text
+            return self._tokens(text), images
         if not turn or turn[-1] != chat.end_of_turn_id(self.tokenizer):
             return None
-        return chat.continuation_ids(self.tokenizer, [feedback] if isinstance(feedback, dict) else feedback)
+        messages, images = vision.picture_messages([feedback] if isinstance(feedback, dict) else feedback)
+        return chat.continuation_ids(self.tokenizer, messages), images
+
+    def _with_pictures(self, example: dict, ids: list[int], images: list) -> tuple[list[int], dict]:
+        """`ids` (feedback tokens) with each picture's `<|image_pad|>` expanded to its token count, and the episode's
+        example with the pictures added (`core.vision.with_more_pictures`: the engine and the trainer read them
+        there)."""
+        from core import vision
+
+        where = "the environment's feedback (--rollout.env-file)"
+        if self.model_path is None:
+            raise ValueError(f"{where} holds pictures, and this executor was given no vision-language model")
+        processor = vision.load_image_processor(self.model_path)
+        pad_id = self.tokenizer.convert_tokens_to_ids(vision.IMAGE_PAD)
+        pictures = [vision.as_image(p, where) for p in images]
+        example = vision.with_more_pictures(example, pictures, processor, pad_id)
+        counts = [vision.image_tokens(g, processor) for g in example["image_grid_thw"][-len(pictures) :]]
+        try:
+            ids = vision.expand_image_tokens({"input_ids": ids}, "input_ids", pad_id, counts, "feedback")["input_ids"]
+        except vision.BadRow as e:
+            raise ValueError(f"{where}: {e.reason}") from None
+        return ids, example
 
     def run(self, batch: list[dict], n: int, seed: int | list[int] | None, step: int,
             temperature: float | None = None) -> Rollout:  # fmt: skip
@@ -134,9 +170,11 @@ class MultiTurnExecutor:
                 break
             seeds = None if seed is None else [(seed[i // n] + i % n if isinstance(seed, list) else seed + i)
                                                + 7_919 * turn for i in active]  # fmt: skip
+            images = [episodes[i].example.get("images") for i in active]  # the prompt's and the feedback's pictures
+            pictures = {"images": images} if any(i is not None for i in images) else {}
             outs = self.engines.generate([episodes[i].prompt_ids + episodes[i].token_ids for i in active], n=1,
                                          max_new_tokens=self.max_new_tokens, temperature=temperature,
-                                         top_p=self.top_p, seed=seeds)  # fmt: skip
+                                         top_p=self.top_p, seed=seeds, **pictures)  # fmt: skip
             still = []
             for i, (s,) in zip(active, outs):
                 ep = episodes[i]
@@ -147,12 +185,17 @@ class MultiTurnExecutor:
                 feedback, r, done = envs[i].step(self.tokenizer.decode(s.token_ids, skip_special_tokens=True))
                 rewards[i] += float(r)
                 done = done or turn == self.max_turns - 1  # no feedback after the last turn: nothing would read it
-                fb = self._feedback_ids(feedback, s.token_ids) if not done else []
-                if fb is None:  # a chat turn that did not end its turn: the conversation cannot go on
-                    fb, done = [], True
+                got = self._feedback_ids(feedback, s.token_ids) if not done else ([], [])
+                if got is None:  # a chat turn that did not end its turn: the conversation cannot go on
+                    got, done = ([], []), True
+                fb, shown = got
+                example = ep.example
+                if shown and not done:  # pictures: their tokens expanded, the episode's example to hold them
+                    fb, example = self._with_pictures(ep.example, fb, shown)
                 if len(ep.token_ids) + len(fb) >= self.max_total_tokens:
                     ep.truncated, done = True, True
                 if not done:
+                    ep.example = example  # the row's pictures, then the feedback's (a copy: the row is shared)
                     ep.token_ids += fb
                     ep.logprobs += [0.0] * len(fb)
                     ep.action_mask += [0] * len(fb)

@@ -59,5 +59,5 @@ def make_executor(rollout_cfg, reward: tuple | None, model_path: str, max_model_
                                    c.agent_max_request_bytes)  # fmt: skip
     if c.env_file:
         return MultiTurnExecutor(engines, tokenizer, load_env_factory(c.env_file), c.max_new_tokens, c.max_turns,
-                                 c.max_total_tokens, c.temperature, c.top_p)  # fmt: skip
+                                 c.max_total_tokens, c.temperature, c.top_p, model_path)  # fmt: skip
     return SingleTurnExecutor(engines, tokenizer, partial(score, *reward), c.max_new_tokens, c.temperature, c.top_p)

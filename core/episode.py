@@ -12,7 +12,9 @@ import torch
 @dataclass
 class Episode:
     example: dict
-    """the dataset row the episode answers (prompt, prompt_ids, label, datasource, ...)."""
+    """the dataset row the episode answers (prompt, prompt_ids, label, datasource, ...). Its pictures (`images`,
+    `pixel_values`, `image_grid_thw`; core/vision.py) are the whole episode's: when an environment answers with
+    pictures, a copy of the row holding the row's pictures and then the feedback's, in order."""
     prompt_ids: list[int]
     token_ids: list[int]
     """the response: everything after the prompt, model and environment tokens interleaved."""

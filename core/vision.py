@@ -155,6 +155,53 @@ def with_image(make, cfg, tokenizer, processor):
     return make_with_image
 
 
+def picture_messages(messages: list[dict]) -> tuple[list[dict], list]:
+    """Chat messages whose `content` may be a list of parts (`{"type": "text", "text": ...}`, `{"type": "image",
+    "image": a PIL image, a path or base64}`), as text messages with Qwen2-VL's placeholder where each picture was,
+    and the pictures in order (an environment's feedback with pictures, `agents.executor.MultiTurnExecutor`)."""
+    out, images = [], []
+    for m in messages:
+        content = m.get("content") if isinstance(m, dict) else None
+        if not isinstance(content, list):
+            out.append(m)
+            continue
+        text = ""
+        for part in content:
+            kind = part.get("type") if isinstance(part, dict) else None
+            if kind == "image":
+                images.append(part.get("image"))
+                text += IMAGE_PLACEHOLDER
+            elif kind == "text":
+                text += str(part.get("text", ""))
+            else:
+                raise ValueError(f"a message part must be {{'type': 'text' | 'image', ...}}, got {part!r}")
+        out.append({**m, "content": text})
+    return out, images
+
+
+def as_image(value, what: str):
+    """A PIL image as it is (RGB), or one loaded from a path or base64 string (`load_image`); ValueError naming `what`."""
+    from PIL import Image
+
+    if isinstance(value, Image.Image):
+        return value.convert("RGB")
+    try:
+        return load_image(value, what)
+    except BadRow as e:
+        raise ValueError(f"{what}: {e.reason}") from None
+
+
+def with_more_pictures(example: dict, images: list, processor, image_token_id: int) -> dict:
+    """A copy of `example` whose pictures (`images`, `pixel_values`, `image_grid_thw`: `with_image`'s keys) are its
+    own followed by `images` (PIL), for an episode whose environment answered with pictures: what the engine and the
+    trainer's forward then see for the whole conversation, in order."""
+    pixels, grid = process(images, processor)
+    if example.get("pixel_values") is not None:
+        pixels, grid = torch.cat([example["pixel_values"], pixels]), torch.cat([example["image_grid_thw"], grid])
+    return {**example, "images": list(example.get("images") or []) + list(images), "pixel_values": pixels,
+            "image_grid_thw": grid, "image_token_id": image_token_id}  # fmt: skip
+
+
 def collapse_image_tokens(ids: list[int], image_token_id: int) -> list[int]:
     """Each run of image tokens as one: the prompt as vLLM takes it with `multi_modal_data` (its Qwen2-VL processor
     replaces every `<|image_pad|>` it finds by the picture's tokens, so an expanded prompt would be expanded again;

@@ -282,6 +282,51 @@ def test_several_pictures_per_prompt_sit_where_the_row_places_them(vl, tmp_path)
         data.build_examples(data.load_sources(str(bad_file), "train"), make, strict)
 
 
+def test_an_environment_answering_with_a_picture_reaches_the_engine_and_the_trainer(vl):
+    """agents/examples/shapes_env.py answers turn 1 with a new picture: the episode's example holds both pictures,
+    the feedback's image tokens sit in the response (masked out of the loss), the in-process vLLM engine sampled turn
+    2 seeing them (its sampled log-probs are the trainer's, whose padded forward gets both pictures, over the
+    vocabulary without the image token), and the debug check agrees on the whole conversation."""
+    from agents.examples import shapes_env
+    from agents.executor import MultiTurnExecutor
+
+    model, tokenizer, processor = vl
+    path = embedded.resolve_model(VL)
+    cfg = DataConfig(path=SHAPES, image_key="image")
+    make = vision.with_image(lambda r: data.prompt_example(r, tokenizer, cfg), cfg, tokenizer, processor)
+    prompts = [make(r) for r in picture_rows(3)]
+    engine_cfg = rollout.VLLMConfig(in_process=True, dtype="float32", kv_cache_gib=0.25, max_model_len=256,
+                                    timeout_s=300)  # fmt: skip
+    engines = rollout.create_engines(path, engine_cfg, seed=0)
+    try:
+        executor = MultiTurnExecutor(engines, tokenizer, shapes_env.make_env, max_new_tokens=3, max_turns=2,
+                                     max_total_tokens=256, model_path=path)  # fmt: skip
+        ro = executor.run(prompts, n=2, seed=5, step=0)
+        pad = prompts[0]["image_token_id"]
+        per_picture = vision.image_tokens(prompts[0]["image_grid_thw"][0], processor)
+        for ep, row in zip(ro.episodes, [p for p in prompts for _ in range(2)]):
+            assert len(ep.example["images"]) == 2 and ep.example["image_grid_thw"].shape == (2, 3)
+            assert ep.example["images"][0] is row["images"][0] and len(row["images"]) == 1  # the row is untouched
+            fed = [i for i, t in enumerate(ep.token_ids) if t == pad]
+            assert len(fed) == per_picture and all(ep.action_mask[i] == 0 for i in fed)
+            assert sum(ep.action_mask[fed[-1] :]) > 0  # turn 2 came after the picture
+        seqs = rl.sequences(ro.episodes, tokenizer.pad_token_id, "cpu")
+        with torch.no_grad():
+            logits = model(**rl.model_inputs(model, seqs)[0]).logits
+            logits[..., model.config.image_token_id] = -torch.inf
+            trainer = torch.log_softmax(logits, -1)
+        for k, ep in enumerate(ro.episodes):
+            start = len(ep.prompt_ids)
+            for j, (lp, m) in enumerate(zip(ep.logprobs, ep.action_mask)):
+                if m:
+                    want = trainer[k, start + j - 1, seqs["input_ids"][k, start + j]].item()
+                    assert abs(lp - want) < 1e-4, (k, j, lp, want)
+        full = [ep.prompt_ids + ep.token_ids for ep in ro.episodes]
+        assert rollout.check_weights(engines, model, full, examples=[ep.example for ep in ro.episodes]) < 1e-4
+    finally:
+        engines.shutdown()
+
+
 def test_vllm_gets_the_picture_tokens_collapsed_to_one():
     """vLLM's processor expands each `<|image_pad|>` of a prompt with `multi_modal_data` itself."""
     assert vision.collapse_image_tokens([1, 9, 9, 9, 9, 2, 3], 9) == [1, 9, 2, 3]
