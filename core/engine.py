@@ -760,8 +760,8 @@ def lora_modules(model) -> dict[str, tuple[float, bool]]:
 
     adapter = model.active_adapter
     config = model.peft_config[adapter]
-    if getattr(config, "use_dora", False) or getattr(config, "modules_to_save", None):
-        raise ValueError("LoRA weight sync: DoRA and modules_to_save are not supported (plain LoRA factors only)")
+    if getattr(config, "use_dora", False):
+        raise ValueError("LoRA weight sync: DoRA is not supported (plain LoRA factors only)")
     return {name: (float(m.scaling[adapter]), bool(getattr(m, "fan_in_fan_out", False)))
             for name, m in model.named_modules() if isinstance(m, LoraLayer) and adapter in m.lora_A}  # fmt: skip
 
@@ -772,9 +772,13 @@ def _lora_module_of(name: str) -> str:
     return name[: m.start()] if m else name
 
 
+_WHOLE_COPY = re.compile(r"\.modules_to_save\.[^.]+\.")
+
+
 def hf_name(peft_name: str) -> str:
-    """The HF checkpoint name (what vLLM loads) of a PEFT model's base parameter."""
-    return peft_name.removeprefix(_PEFT_PREFIX).replace(".base_layer.", ".")
+    """The HF checkpoint name (what vLLM loads) of a PEFT model's base parameter, or of the trained copy of a module
+    that trains whole (`modules_to_save`, a reward model's score head)."""
+    return _WHOLE_COPY.sub(".", peft_name.removeprefix(_PEFT_PREFIX).replace(".base_layer.", "."))
 
 
 def merged_named_parameters(engine, changed_only: bool = False):
@@ -795,7 +799,7 @@ def merged_named_parameters(engine, changed_only: bool = False):
     keep = (lambda n: _lora_module_of(n) in lora) if changed_only else None
     stream = full_named_parameters(engine, keep)
     for key, items in itertools.groupby(stream, key=lambda kv: _lora_module_of(kv[0])):
-        parts = dict(items)
+        parts = {n: t for n, t in items if ".original_module." not in n}  # a whole-trained module: its trained copy
         if key not in lora:
             yield from ((hf_name(n), t) for n, t in parts.items())
             continue
@@ -868,30 +872,32 @@ def export_hf(engine, tokenizer, out_dir: str | Path, ema: bool = False) -> None
     with ema_weights(engine) if ema else contextlib.nullcontext():
         state = gathered_state_dict(engine)
         if four_bit and state is not None:  # QLoRA: the dequantized base with the adapters merged (make_engine refuses
-            state = dict(merged_named_parameters(engine))  # ZeRO-3, so this is no collective)
+            peft = engine.module.model if isinstance(engine.module, TokenValues) else engine.module  # ZeRO-3, so
+            shim = type("Zero0", (), {"module": peft, "zero_optimization_stage": lambda self: 0})()  # no collective
+            state = dict(merged_named_parameters(shim))
     bad = [k for k, v in (state or {}).items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
     if all_reduce(len(bad)) > 0:  # every rank raises, not only rank 0, which holds the gathered weights
         raise FloatingPointError(
             f"{out_dir}: not exported, non-finite weights" + (f" in {', '.join(bad[:5])}" if bad else "")
         )
     if dist.get_rank() == 0:
-        from transformers import AutoModelForCausalLM
-
         model = engine.module
         if isinstance(model, TokenValues):  # a trained scalar-head model: export the HF model inside
-            model, state = model.model, {k.removeprefix("model."): v for k, v in state.items()}
+            model = model.model
+            if not four_bit:  # (a 4-bit one's merged state is already under its HF names)
+                state = {k.removeprefix("model."): v for k, v in state.items()}
         tmp = out_dir.with_name(out_dir.name + ".tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         if four_bit:  # a plain HF model in the compute dtype, without the 4-bit quantization config
             model = model.get_base_model()
             config = model.config.to_dict()
             config.pop("quantization_config", None)
-            model = AutoModelForCausalLM.from_config(type(model.config).from_dict(config),
-                                                     dtype=next(iter(state.values())).dtype)  # fmt: skip
+            model = type(model)._from_config(type(model.config).from_dict(config),
+                                             dtype=next(iter(state.values())).dtype)  # fmt: skip
         elif hasattr(model, "peft_config"):  # rebuild base + adapters from the gathered weights, then merge
             from peft import get_peft_model
 
-            base = AutoModelForCausalLM.from_config(model.get_base_model().config)
+            base = type(model.get_base_model())._from_config(model.get_base_model().config)  # causal LM or scalar head
             fresh = get_peft_model(base, model.peft_config["default"])
             fresh.load_state_dict(state)
             model = fresh.merge_and_unload()

@@ -146,18 +146,29 @@ def load_causal_lm(cfg: ModelConfig, flag: str = "--model.name-or-path", frozen:
         if cfg.load_in_4bit:  # no parameter before the first adapter trains: checkpointed blocks need an input grad
             model.enable_input_require_grads()
     if cfg.lora_rank > 0:
-        from peft import LoraConfig, get_peft_model
-
-        targets = cfg.lora_target_modules
-        lora = LoraConfig(
-            r=cfg.lora_rank,
-            lora_alpha=cfg.lora_alpha,
-            lora_dropout=cfg.lora_dropout,
-            target_modules=targets if targets == "all-linear" else targets.split(","),
-            task_type="CAUSAL_LM",
-        )
-        model = get_peft_model(model, lora)
+        model = add_lora(model, cfg)
     return model
+
+
+def add_lora(model, cfg: ModelConfig, task_type: str = "CAUSAL_LM", whole: tuple[str, ...] = ()):
+    """`model` with PEFT LoRA adapters as `cfg` says (`--model.lora-rank`, alpha, dropout, target modules); the
+    modules named in `whole` (a reward model's `score` head, which starts untrained) train whole beside them (PEFT's
+    `modules_to_save`) and are kept out of the LoRA targets."""
+    from peft import LoraConfig, get_peft_model
+
+    targets = cfg.lora_target_modules
+    if targets == "all-linear" and whole:  # every linear but the ones that train whole
+        targets = sorted({n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+                          if isinstance(m, torch.nn.Linear) or type(m).__name__ == "Linear4bit"} - set(whole))  # fmt: skip
+    lora = LoraConfig(
+        r=cfg.lora_rank,
+        lora_alpha=cfg.lora_alpha,
+        lora_dropout=cfg.lora_dropout,
+        target_modules=targets if targets == "all-linear" or isinstance(targets, list) else targets.split(","),
+        task_type=task_type,
+        modules_to_save=list(whole) or None,
+    )
+    return get_peft_model(model, lora)
 
 
 def four_bit(dtype: torch.dtype, keep: tuple[str, ...] = ()) -> dict:
@@ -318,6 +329,7 @@ def token_values(model, input_ids: torch.Tensor, attention_mask=None, position_i
     """Per-token scalar outputs (B, T) of a sequence-classification model: the head applied to every hidden state
     (a critic's values; a reward model reads the last valid position). `kwargs` reach the attention function (the
     SP forward's group and mask, `core.sequence_parallel.token_values`)."""
+    model = model.get_base_model() if hasattr(model, "peft_config") else model  # LoRA layers sit inside it
     body = getattr(model, model.base_model_prefix)
     # use_cache=False: with a KV cache transformers does not turn restarting position ids into a block-diagonal
     # mask, and packed samples would attend to each other.

@@ -53,13 +53,42 @@ def test_4bit_without_lora_is_refused_naming_both_flags():
         models.load_causal_lm(ModelConfig(load_in_4bit=True), "--actor.model.name-or-path")
 
 
-def test_rm_refuses_a_4bit_base_before_loading_anything(nothing_loads):
+def test_rm_refuses_a_4bit_base_without_lora_before_loading_anything(nothing_loads):
     from algos import rm
 
     args = rm.Args()
     args.model.load_in_4bit = True
-    with pytest.raises(ValueError, match=r"^--model\.load-in-4bit: LoRA \(and so QLoRA\) is not supported for reward"):
+    with pytest.raises(ValueError, match=r"^--model\.load-in-4bit needs --model\.lora-rank > 0"):
         rm.main(args)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("four_bit", [False, True], ids=["lora", "qlora"])
+def test_rm_trains_adapters_and_its_head_and_exports_a_plain_scalar_model(four_bit, tmp_path):
+    """rm.py with `--model.lora-rank 8` (and a 4-bit body): the adapters and the fresh score head train (PEFT's
+    modules_to_save), held-out accuracy rises (measured 0.447 -> 0.667 / 0.673 in 30 steps, 2026-11-29), and the
+    export is a plain `AutoModelForSequenceClassification` (adapters merged, NF4 dequantized, no quantization config)
+    whose served scores rank the held-out pairs exactly as the trained model's eval did."""
+    from transformers import AutoConfig
+
+    from algos import rm
+    from core import data
+    from rewards.server import RewardScorer
+
+    args = rm.Args(run_dir=str(tmp_path / "run"))
+    args.model.lora_rank, args.model.load_in_4bit = 8, four_bit
+    args.train.max_steps, args.train.lr, args.eval.every, args.eval.max_samples = 30, 2e-3, 30, 300
+    args.logger.quiet, args.logger.tensorboard = True, False
+    summary = rm.main(args)
+    assert summary["eval_accuracy_last"] >= summary["eval_accuracy_first"] + 0.1, summary
+    export = summary["export_dir"]
+    assert "quantization_config" not in AutoConfig.from_pretrained(export).to_dict()
+    test = [json.loads(line) for line in open(data.resolve_data("cleanrlhf/add2-pref") + "/test.jsonl")][:300]
+    scorer = RewardScorer(export)
+    chosen = scorer([x["prompt"] + x["chosen"] for x in test])
+    rejected = scorer([x["prompt"] + x["rejected"] for x in test])
+    assert sum(c > r for c, r in zip(chosen, rejected)) / len(test) == pytest.approx(summary["eval_accuracy_last"],
+                                                                                      abs=0.005)  # fmt: skip
 
 
 def test_4bit_with_zero3_is_refused_naming_the_flags(tiny_path):

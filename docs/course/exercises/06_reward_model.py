@@ -222,11 +222,13 @@ def evaluate(model, pairs: list[dict], args: Args, pad_id: int, rank: int, world
 def main(args: Args) -> dict:
     # 1. setup ------------------------------------------------------------------------------------------------
     check_args(args)  # PLUMBING: generic flag rules (sizes > 0, finite floats, ...) before anything is loaded
-    if args.data.image_key:  # PLUMBING: pictures are read by sft.py and the RL scripts only
-        raise ValueError(f"--data.image-key {args.data.image_key!r}: rm.py reads no pictures (sft.py and the RL scripts do)")
-    if args.model.lora_rank > 0 or args.model.load_in_4bit:
-        flag = "--model.lora-rank" if args.model.lora_rank > 0 else "--model.load-in-4bit"
-        raise ValueError(f"{flag}: LoRA (and so QLoRA) is not supported for reward models here (train all parameters)")
+    if args.data.image_key:  # PLUMBING: pictures are read by sft.py, dpo.py and the RL scripts
+        raise ValueError(f"--data.image-key {args.data.image_key!r}: rm.py reads no pictures: its scalar-head model "
+                         "is transformers' AutoModelForSequenceClassification, which has no vision-language (Qwen2-VL) "
+                         "class; sft.py, dpo.py and the RL scripts read them")  # fmt: skip
+    if args.model.load_in_4bit and args.model.lora_rank <= 0:
+        raise ValueError("--model.load-in-4bit needs --model.lora-rank > 0: the 4-bit body is frozen (its NF4 codes "
+                         "have no gradient), so LoRA adapters and the score head train on it (QLoRA)")  # fmt: skip
     # PLUMBING: process group (world of one for `python algos/rm.py`), tokenizer, pairs, model, DeepSpeed engine.
     rank, world, device = ds_engine.init_distributed(args.ds.backend, args.ds.timeout_s)
     # Same seed on every rank for the data order and the head's init (each rank must build the same model);
@@ -250,10 +252,15 @@ def main(args: Args) -> dict:
     train_set = data.mix(data.build_examples(sources, make, args.data, log), args.data.probs, args.train.seed)
     eval_sources = data.load_sources(args.data.eval_path or args.data.path, args.data.eval_split, args.eval.max_samples)
     eval_set = [ex for g in data.build_examples(eval_sources, make, args.data, log) for ex in g]
-    model = models.load_scalar_model(args.model.name_or_path, args.model.dtype, args.model.attn_implementation)
-    model = model.to(device)
+    model = models.load_scalar_model(args.model.name_or_path, args.model.dtype, args.model.attn_implementation,
+                                     load_in_4bit=args.model.load_in_4bit)  # fmt: skip
+    model = model if args.model.load_in_4bit else model.to(device)  # 4-bit: loaded on its device
     if args.model.gradient_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        if args.model.load_in_4bit:  # no parameter before the first adapter trains: checkpointed blocks need one
+            model.enable_input_require_grads()
+    if args.model.lora_rank > 0:  # LoRA adapters on the body's linears; the fresh score head trains whole
+        model = models.add_lora(model, args.model, "SEQ_CLS", whole=("score",))
     torch.manual_seed(args.train.seed + rank)
     schedule = partial(lr_schedule, warmup=args.train.warmup_steps, total=args.train.max_steps,
                        floor=args.train.min_lr_ratio)  # per optimizer step

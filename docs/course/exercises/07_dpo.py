@@ -26,6 +26,9 @@ Deviations from the paper:
 3. IPO uses summed log-probs like DPO (the IPO paper's and TRL's IPO average per token).
 4. The loss is the mean over the pairs of the global batch (all micro-batches, all ranks), so neither packing nor
    data parallelism changes it.
+5. Vision-language pairs (`--data.image-key`): chosen and rejected both follow the prompt's pictures
+   (core/vision.py), and pairs with pictures take the padded forward, not 2.'s packed one (Qwen2-VL's multimodal RoPE
+   needs the padded batch's positions, as in sft.py).
 
 Debug (SFT warm start `cleanrlhf/tiny-sft`, embedded preference pairs `cleanrlhf/add2-pref`, one CPU):
     python algos/dpo.py --train.max-steps 40
@@ -52,7 +55,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 import tyro
 
-from core import checkpoint, data, flags, models, packing, samples, sequence_parallel
+from core import checkpoint, data, flags, models, packing, samples, sequence_parallel, vision
 from core import engine as ds_engine
 from core.config import CkptConfig, DataConfig, DSConfig, LoggerConfig, ModelConfig, check_args
 from core.logger import RunLogger, lock_run_dir, run_name, timer
@@ -160,7 +163,13 @@ def pair_logps(model, pairs: list[dict], device, share_prompt: bool = False,
     forward in rows of twice the longest sequence (sdpa's mask costs O(row length^2), so bounded rows keep
     attention linear in the number of pairs). `share_prompt`: each pair is its common prefix once plus the two
     remainders (DEVIATION 2); else chosen 1..P then rejected 1..P as whole sequences. `sp`: the tokens are split
-    over the model's sequence-parallel group (`--train.sp-size`; every rank of the group passes the same pairs)."""
+    over the model's sequence-parallel group (`--train.sp-size`; every rank of the group passes the same pairs).
+    Pairs with pictures: one padded forward of chosen 1..P then rejected 1..P (DEVIATION 5)."""
+    if pairs[0]["chosen"].get("pixel_values") is not None:
+        seqs = [p["chosen"] for p in pairs] + [p["rejected"] for p in pairs]
+        batch = vision.collate(seqs, 0, device)  # the pad id is masked out
+        sums = (packing.token_logprobs(model, batch) * batch["loss_mask"]).sum(1)  # (2P,)
+        return sums[: len(pairs)], sums[len(pairs) :]
     row_len = 2 * max(len(p[k]["input_ids"]) for p in pairs for k in ("chosen", "rejected"))
     if share_prompt:
         batch = packing.collate_prefix_shared([[p["chosen"], p["rejected"]] for p in pairs], device, row_len)
@@ -246,8 +255,6 @@ def evaluate(model, pairs: list[dict], ref: torch.Tensor, args: Args, rank: int,
 def main(args: Args) -> dict:
     # 1. setup ------------------------------------------------------------------------------------------------
     check_args(args)  # PLUMBING: generic flag rules (sizes > 0, finite floats, ...) before anything is loaded
-    if args.data.image_key:  # PLUMBING: pictures are read by sft.py and the RL scripts only
-        raise ValueError(f"--data.image-key {args.data.image_key!r}: dpo.py reads no pictures (sft.py and the RL scripts do)")
     # PLUMBING: process group (world of one for `python algos/dpo.py`), tokenizer, pairs, policy, DeepSpeed engine.
     rank, world, device = ds_engine.init_distributed(args.ds.backend, args.ds.timeout_s)
     # Same seed on every rank for the data order (each rank slices the same global batch); per-rank offset for
@@ -268,6 +275,8 @@ def main(args: Args) -> dict:
     log = print if rank == 0 else (lambda *_: None)
     make = partial(data.preference_example, tokenizer=tokenizer, cfg=args.data, chosen_key=args.chosen_key,
                    rejected_key=args.rejected_key)  # fmt: skip
+    if args.data.image_key:  # vision-language: the row's pictures join the prompt of both sides (core/vision.py)
+        make = vision.with_image(make, args.data, tokenizer, vision.load_image_processor(args.model.name_or_path))
     sources = data.load_sources(args.data.path, args.data.split, args.data.max_samples)
     train_set = data.mix(data.build_examples(sources, make, args.data, log), args.data.probs, args.train.seed)
     eval_sources = data.load_sources(args.data.eval_path or args.data.path, args.data.eval_split, args.eval.max_samples)
@@ -277,6 +286,9 @@ def main(args: Args) -> dict:
     # layer split over N ranks): groups of N ranks share each pair, and the data is split over the groups (dp_rank,
     # dp_world; without either: rank, world). `copies`: the ranks that hold each pair
     sp = args.train.sp_size
+    if sp > 1 and args.data.image_key:
+        raise ValueError("--train.sp-size splits packed rows; pairs with pictures (--data.image-key) take the padded "
+                         "forward")  # fmt: skip
     if sp > 1 and args.train.share_prompt:
         raise ValueError("--train.sp-size splits packed rows by position ids; prompt sharing needs a 4D mask: add "
                          "--train.no-share-prompt")  # fmt: skip
