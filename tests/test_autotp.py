@@ -108,16 +108,15 @@ def test_sft_two_tensor_parallel_groups_of_2_equal_one_rank(one_rank, tmp_path):
 
 @pytest.mark.slow
 def test_grpo_actor_with_tensor_parallel_2_trains_like_one_process(tmp_path):
-    """`--train.ranks 2 --ds.tensor-parallel-size 2`: the actor's layers sharded over both Ray ranks (ZeRO-1), the
-    reference partitioned over them (ZeRO-3); the same first-step losses, gradient norm and KL as one process, and
-    `--debug` checks after every sync that the engine, which got the gathered shards, computes the trainer's
-    log-probs."""
+    """`--train.ranks 2 --ds.tensor-parallel-size 2`: the actor's layers sharded over both Ray ranks, each shard
+    under ZeRO-3 (gathered over ZeRO's data-parallel group, then over the TP group for the weight sync), a ZeRO-3
+    reference beside it; the same first-step losses, gradient norm and KL as one process, and `--debug` checks after
+    every sync that the engine, which got the gathered shards, computes the trainer's log-probs."""
     from algos.grpo import Args, main
 
     def configure(args, ranks: int) -> None:
         zero3_other_reference(args, ranks)
-        args.ds.zero_stage = 1
-        args.ds.tensor_parallel_size = ranks
+        args.ds.tensor_parallel_size = ranks  # ranks_2_vs_1: --ds.zero-stage 3
 
     assert_first_step_agrees(ranks_2_vs_1(Args, main, tmp_path, configure))
 
