@@ -159,6 +159,30 @@ def test_critic_warmup_leaves_the_actor_untouched_then_the_actor_trains(engines_
     assert stats["critic/warmup"] == 0.0 and math.isfinite(stats["loss/policy"])
 
 
+def test_a_qlora_critic_trains_its_adapters_and_value_head_only(engines_and_batch, tiny_path):
+    """`--critic.lora-rank 8 --critic.load-in-4bit`: the critic's body in NF4 with LoRA adapters, its fresh value head
+    trained whole; critic-only steps lower the value loss and change the adapters and the head, never the 4-bit
+    codes. Without a rank the 4-bit critic is refused, naming both flags."""
+    from algos.ppo import make_critic
+
+    actor, _, seqs = engines_and_batch
+    args = Args()
+    args.actor.model.name_or_path, args.actor.model.dtype = str(tiny_path), "fp32"
+    args.critic.load_in_4bit, args.critic.warmup_steps, args.critic.lr = True, 10, 1e-2
+    with pytest.raises(ValueError, match="--critic.load-in-4bit needs --critic.lora-rank > 0"):
+        make_critic(args, 100, torch.device("cpu"))
+    args.critic.lora_rank = 8
+    critic = make_critic(args, 100, torch.device("cpu"))
+    trained = {n for n, p in critic.module.named_parameters() if p.requires_grad}
+    assert trained and all(".lora_" in n or ".modules_to_save." in n for n in trained), sorted(trained)[:5]
+    c0 = _snapshot(critic)
+    losses = [_update(actor, critic, seqs, args, step=s)["loss/value"] for s in range(4)]
+    c1 = _snapshot(critic)
+    assert losses[-1] < losses[0], losses
+    assert all(not torch.equal(c0[n], c1[n]) for n in trained)
+    assert all(torch.equal(c0[n], c1[n]) for n in c0 if n not in trained)  # the NF4 codes, norms, embeddings
+
+
 def test_value_clipping_is_applied_in_the_update(engines_and_batch):
     # Two epochs over one minibatch: the first step moves the values towards the targets (+5), so in the second
     # epoch a tight clip (1e-6) puts every token on the clipped branch; without clipping no token is clipped.
