@@ -378,31 +378,39 @@ def sampled_accuracy(model_dir: str, n: int = 4) -> float:
     return sum(scores) / len(scores)
 
 
-@pytest.mark.slow
-def test_grpo_after_sft_raises_the_reward_on_pictures(tmp_path, one_thread):
-    """SFT on the picture task until greedy accuracy on held-out pictures reaches 60 % (chance: 20 %), then GRPO with
-    vLLM rollouts and `--debug` (the engine checked against the trainer, pictures included, after every sync). GRPO must raise the sampled reward on the 300 held-out pictures (4 seeded samples each, the same for both
-    models) by at least MARGIN."""
-    from algos import grpo, sft
+@pytest.fixture(scope="module")
+def vl_sft(tmp_path_factory, one_thread) -> dict:
+    """SFT of the random tiny-vl on the picture task until greedy accuracy on held-out pictures reaches 60 % (chance:
+    20 %): the warm start of the RL tests on pictures (its summary; `export_dir` is the model)."""
+    from algos import sft
 
     args = sft.Args()
     args.model.name_or_path, args.data.path, args.data.image_key = VL, SHAPES, "image"
     args.data.max_samples, args.eval.max_samples, args.eval.max_new_tokens = 3000, 200, 3
     args.train.max_steps, args.eval.every, args.eval.stop_at_accuracy = 800, 20, 0.6
     args.ckpt.every, args.logger.quiet, args.logger.tensorboard = 0, True, False
-    args.run_dir = str(tmp_path / "sft")
+    args.run_dir = str(tmp_path_factory.mktemp("vl") / "sft")
     summary = sft.main(args)
     assert summary["eval_accuracy_last"] >= 0.6
+    return summary
+
+
+@pytest.mark.slow
+def test_grpo_after_sft_raises_the_reward_on_pictures(vl_sft, tmp_path, one_thread):
+    """From the SFT warm start (`vl_sft`), GRPO with vLLM rollouts and `--debug` (the engine checked against the
+    trainer, pictures included, after every sync). GRPO must raise the sampled reward on the 300 held-out pictures (4
+    seeded samples each, the same for both models) by at least MARGIN."""
+    from algos import grpo
 
     g = grpo.Args()  # the defaults: 64 prompts x 8 samples, lr 3e-4
-    g.actor.model.name_or_path, g.data.path, g.data.image_key = summary["export_dir"], SHAPES, "image"
+    g.actor.model.name_or_path, g.data.path, g.data.image_key = vl_sft["export_dir"], SHAPES, "image"
     g.reward.func, g.rollout.max_new_tokens = "rewards/shapes.py", 3  # rollouts: in-process vLLM, with the pictures
     g.data.max_samples, g.eval.max_samples = 3000, 200  # short_rl_run: greedy pass@1 only
     out, rows = short_rl_run(grpo.main, g, tmp_path / "grpo", steps=STEPS)
     assert sum("perf/debug_check_s" in r for r in rows) == STEPS  # the engine was checked after every sync
-    before, after = sampled_accuracy(summary["export_dir"]), sampled_accuracy(str(tmp_path / "grpo" / "hf"))
+    before, after = sampled_accuracy(vl_sft["export_dir"]), sampled_accuracy(str(tmp_path / "grpo" / "hf"))
     reward = [round(r["rollout/reward_mean"], 3) for r in rows if "rollout/reward_mean" in r]
-    print(f"\nsft {summary}\ngrpo {out}\nrollout reward by step {reward}\nheld-out sampled accuracy {before:.3f} -> "
+    print(f"\nsft {vl_sft}\ngrpo {out}\nrollout reward by step {reward}\nheld-out sampled accuracy {before:.3f} -> "
           f"{after:.3f}")  # fmt: skip
     assert after >= before + MARGIN, (before, after)
     # greedy pass@1 may fall a little while the sampled reward rises (0.895 -> 0.835 measured), but must not collapse
@@ -412,6 +420,57 @@ def test_grpo_after_sft_raises_the_reward_on_pictures(tmp_path, one_thread):
 # measured 2026-11-26 (vLLM rollouts): SFT stopped at 0.645 after 400 steps; GRPO 24 steps, rollout reward 0.338 ->
 # 0.40-0.48, held-out sampled accuracy 0.387 -> 0.427 (the same 1,200 seeded samples for both models), in 108 s
 STEPS, MARGIN = 24, 0.03
+
+
+def second_turn_accuracy(model_dir: str, n: int = 4) -> float:
+    """Mean turn-2 score of agents/examples/shapes_env.py (the count of the picture the environment answered with)
+    over `n` seeded two-turn episodes per held-out picture (300), from `model_dir` through the transformers engine:
+    the same prompts, seeds and feedback pictures for every model."""
+    from agents.examples import shapes_env
+    from agents.executor import MultiTurnExecutor
+
+    tokenizer, processor = models.load_tokenizer(model_dir), vision.load_image_processor(model_dir)
+    cfg = DataConfig(path=SHAPES, image_key="image")
+    make = vision.with_image(lambda r: data.prompt_example(r, tokenizer, cfg), cfg, tokenizer, processor)
+    prompts = [make(r) for r in data.load_sources(SHAPES, "test")[0].rows]
+    scores: list[float] = []
+
+    class Recorded(shapes_env.ShapesTwoTurns):
+        def step(self, response: str):
+            feedback, reward, done = super().step(response)
+            if self.turn == 2:
+                scores.append(reward / 0.5)
+            return feedback, reward, done
+
+    engine = rollout.HFEngine(model_dir, rollout.VLLMConfig(engine="hf"))
+    executor = MultiTurnExecutor(engine, tokenizer, Recorded, max_new_tokens=3, max_turns=2, max_total_tokens=256,
+                                 model_path=model_dir)  # fmt: skip
+    executor.run(prompts, n=n, seed=4242, step=0)
+    return sum(scores) / len(scores)
+
+
+@pytest.mark.slow
+def test_grpo_with_a_picture_as_feedback_raises_the_second_turn_reward(vl_sft, tmp_path, one_thread):
+    """GRPO through agents/examples/shapes_env.py from the SFT warm start: turn 2 answers about the picture the
+    environment sent back. The held-out turn-2 accuracy (4 seeded episodes per picture, the same for both models)
+    must rise by MARGIN_FEEDBACK: the policy learned from the feedback's picture, which only the engine's and the
+    trainer's forwards of the whole conversation show it."""
+    from algos import grpo
+
+    g = grpo.Args()
+    g.actor.model.name_or_path, g.data.path, g.data.image_key = vl_sft["export_dir"], SHAPES, "image"
+    g.rollout.env_file, g.rollout.max_turns, g.rollout.max_new_tokens = "agents/examples/shapes_env.py", 2, 3
+    g.data.max_samples, g.eval.max_samples = 3000, 200
+    out, rows = short_rl_run(grpo.main, g, tmp_path / "grpo", steps=STEPS_FEEDBACK)
+    assert sum("perf/debug_check_s" in r for r in rows) == STEPS_FEEDBACK
+    before = second_turn_accuracy(vl_sft["export_dir"])
+    after = second_turn_accuracy(str(tmp_path / "grpo" / "hf"))
+    reward = [round(r["rollout/reward_mean"], 3) for r in rows if "rollout/reward_mean" in r]
+    print(f"\nrollout reward by step {reward}\nheld-out turn-2 accuracy {before:.3f} -> {after:.3f}")
+    assert after >= before + MARGIN_FEEDBACK, (before, after)
+
+
+STEPS_FEEDBACK, MARGIN_FEEDBACK = 16, 0.03
 
 
 @pytest.mark.slow
