@@ -1384,20 +1384,26 @@ def create_engines(model_path: str, cfg: VLLMConfig, seed: int = 0, actor_option
     return engines
 
 
+BF16_ATOL = 0.5
+"""`check_weights`' default tolerance for a bf16 engine: twice the largest synced difference seen (0.251), a 13th of an
+engine holding other weights (6.5)."""
+
+
 def check_weights(engines: RolloutEngines, model, token_ids: list[list[int]], atol: float | None = None,
                   examples: list[dict] | None = None) -> float:  # fmt: skip
     """After a sync: every engine's log-probs of `token_ids` (t >= 1) equal the trainer model's within `atol`.
-    `examples[s]`: sequence s's dataset example, whose picture (`core.vision.with_image`) both sides then see.
+    `examples[s]`: sequence s's dataset example, whose pictures (`core.vision.with_image`) both sides then see.
     Returns the largest absolute difference; raises EngineError naming the engine, sequence and position otherwise.
 
     `model` is the trainer's HF causal LM with full (e.g. ZeRO-3-gathered) parameters. Default atol: 1e-3 when the
-    engine runs in fp32 (measured here: ~1e-6), 0.25 in bf16. In bf16 the two sides' kernels round the logits
-    differently: a synced engine was up to 0.15 apart from the trainer (mean 0.01) on the trained tiny model on CPU,
-    as far as one optimizer step moves the log-probs. So a bf16 check catches an engine holding other weights
-    (tests/test_rollout_bf16.py), not one step of staleness."""
+    engine runs in fp32 (measured here: ~1e-6), `BF16_ATOL` in bf16. In bf16 the two sides' kernels round the logits
+    differently: a synced engine was up to 0.15 apart from the trainer (mean 0.01) on the trained tiny model on a
+    2-core Xeon, 0.23 on an AMD EPYC and 0.251 there under load (2026-11-29), as far as one optimizer step moves the
+    log-probs; an engine holding the untrained model's weights was 6.5 apart. So a bf16 check catches an engine holding
+    other weights (tests/test_rollout_bf16.py), not one step of staleness."""
     from core.packing import collate_padded, token_logprobs
 
-    atol = atol if atol is not None else (1e-3 if engines.dtype == torch.float32 else 0.25)
+    atol = atol if atol is not None else (1e-3 if engines.dtype == torch.float32 else BF16_ATOL)
     device = next(model.parameters()).device
     batch = collate_padded([{"input_ids": t, "loss_mask": [0] * len(t)} for t in token_ids], pad_id=0, device=device)
     images = None
