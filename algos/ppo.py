@@ -94,11 +94,9 @@ class CriticArgs:
     """with `ranks` and `no-colocate`: how its own bundles are placed over the nodes (see `--ray.strategy`, the
     default)."""
     lora_rank: flags.NonNegInt = 0
-    """LoRA rank of the critic (peft, alpha 16, every linear of its body); its fresh value head trains whole beside the
-    adapters. 0 trains every parameter."""
+    """LoRA rank of the critic (its value head trains whole beside the adapters); 0 trains every parameter."""
     load_in_4bit: bool = False
-    """QLoRA critic: its body's linears in 4-bit NF4 (bitsandbytes, as `--actor.model.load-in-4bit`), computing in the
-    actor's dtype; needs `lora-rank` > 0 (the NF4 codes have no gradient). ZeRO 0-2."""
+    """QLoRA critic: its body's linears in 4-bit NF4, needs `lora-rank` > 0; ZeRO 0-2."""
 
 
 @dataclass
@@ -221,16 +219,12 @@ def make_critic(args: Args, total_updates: int, device: torch.device):
     every rank and wherever the critic lives. models.TokenValues returns per-token values from the engine's own
     forward (ZeRO-3 accumulation)."""
     flag = "--critic.name-or-path" if args.critic.name_or_path else "--actor.model.name-or-path"
-    if args.critic.load_in_4bit and args.critic.lora_rank <= 0:
-        raise ValueError("--critic.load-in-4bit needs --critic.lora-rank > 0: the 4-bit body is frozen (its NF4 codes "
-                         "have no gradient), so LoRA adapters and the value head train on it (QLoRA)")  # fmt: skip
+    models.check_4bit_training(args.critic.load_in_4bit, args.critic.lora_rank, "--critic.")
     with torch.random.fork_rng(devices=[]):  # the head from --train.seed alone: the same in the critic's own group
         torch.manual_seed(args.train.seed)
         body = models.load_scalar_model(args.critic.name_or_path or args.actor.model.name_or_path,
                                         args.actor.model.dtype, args.actor.model.attn_implementation, flag,
-                                        load_in_4bit=args.critic.load_in_4bit)  # fmt: skip
-        if args.critic.lora_rank > 0:  # adapters on the body, the fresh value head trained whole
-            body = models.add_lora(body, config.ModelConfig(lora_rank=args.critic.lora_rank), "SEQ_CLS", ("score",))
+                                        args.critic.load_in_4bit, args.critic.lora_rank)  # fmt: skip
     critic = models.TokenValues(body).to(device)
     sequence_parallel.setup(critic, args.train.sp_size)  # --train.sp-size N: its forwards split the rows as the actor's
     schedule = partial(lr_schedule, warmup=args.critic.lr_warmup_steps, total=total_updates, floor=0.1)  # its own

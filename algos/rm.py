@@ -226,9 +226,7 @@ def main(args: Args) -> dict:
         raise ValueError(f"--data.image-key {args.data.image_key!r}: rm.py reads no pictures: its scalar-head model "
                          "is transformers' AutoModelForSequenceClassification, which has no vision-language (Qwen2-VL) "
                          "class; sft.py, dpo.py and the RL scripts read them")  # fmt: skip
-    if args.model.load_in_4bit and args.model.lora_rank <= 0:
-        raise ValueError("--model.load-in-4bit needs --model.lora-rank > 0: the 4-bit body is frozen (its NF4 codes "
-                         "have no gradient), so LoRA adapters and the score head train on it (QLoRA)")  # fmt: skip
+    models.check_4bit_training(args.model.load_in_4bit, args.model.lora_rank)  # QLoRA needs adapters
     # PLUMBING: process group (world of one for `python algos/rm.py`), tokenizer, pairs, model, DeepSpeed engine.
     rank, world, device = ds_engine.init_distributed(args.ds.backend, args.ds.timeout_s)
     # Same seed on every rank for the data order and the head's init (each rank must build the same model);
@@ -260,7 +258,7 @@ def main(args: Args) -> dict:
         if args.model.load_in_4bit:  # no parameter before the first adapter trains: checkpointed blocks need one
             model.enable_input_require_grads()
     if args.model.lora_rank > 0:  # LoRA adapters on the body's linears; the fresh score head trains whole
-        model = models.add_lora(model, args.model, "SEQ_CLS", whole=("score",))
+        model = models.add_lora(model, args.model, "SEQ_CLS", whole=("score",))  # (--model.lora-* as given)
     torch.manual_seed(args.train.seed + rank)
     schedule = partial(lr_schedule, warmup=args.train.warmup_steps, total=args.train.max_steps,
                        floor=args.train.min_lr_ratio)  # per optimizer step

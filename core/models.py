@@ -249,12 +249,14 @@ def damaged_weights(error: Exception, path: str, flag: str, name: str) -> Except
 
 
 def load_scalar_model(name_or_path: str, dtype: str = "auto", attn: str = "auto", flag: str = "--model.name-or-path",
-                      load_in_4bit: bool = False):  # fmt: skip
+                      load_in_4bit: bool = False, lora_rank: int = 0):  # fmt: skip
     """A causal LM body with a scalar head (`AutoModelForSequenceClassification`, num_labels=1): the reward model
     and the critic. Loading a plain causal LM initialises a fresh head; `save_pretrained` output loads back with
     `AutoModelForSequenceClassification.from_pretrained`. `attn`: as `--model.attn-implementation`. Load errors name
     `flag`, the flag `name_or_path` came from (`--critic.name-or-path`, `--reward.model`). `load_in_4bit`: the body's
-    linears in 4-bit NF4 (`four_bit`; the score head stays in `dtype`), for a frozen reward model."""
+    linears in 4-bit NF4 (`four_bit`; the score head stays in `dtype`). `lora_rank` > 0: LoRA adapters on the body,
+    the fresh score head training whole beside them (`add_lora`); a trained 4-bit model needs them, and a 4-bit model
+    without them is frozen (a reward model that scores)."""
     from transformers import AutoModelForSequenceClassification
 
     path = _check_model_path(name_or_path, flag)
@@ -269,7 +271,16 @@ def load_scalar_model(name_or_path: str, dtype: str = "auto", attn: str = "auto"
     except Exception as e:
         raise damaged_weights(e, path, flag, name_or_path) from None
     model.config.pad_token_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+    if lora_rank > 0:
+        model = add_lora(model, ModelConfig(lora_rank=lora_rank), "SEQ_CLS", whole=("score",))
     return model
+
+
+def check_4bit_training(load_in_4bit: bool, lora_rank: int, section: str = "--model.") -> None:
+    """A trained model in 4-bit needs LoRA: its NF4 codes have no gradient. ValueError naming both flags of `section`."""
+    if load_in_4bit and lora_rank <= 0:
+        raise ValueError(f"{section}load-in-4bit needs {section}lora-rank > 0: the 4-bit body is frozen (its NF4 codes "
+                         "have no gradient), so only LoRA adapters (and a scalar head) can train on it (QLoRA)")
 
 
 # Config fields of architectures whose forward rescales or caps the LM head's output after the head (Gemma 2/3,
