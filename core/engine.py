@@ -16,6 +16,7 @@ import shutil
 import socket
 import sys
 import time
+import types
 from collections.abc import Callable
 from contextlib import contextmanager
 from datetime import timedelta
@@ -379,18 +380,15 @@ def make_engine(model, ds: DSConfig, lr: float, total_steps: int, warmup_steps: 
         raise ValueError("--vllm.enable-sleep with --ds.zero-stage 0: DeepSpeed cannot move a stage-0 engine's states "
                          "off the GPU; use --ds.zero-stage 2 or 3 (the default picks 2)")  # fmt: skip
     if ds.tensor_parallel_size > 1:
-        world = dist.get_world_size() if dist.is_initialized() else 1
         if hasattr(model, "peft_config") or models.is_4bit(model):
             raise ValueError(f"--ds.tensor-parallel-size {ds.tensor_parallel_size} with LoRA or 4-bit weights "
                              "(--model.lora-rank / --model.load-in-4bit): AutoTP shards plain linear layers, not "
                              "PEFT's or bitsandbytes' wrappers; train the full model, or LoRA without tensor "
                              "parallelism")  # fmt: skip
-        if world % ds.tensor_parallel_size:
-            raise ValueError(f"--ds.tensor-parallel-size {ds.tensor_parallel_size}: must divide the number of ranks "
-                             f"({world})")  # fmt: skip
         if ds.optimizer == "muon":
             raise ValueError(f"--ds.tensor-parallel-size {ds.tensor_parallel_size} with --ds.optimizer muon: Muon "
                              "orthogonalises whole matrices, and AutoTP leaves each rank a shard")  # fmt: skip
+        tp_data_split(ds)  # refuses a size that does not divide the ranks
     if ds.optimizer == "muon" and stage > 0 and ds.grad_clip > 0:
         raise ValueError(f"--ds.optimizer muon at ZeRO-{stage} with --ds.grad-clip {ds.grad_clip}: DeepSpeed 0.19.8 "
                          "orthogonalises the Muon matrices' gradients before it clips, so it would clip the updates "
@@ -684,9 +682,9 @@ def full_named_parameters(engine, keep=None):
     (never gathered). Under ZeRO-3 a decoder layer's parameters are gathered together (one coalesced all-gather per
     layer, `gather_groups`) and copied out before the next layer is gathered, so one layer is held at a time
     (collective: every rank must iterate to the end, with the same `keep`); otherwise the live tensors. Under AutoTP
-    (`--ds.tensor-parallel-size`) each shard is gathered over its tensor-parallel group (`tp_full`): collective too. Gathering
-    parameter by parameter cost a collective each: ~290 for a 24-layer Qwen2, about three quarters of a 0.5B-shaped
-    model's sync on 2 CPU ranks."""
+    (`--ds.tensor-parallel-size`) each shard is gathered over its tensor-parallel group (`tp_full`): collective too.
+    Gathering parameter by parameter cost a collective each: ~290 for a 24-layer Qwen2, about three quarters of a
+    0.5B-shaped model's sync on 2 CPU ranks."""
     import deepspeed
 
     named = [(n, p) for n, p in engine.module.named_parameters() if keep is None or keep(n)]
@@ -872,9 +870,9 @@ def export_hf(engine, tokenizer, out_dir: str | Path, ema: bool = False) -> None
     with ema_weights(engine) if ema else contextlib.nullcontext():
         state = gathered_state_dict(engine)
         if four_bit and state is not None:  # QLoRA: the dequantized base with the adapters merged (make_engine refuses
-            peft = engine.module.model if isinstance(engine.module, TokenValues) else engine.module  # ZeRO-3, so
-            shim = type("Zero0", (), {"module": peft, "zero_optimization_stage": lambda self: 0})()  # no collective
-            state = dict(merged_named_parameters(shim))
+            # ZeRO-3, so this is no collective); a scalar-head model's PEFT model sits inside TokenValues
+            peft = engine.module.model if isinstance(engine.module, TokenValues) else engine.module
+            state = dict(merged_named_parameters(types.SimpleNamespace(module=peft, zero_optimization_stage=lambda: 0)))
     bad = [k for k, v in (state or {}).items() if v.is_floating_point() and not bool(torch.isfinite(v).all())]
     if all_reduce(len(bad)) > 0:  # every rank raises, not only rank 0, which holds the gathered weights
         raise FloatingPointError(

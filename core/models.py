@@ -120,9 +120,8 @@ def load_causal_lm(cfg: ModelConfig, flag: str = "--model.name-or-path", frozen:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     prefix = flag.removesuffix("name-or-path")  # `--actor.model.`: the section's other flags
-    if cfg.load_in_4bit and cfg.lora_rank <= 0 and not frozen:
-        raise ValueError(f"{prefix}load-in-4bit needs {prefix}lora-rank > 0: the 4-bit base is frozen (its NF4 codes "
-                         "have no gradient), so only LoRA adapters can train on it (QLoRA)")  # fmt: skip
+    if not frozen:
+        check_4bit_training(cfg.load_in_4bit, cfg.lora_rank, prefix)
     check_causal_lm(cfg.name_or_path, flag)
     path = _check_model_path(cfg.name_or_path, flag)
     try:
