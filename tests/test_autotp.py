@@ -129,10 +129,8 @@ def test_the_data_split_gives_a_tensor_parallel_group_one_share():
         ds_engine.tp_data_split(DSConfig(tensor_parallel_size=2), sp_size=2)
 
 
-def test_tensor_parallel_with_lora_is_refused_naming_both_flags(tiny_model):
-    from peft import LoraConfig, get_peft_model
-
-    lora = get_peft_model(tiny_model, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+def test_tensor_parallel_with_lora_is_refused_naming_both_flags(tiny_path):
+    lora = models.load_causal_lm(ModelConfig(name_or_path=str(tiny_path), lora_rank=4))  # its own: PEFT wraps in place
     with pytest.raises(ValueError, match="--ds.tensor-parallel-size 2 with LoRA or 4-bit weights"):
         ds_engine.make_engine(lora, DSConfig(tensor_parallel_size=2), 1e-3, 10)
 
