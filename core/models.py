@@ -7,6 +7,7 @@ Tested with transformers 5.16-5.19 (Qwen2 and Llama architectures; Qwen2-MoE wit
 
 from __future__ import annotations
 
+import functools
 import os
 from pathlib import Path
 
@@ -247,6 +248,28 @@ def damaged_weights(error: Exception, path: str, flag: str, name: str) -> Except
     return ValueError(f"{flag} {name!r}: damaged weights file: {what}. Export or copy the model again.")
 
 
+# A vision-language checkpoint saved as Qwen2-VL's ForConditionalGeneration in the older layout (the text decoder at
+# `model.*`, the vision tower at `visual.*`) under the names of `vl_scalar_class`'s body (`model.language_model.*`,
+# `model.visual.*`); transformers renames them so for its own classes only (conversion_mapping.py, qwen2_vl).
+VL_KEYS = {r"^visual": "model.visual", r"^model(?!\.(language_model|visual))": "model.language_model"}
+
+
+@functools.cache
+def vl_scalar_class(config_class: type) -> type:
+    """A scalar-head class for a vision-language config (Qwen2-VL), which transformers 5.19's
+    AutoModelForSequenceClassification has none for: the model's multimodal body (`AutoModel`: vision tower + text
+    decoder, `model`) with a `score` linear on its hidden states, as transformers builds its text models' classes
+    (`GenericForSequenceClassification`). `token_values` runs it like any scalar model; its forward takes the
+    pictures (`pixel_values`, `image_grid_thw`) as the body does. Saved folders load back through `load_scalar_model`."""
+    from transformers import AutoModel
+    from transformers.modeling_layers import GenericForSequenceClassification
+
+    body = AutoModel._model_mapping[config_class]  # e.g. Qwen2VLModel
+    pretrained = next(c for c in body.__mro__[1:] if c.__name__.endswith("PreTrainedModel"))
+    name = body.__name__.removesuffix("Model") + "ForSequenceClassification"
+    return type(name, (GenericForSequenceClassification, pretrained), {"__module__": __name__})
+
+
 def load_scalar_model(name_or_path: str, dtype: str = "auto", attn: str = "auto", flag: str = "--model.name-or-path",
                       load_in_4bit: bool = False, lora_rank: int = 0):  # fmt: skip
     """A causal LM body with a scalar head (`AutoModelForSequenceClassification`, num_labels=1): the reward model
@@ -255,21 +278,24 @@ def load_scalar_model(name_or_path: str, dtype: str = "auto", attn: str = "auto"
     `flag`, the flag `name_or_path` came from (`--critic.name-or-path`, `--reward.model`). `load_in_4bit`: the body's
     linears in 4-bit NF4 (`four_bit`; the score head stays in `dtype`). `lora_rank` > 0: LoRA adapters on the body,
     the fresh score head training whole beside them (`add_lora`); a trained 4-bit model needs them, and a 4-bit model
-    without them is frozen (a reward model that scores)."""
-    from transformers import AutoModelForSequenceClassification
+    without them is frozen (a reward model that scores). A vision-language config (Qwen2-VL) gets `vl_scalar_class`."""
+    from transformers import AutoConfig, AutoModelForSequenceClassification
 
     path = _check_model_path(name_or_path, flag)
     try:
         torch_dt = torch_dtype(dtype)
-        model = AutoModelForSequenceClassification.from_pretrained(
+        config = AutoConfig.from_pretrained(path)
+        vl = getattr(config, "vision_config", None) is not None
+        model = (vl_scalar_class(type(config)) if vl else AutoModelForSequenceClassification).from_pretrained(
             path, num_labels=1, dtype=torch_dt, attn_implementation=attn_implementation(attn, torch_dt),
-            **(four_bit(torch_dt, keep=("score",)) if load_in_4bit else {}),
+            **(four_bit(torch_dt, keep=("score",)) if load_in_4bit else {}), **({"key_mapping": VL_KEYS} if vl else {}),
         )  # fmt: skip
     except OSError as e:
         raise ValueError(f"{flag} {name_or_path!r}: cannot load a scalar-head model: {e}") from None
     except Exception as e:
         raise damaged_weights(e, path, flag, name_or_path) from None
-    model.config.pad_token_id = model.config.pad_token_id if model.config.pad_token_id is not None else 0
+    text = model.config.get_text_config()  # a vision-language config keeps it in its text config
+    text.pad_token_id = text.pad_token_id if getattr(text, "pad_token_id", None) is not None else 0
     if lora_rank > 0:
         model = add_lora(model, ModelConfig(lora_rank=lora_rank), "SEQ_CLS", whole=("score",))
     return model

@@ -165,6 +165,10 @@ class RewardScorer:
         self.model = (self.model if load_in_4bit else self.model.to(self.device)).eval()
         self.tokenizer = models.load_tokenizer(path)
         config = self.model.config
+        if getattr(config, "vision_config", None) is not None:  # its texts would be scored without their pictures
+            raise ValueError(f"{path}: a vision-language reward model (rm.py --data.image-key); this server scores "
+                             "texts only and would score them without their pictures: score it in Python with "
+                             "algos/rm.py's `padded_scores(..., pictures)`")  # fmt: skip
         self.add_special_tokens = getattr(config, "reward_add_special_tokens", True)
         self.mean, self.std = 0.0, 1.0
         if normalize:

@@ -22,9 +22,14 @@ Deviations from the paper:
    checks them against the padded `core.models.sequence_scores`).
 2. One pair per prompt and a global batch of pairs (the paper batches all K-choose-2 comparisons of a prompt).
 3. The prompt and response are tokenized as one text (`core.data.reward_ids`), as the server sees them.
+4. Vision-language pairs (`--data.image-key`, a Qwen2-VL-style model: `core.models.vl_scalar_class` puts the scalar
+   head on its multimodal body): chosen and rejected both follow the prompt's pictures (core/vision.py) and take a
+   padded forward, not 1.'s packed one (Qwen2-VL's multimodal RoPE positions are computed per padded row).
 
 Debug (SFT warm start body, embedded pairs `cleanrlhf/add2-pref`, one CPU):
     python algos/rm.py --train.max-steps 40
+Pictures (the random tiny vision-language model, embedded pairs `cleanrlhf/shapes-pref`):
+    python algos/rm.py --model.name-or-path cleanrlhf/tiny-vl --data.path cleanrlhf/shapes-pref --data.image-key image
 Several processes (ZeRO-3 over 2 ranks; see slurm/ for many hosts):
     torchrun --nproc_per_node 2 algos/rm.py --ds.zero-stage 3
 Serve it:
@@ -48,7 +53,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 import tyro
 
-from core import checkpoint, data, flags, models, packing, samples
+from core import checkpoint, data, flags, models, packing, samples, vision
 from core import engine as ds_engine
 from core.config import CkptConfig, DataConfig, DSConfig, LoggerConfig, ModelConfig, check_args
 from core.logger import RunLogger, lock_run_dir, run_name, timer
@@ -148,7 +153,15 @@ def packed_scores(model, seqs: list[list[int]], device) -> torch.Tensor:
 
 def pair_scores(model, pairs: list[dict], device, share_prompt: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """Rewards (P,) of the chosen and of the rejected sequences of P pairs, from one packed forward; `share_prompt`:
-    each pair's common prefix is computed once (`core.packing.collate_prefix_shared`), else `packed_scores`."""
+    each pair's common prefix is computed once (`core.packing.collate_prefix_shared`), else `packed_scores`.
+    Pairs with pictures: one padded forward of chosen 1..P then rejected 1..P (DEVIATION 4)."""
+    if pairs[0].get("pictures") is not None:
+        seqs = [p["chosen"] for p in pairs] + [p["rejected"] for p in pairs]
+        batch = picture_batch(seqs, [p["pictures"] for p in pairs] * 2, device)
+        values = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
+                       **vision.model_kwargs(batch))  # (2P, L): models.TokenValues  # fmt: skip
+        r = values.gather(1, (batch["attention_mask"].sum(-1) - 1).unsqueeze(1)).squeeze(1)
+        return r[: len(pairs)], r[len(pairs) :]
     if not share_prompt:
         r = packed_scores(model, [p["chosen"] for p in pairs] + [p["rejected"] for p in pairs], device)
         return r[: len(pairs)], r[len(pairs) :]
@@ -173,14 +186,40 @@ def micro_batches(idx: list[int], pairs: list[dict], max_tokens: int) -> list[li
     return groups
 
 
+def picture_batch(seqs: list[list[int]], pictures: list[dict], device) -> dict:
+    """A right-padded batch (S, L) of token sequences with their pictures (`with_pictures`): `core.vision.collate`."""
+    return vision.collate([{"input_ids": s, "loss_mask": [0] * len(s), **v} for s, v in zip(seqs, pictures)], 0, device)
+
+
 @torch.no_grad()
-def padded_scores(model, seqs: list[list[int]], pad_id: int, device) -> torch.Tensor:
-    """Rewards (S,) of right-padded sequences (`core.models.sequence_scores`): what the eval and the server use."""
+def padded_scores(model, seqs: list[list[int]], pad_id: int, device, pictures: list[dict] | None = None) -> torch.Tensor:
+    """Rewards (S,) of right-padded sequences (`core.models.sequence_scores`): what the eval and the server use.
+    `pictures`: each sequence's pictures (`with_pictures`), given to the forward."""
+    if pictures is not None:
+        batch = picture_batch(seqs, pictures, device)
+        values = models.token_values(model, batch["input_ids"], batch["attention_mask"], **vision.model_kwargs(batch))
+        return values.gather(1, (batch["attention_mask"].sum(-1) - 1).unsqueeze(1)).squeeze(1)
     width = max(len(s) for s in seqs)
     ids = torch.tensor([s + [pad_id] * (width - len(s)) for s in seqs], device=device)
     attn = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs], device=device)
     with torch.compiler.set_stance("force_eager"):  # eval and serving: --ds.compile pays off in training only
         return models.sequence_scores(model, ids, attn)
+
+
+def with_pictures(make, cfg: DataConfig, tokenizer, processor):
+    """The pair maker `make` (`core.data.reward_pair_example`) for rows with pictures under `--data.image-key`: both
+    sides follow the prompt's pictures (`core.vision.with_image`: each picture's `<|image_pad|>` expanded to its
+    tokens), and the pair carries them once as `pictures` (`images`, `pixel_values`, `image_grid_thw`,
+    `image_token_id`); `chosen` and `rejected` stay token lists."""
+    sides = vision.with_image(lambda row: {**(ex := make(row)), "chosen": {"input_ids": ex["chosen"]},
+                                           "rejected": {"input_ids": ex["rejected"]}}, cfg, tokenizer, processor)  # fmt: skip
+
+    def make_pair(row: dict) -> dict:
+        ex = sides(row)
+        pictures = {k: v for k, v in ex["chosen"].items() if k != "input_ids"}
+        return {**ex, "chosen": ex["chosen"]["input_ids"], "rejected": ex["rejected"]["input_ids"], "pictures": pictures}
+
+    return make_pair
 
 
 @torch.no_grad()
@@ -197,7 +236,8 @@ def evaluate(model, pairs: list[dict], args: Args, pad_id: int, rank: int, world
     for start in range(0, per_rank, chunk):
         idx = [rank * per_rank + i for i in range(start, min(start + chunk, per_rank))]
         seqs = [pairs[i % n]["chosen"] for i in idx] + [pairs[i % n]["rejected"] for i in idx]
-        r = padded_scores(model, seqs, pad_id, device).double()
+        pictures = [pairs[i % n]["pictures"] for i in idx] * 2 if pairs[0].get("pictures") is not None else None
+        r = padded_scores(model, seqs, pad_id, device, pictures).double()
         keep = torch.tensor([i < n for i in idx], device=device)
         rows = torch.tensor([i % n for i in idx], device=device)
         scores[rows[keep]] = torch.stack([r[: len(idx)], r[len(idx) :]], dim=1)[keep]
@@ -222,10 +262,6 @@ def evaluate(model, pairs: list[dict], args: Args, pad_id: int, rank: int, world
 def main(args: Args) -> dict:
     # 1. setup ------------------------------------------------------------------------------------------------
     check_args(args)  # PLUMBING: generic flag rules (sizes > 0, finite floats, ...) before anything is loaded
-    if args.data.image_key:  # PLUMBING: pictures are read by sft.py, dpo.py and the RL scripts
-        raise ValueError(f"--data.image-key {args.data.image_key!r}: rm.py reads no pictures: its scalar-head model "
-                         "is transformers' AutoModelForSequenceClassification, which has no vision-language (Qwen2-VL) "
-                         "class; sft.py, dpo.py and the RL scripts read them")  # fmt: skip
     models.check_4bit_training(args.model.load_in_4bit, args.model.lora_rank)  # QLoRA needs adapters
     # PLUMBING: process group (world of one for `python algos/rm.py`), tokenizer, pairs, model, DeepSpeed engine.
     rank, world, device = ds_engine.init_distributed(args.ds.backend, args.ds.timeout_s)
@@ -246,6 +282,8 @@ def main(args: Args) -> dict:
     log = print if rank == 0 else (lambda *_: None)
     make = partial(data.reward_pair_example, tokenizer=tokenizer, cfg=args.data, chosen_key=args.chosen_key,
                    rejected_key=args.rejected_key, margin_key=args.margin_key)  # fmt: skip
+    if args.data.image_key:  # vision-language: the row's pictures join the prompt of both sides (DEVIATION 4)
+        make = with_pictures(make, args.data, tokenizer, vision.load_image_processor(args.model.name_or_path))
     sources = data.load_sources(args.data.path, args.data.split, args.data.max_samples)
     train_set = data.mix(data.build_examples(sources, make, args.data, log), args.data.probs, args.train.seed)
     eval_sources = data.load_sources(args.data.eval_path or args.data.path, args.data.eval_split, args.eval.max_samples)
