@@ -785,6 +785,45 @@ class VLLMEngine:
         self.llm.wake_up(tags)
 
 
+class RowSampler:
+    """A transformers logits processor that draws the next token of every row itself (`HFEngine.generate`): the
+    distribution vLLM samples with `processed_logprobs` (temperature, then top-p, through transformers' own warpers;
+    plain log-softmax at temperature 0, greedy), the draw from prompt i's own generator (seeded `seeds[i]`, its `n`
+    rows drawn together), and the returned logits one-hot (0 at the drawn token, −inf elsewhere) so that greedy
+    decoding takes it. Records per step the drawn tokens' log-probs (`logps`, (B,) each) and, with `top` > 0, the top
+    `top` {token id: log-prob} of each row (`tops`). `suppress`: token ids never drawn."""
+
+    def __init__(self, seeds: list[int], n: int, temperature: float, top_p: float, suppress: list[int], top: int,
+                 device):  # fmt: skip
+        from transformers import TemperatureLogitsWarper, TopPLogitsWarper
+
+        self.generators = [torch.Generator(device=device).manual_seed(int(s) % 2**64) for s in seeds]
+        self.n, self.greedy, self.suppress, self.top = n, temperature <= 0, suppress, top
+        self.warpers = [] if self.greedy else [TemperatureLogitsWarper(temperature)] + (
+            [TopPLogitsWarper(top_p)] if top_p < 1.0 else [])  # fmt: skip
+        self.logps, self.tops = [], []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        scores = scores.float()
+        if self.suppress:
+            scores[:, self.suppress] = -float("inf")
+        for warp in self.warpers:
+            scores = warp(input_ids, scores)
+        logp = torch.log_softmax(scores, dim=-1)  # (B, V)
+        if self.greedy:
+            tokens = logp.argmax(-1)
+        else:
+            probs = logp.exp()
+            tokens = torch.cat([torch.multinomial(probs[i * self.n : (i + 1) * self.n], 1, generator=g)[:, 0]
+                                for i, g in enumerate(self.generators)])  # fmt: skip
+        self.logps.append(logp.gather(-1, tokens[:, None])[:, 0])
+        if self.top > 0:
+            best = logp.topk(self.top, dim=-1)
+            self.tops.append([dict(zip(i.tolist(), v.tolist())) for v, i in zip(best.values, best.indices)])
+        onehot = torch.full_like(scores, -float("inf"))
+        return onehot.scatter_(-1, tokens[:, None], 0.0)
+
+
 class HFEngine:
     """transformers' `generate` on its own copy of the policy, in this process, behind `VLLMEngine`'s methods
     (`--vllm.engine hf`). Weight syncs copy the trainer's tensors into the copy by name (every name of the HF
@@ -841,44 +880,46 @@ class HFEngine:
                  ignore_eos: bool = False, images: list | None = None, stop: list[str] | None = None,
                  top_logprobs: int = 0) -> list[list[Sample]]:  # fmt: skip
         """As `VLLMEngine.generate`, except `stop`: accepted and not applied (samples end at a stop token or the
-        limit; the caller cuts at its strings, as agents/openai_server.py does)."""
+        limit; the caller cuts at its strings, as agents/openai_server.py does). ONE `generate` call for the whole
+        batch (P prompts × n samples, left-padded); each prompt's rows draw from a torch generator of their own
+        (`RowSampler`), so a sample does not depend on the other prompts of the call or on their padding."""
+        from transformers import GenerationConfig
+
+        P = len(prompt_token_ids)
+        if P == 0:
+            return []
+        rows = [list(p) for p in prompt_token_ids for _ in range(n)]
+        width = max(len(r) for r in rows)
+        ids = torch.tensor([[self.pad_id] * (width - len(r)) + r for r in rows], device=self.device)
+        attn = torch.tensor([[0] * (width - len(r)) + [1] * len(r) for r in rows], device=self.device)
+        extra = self._vision(ids, None if images is None else [images[i] for i in range(P) for _ in range(n)])
+        seeds = [seed[i] if isinstance(seed, list) else (self.seed if seed is None else seed + i * n) for i in range(P)]
+        # a picture's token in a response would take image features the model does not have: never sampled
+        suppress = [self.model.config.image_token_id] if self.processor is not None else []
+        sampler = RowSampler(seeds, n, temperature, top_p, suppress, top_logprobs, self.device)
+        # greedy over the sampler's one-hot logits: the draw is the sampler's. transformers fills every field left None
+        # from the model's generation_config.json, so the fields that would change the distribution or the stop are
+        # set here: no repetition penalty, and no stop token at all under `ignore_eos` ([]: None would be the model's eos)
+        config = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=self.pad_id,
+                                  eos_token_id=[] if ignore_eos else self.stop_token_ids, repetition_penalty=1.0,
+                                  no_repeat_ngram_size=0, min_new_tokens=0, min_length=0)  # fmt: skip
+        out = self.model.generate(input_ids=ids, attention_mask=attn, generation_config=config,
+                                  logits_processor=[sampler], **extra)  # fmt: skip
+        new = out[:, width:].tolist()
+        logp = torch.stack(sampler.logps, dim=1).tolist() if sampler.logps else [[] for _ in rows]  # (P·n, T)
         groups = []
-        for i, prompt in enumerate(prompt_token_ids):
-            s = seed[i] if isinstance(seed, list) else (None if seed is None else seed + i * n)
-            ids = torch.tensor([list(prompt)] * n, device=self.device)
-            extra = self._vision(ids, None if images is None else [images[i]] * n)
-            sampling = dict(do_sample=True, temperature=temperature, top_p=top_p, top_k=0) if temperature > 0 else \
-                dict(do_sample=False)  # fmt: skip
-            stops = None if ignore_eos else self.stop_token_ids
-            # a picture's token in a response would take image features the model does not have: never sampled
-            suppress = {"suppress_tokens": [self.model.config.image_token_id]} if self.processor is not None else {}
-            with torch.random.fork_rng():
-                torch.manual_seed(self.seed if s is None else s)
-                out = self.model.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
-                                          max_new_tokens=max_new_tokens, pad_token_id=self.pad_id, eos_token_id=stops,
-                                          output_scores=True, return_dict_in_generate=True, **sampling, **suppress,
-                                          **extra)  # fmt: skip
-            new = out.sequences[:, ids.shape[1] :]
-            scores = torch.stack(out.scores, dim=1).float()  # (n, T, V): the processed logits each token was drawn from
-            logp_all = torch.log_softmax(scores, dim=-1)
-            logp = logp_all.gather(-1, new[..., None])[..., 0]
-            best = logp_all.topk(top_logprobs, dim=-1) if top_logprobs > 0 else None
-            group = []
-            for j in range(n):
-                tokens = new[j].tolist()
-                stop = min((tokens.index(t) for t in self.stop_token_ids if t in tokens), default=None)
-                if ignore_eos or stop is None:
-                    stop, reason = len(tokens) - 1, "length"
-                else:
-                    reason = "stop"
-                kept = tokens[: stop + 1]
-                top = None
-                if best is not None:  # the top k of each kept position, {token id: log-prob}
-                    values, indices = best.values[j, : len(kept)], best.indices[j, : len(kept)]
-                    top = [dict(zip(i.tolist(), v.tolist())) for v, i in zip(values, indices)]
-                group.append(Sample(kept, logp[j, : len(kept)].tolist(), reason, truncated=reason == "length",
-                                    top_logprobs=top))  # fmt: skip
-            groups.append(group)
+        for r, tokens in enumerate(new):
+            stop = min((tokens.index(t) for t in self.stop_token_ids if t in tokens), default=None)
+            if ignore_eos or stop is None:
+                stop, reason = len(tokens) - 1, "length"
+            else:
+                reason = "stop"
+            kept = tokens[: stop + 1]
+            top = [sampler.tops[t][r] for t in range(len(kept))] if top_logprobs > 0 else None
+            sample = Sample(kept, logp[r][: len(kept)], reason, truncated=reason == "length", top_logprobs=top)
+            if r % n == 0:
+                groups.append([])
+            groups[-1].append(sample)
         return groups
 
     @torch.no_grad()
