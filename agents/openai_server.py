@@ -40,8 +40,11 @@ completes the first of them (they go to the engine, which stops there instead of
 again, its own cut deciding what is recorded: the tokens kept are exactly those the engine sampled, as vLLM's own
 `stop` keeps them); the returned text ends before the stop string, as OpenAI's does. `top_logprobs` (chat, with
 `logprobs`) / `logprobs: k` (completions) ask the engine for the k most likely tokens at each position.
-`stream: true` answers the same recorded call as server-sent events: the generation is whole, then its events are sent
-in one body (chunks of text and token ids, as a streaming client reads them).
+`stream: true` answers the same recorded call as server-sent events (chunks of text and token ids, as a streaming
+client reads them). With an engine in this process (vLLM's in-process engine or `--vllm.engine hf`: both report every
+step) a plain streamed answer goes out as it is generated, piece by piece as the tokens decode; with stop strings,
+tools or log-probs asked for, or Ray-actor engines, the generation is whole, then its events are sent in one body
+(the text before a stop string, the tool calls and the chunks' log-probs are known once it is whole).
 
 Refused with HTTP 4xx and a message saying why (`{"error": {"message": ...}}`, as OpenAI answers): an unknown or
 finished episode (404), an unknown model (404), a body over `max_request_bytes` (413, before it is parsed), a body whose
@@ -337,7 +340,7 @@ class _Batcher:
 
     def __init__(self, engines, open_episodes, max_wait_s: float = 0.05):
         self.engines, self.open_episodes, self.max_wait_s = engines, open_episodes, max_wait_s
-        self.takes = set(inspect.signature(engines.generate).parameters) & {"stop", "top_logprobs"}
+        self.takes = set(inspect.signature(engines.generate).parameters) & {"stop", "top_logprobs", "on_tokens"}
         self.queue: queue.Queue = queue.Queue()
         self.inflight = 0  # submitted and not yet answered
         self.lock = threading.Lock()
@@ -347,11 +350,14 @@ class _Batcher:
         self.thread.start()
 
     def submit(self, prompt_ids: list[int], max_tokens: int, temperature: float, top_p: float, seed: int | None,
-               stops: tuple[str, ...] = (), top_logprobs: int = 0) -> concurrent.futures.Future:  # fmt: skip
+               stops: tuple[str, ...] = (), top_logprobs: int = 0,
+               listener: Callable[[list[int]], None] | None = None) -> concurrent.futures.Future:  # fmt: skip
+        """The request's sample, as a future. `listener(ids so far)`: called from this thread while the engine
+        generates (engines that report progress: `on_tokens`), for a stream that goes out as it is generated."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
         with self.lock:
             self.inflight += 1
-        self.queue.put(((max_tokens, temperature, top_p, tuple(stops), top_logprobs), prompt_ids, seed, fut))
+        self.queue.put(((max_tokens, temperature, top_p, tuple(stops), top_logprobs), prompt_ids, seed, fut, listener))
         return fut
 
     def stop(self) -> None:
@@ -414,6 +420,8 @@ class _Batcher:
         extra = {"stop": list(stops)} if stops and "stop" in self.takes else {}
         if top_logprobs > 0 and "top_logprobs" in self.takes:
             extra["top_logprobs"] = top_logprobs
+        if any(g[4] is not None for g in group) and "on_tokens" in self.takes:
+            extra["on_tokens"] = lambda k, j, ids: group[k][4] is not None and group[k][4](ids)
         out = self.engines.generate([g[1] for g in group], n=1, max_new_tokens=max_tokens, temperature=temperature,
                                     top_p=top_p, seed=[g[2] for g in group], **extra)  # fmt: skip
         return [o[0] for o in out]
@@ -443,6 +451,20 @@ class _Params:
     @property
     def parse_tools(self) -> bool:
         return bool(self.tools) and self.tool_choice != "none"
+
+
+@dataclass
+class _Job:
+    """A request between `OpenAIServer.begin` and `finish`: what it asked for and its choices' futures."""
+
+    log: EpisodeLog
+    ids: list[int]
+    parent: int | None
+    text: str | None
+    p: _Params
+    first: int
+    futures: list = field(default_factory=list)
+    updates: asyncio.Queue | None = None  # (choice, ids so far) while the engine generates: a live stream
 
 
 def _byte_decoder() -> dict[str, int]:
@@ -926,8 +948,15 @@ class OpenAIServer:
     async def generate(self, eid: str, request, chat_request: bool,
                        request_sampling: bool = False) -> tuple[list[Call], _Params]:  # fmt: skip
         """Read and check the request, build the prompt ids (off the event loop for a large body), generate its
-        choices (batched with concurrent requests) and record them. `request_sampling` (the plain `/v1/...` routes):
-        the request's temperature / top-p / seed replace the episode's and the rollout's."""
+        choices (batched with concurrent requests) and record them: `begin` then `finish`."""
+        job = await self.begin(eid, request, chat_request, request_sampling)
+        return await self.finish(job), job.p
+
+    async def begin(self, eid: str, request, chat_request: bool, request_sampling: bool = False) -> _Job:
+        """Read and check the request (RequestError: the answer is a 4xx), build the prompt ids and submit its choices
+        to the batcher. `request_sampling` (the plain `/v1/...` routes): the request's temperature / top-p / seed
+        replace the episode's and the rollout's. A stream that can go out as it is generated (`_live`) gets the
+        engine's progress in `job.updates`."""
         log = self._episode(eid)
         top_p = self.top_p
         try:
@@ -957,10 +986,23 @@ class OpenAIServer:
         first = log.requests
         log.requests += p.n
         seeds = [None if log.seed is None else log.seed + SEED_STRIDE * (first + j) for j in range(p.n)]
-        futures = [self._batcher.submit(ids, min(p.limit, room), log.temperature, top_p, s, tuple(p.stops),
-                                        p.top_logprobs) for s in seeds]  # fmt: skip
+        job = _Job(log, ids, parent, text, p, first)
+        if self._live(p):
+            loop, job.updates = asyncio.get_running_loop(), asyncio.Queue()
+
+            def listener(j: int) -> Callable[[list[int]], None]:
+                return lambda got: loop.call_soon_threadsafe(job.updates.put_nowait, (j, got))
+
+        job.futures = [self._batcher.submit(ids, min(p.limit, room), log.temperature, top_p, s, tuple(p.stops),
+                                            p.top_logprobs, listener(j) if job.updates is not None else None)
+                       for j, s in enumerate(seeds)]  # fmt: skip
+        return job
+
+    async def finish(self, job: _Job) -> list[Call]:
+        """Wait for a started request's samples (a 500 RequestError if the engine failed on it) and record them."""
+        log, ids, parent, text, p, first = job.log, job.ids, job.parent, job.text, job.p, job.first
         try:
-            samples = await asyncio.gather(*(asyncio.wrap_future(f) for f in futures))
+            samples = await asyncio.gather(*(asyncio.wrap_future(f) for f in job.futures))
         except Exception as e:  # noqa: BLE001  (the engine failed on this request: it fails, the server goes on)
             logging.getLogger(__name__).warning(f"[agents] the engine failed on a request (answered 500): {e!r}")
             raise RequestError(500, f"the engine failed on this request: {e!r}") from None
@@ -973,7 +1015,7 @@ class OpenAIServer:
                     log.tool_parse_errors += c.tool_parse_error is not None
                     log.tool_parse_error = log.tool_parse_error or c.tool_parse_error
                     log.calls.append(c)
-        return calls, p
+        return calls
 
     # -- responses ----------------------------------------------------------------------------------------------
     def _token_bytes(self, token_id: int, text: str) -> list[int]:
@@ -1065,8 +1107,7 @@ class OpenAIServer:
         """The server-sent events of a streamed answer (`data: {chunk}\\n\\n` ... `data: [DONE]\\n\\n`): per choice a
         role chunk (chat), content pieces with their tokens' ids and log-probs, and a final chunk with the tool calls,
         the remaining tokens and the finish reason; then the usage chunk when `stream_options.include_usage`."""
-        head = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
-                "object": "chat.completion.chunk" if chat else "text_completion", "model": self.model_name}  # fmt: skip
+        head = self._head(chat)
 
         def event(choice: dict | None, **extra) -> str:
             return f"data: {json.dumps({**head, 'choices': [choice] if choice else [], **extra})}\n\n"
@@ -1101,12 +1142,102 @@ class OpenAIServer:
             yield event(None, usage=self._usage(calls))
         yield "data: [DONE]\n\n"
 
+    @staticmethod
+    def _live(p: _Params) -> bool:
+        """Whether a request's stream goes out while it is generated: streamed, and its returned text is the decoded
+        tokens as they come. Stop strings (the text before one is known only once it is complete), tool calls (parsed
+        from the whole text) and log-probs per chunk keep the whole-answer stream (`_stream`)."""
+        return p.stream and not p.stops and not p.parse_tools and not p.logprobs
+
+    async def _first_news(self, job: _Job) -> tuple[asyncio.Future, list]:
+        """Start waiting for a live request's samples and wait for the first news: a step's tokens (returned, for the
+        stream's first piece) or the end. A request the engine fails on before any token raises here, so it is
+        answered 500 like a plain one, not with a stream that breaks off."""
+        pending = asyncio.ensure_future(self.finish(job))
+        getter = asyncio.ensure_future(job.updates.get())
+        await asyncio.wait({pending, getter}, return_when=asyncio.FIRST_COMPLETED)
+        if not getter.done():
+            getter.cancel()
+            await pending  # raises the engine's failure (a RequestError 500)
+            return pending, []
+        return pending, [getter.result()]
+
+    async def _stream_live(self, job: _Job, chat: bool, pending: asyncio.Future, news: list,
+                           done: Callable[[], None] | None = None):  # fmt: skip
+        """The server-sent events of a stream sent as the engine generates (`_live`; engines in this process report
+        their progress, a Ray actor's samples come whole): per choice a role chunk (chat), then content pieces as the
+        tokens decode (a character split across tokens waits for its last one), then, once recorded, the rest of the
+        text, the final chunk (finish reason, the tokens not yet sent) and the usage chunk. The pieces join to the
+        recorded call's text, the chunks' token ids to its tokens. An engine failure after the first event ends the
+        stream with an `error` event. `done`: called at the end, however the stream ends (the plain routes close their
+        one-request episode)."""
+        p, head = job.p, self._head(chat)
+        sent, used, first = [""] * p.n, [0] * p.n, [True]
+
+        def event(choice: dict | None, **extra) -> str:
+            if first[0] and choice is not None:
+                extra, first[0] = {"prompt_token_ids": job.ids, **extra}, False
+            return f"data: {json.dumps({**head, 'choices': [choice] if choice else [], **extra})}\n\n"
+
+        def piece(i: int, text: str, tokens: list[int]) -> str:
+            delta = {"delta": {"content": text}} if chat else {"text": text}
+            return event({"index": i, **delta, "logprobs": None, "finish_reason": None, "token_ids": tokens})
+
+        try:
+            if chat:
+                for i in range(p.n):
+                    yield event({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+                                 "finish_reason": None})  # fmt: skip
+            while news or not pending.done():
+                if not news:
+                    getter = asyncio.ensure_future(job.updates.get())
+                    await asyncio.wait({pending, getter}, return_when=asyncio.FIRST_COMPLETED)
+                    if not getter.done():
+                        getter.cancel()
+                        break
+                    news = [getter.result()]
+                latest, news = dict(news), []
+                while not job.updates.empty():  # the engine ran ahead of the client: only each choice's newest
+                    j, got = job.updates.get_nowait()
+                    latest[j] = got
+                for j, got in sorted(latest.items()):
+                    text = self._decode(got)
+                    if text.endswith("\ufffd") or len(text) <= len(sent[j]) or not text.startswith(sent[j]):
+                        continue
+                    yield piece(j, text[len(sent[j]) :], got[used[j] :])
+                    sent[j], used[j] = text, len(got)
+            try:
+                calls = await pending
+            except RequestError as e:
+                yield f"data: {json.dumps({'error': {'message': e.message, 'type': 'server_error', 'code': e.status}})}\n\n"
+                return
+            for i, c in enumerate(calls):
+                visible = (c.content or "") if chat else c.text
+                if not visible.startswith(sent[i]):  # a tokenizer whose text of a prefix is not a prefix of the text
+                    log.warning(f"[agents] streamed text {sent[i]!r} is not a prefix of the answer {visible!r}")
+                elif len(visible) > len(sent[i]):
+                    yield piece(i, visible[len(sent[i]) :], [])
+                delta = {"delta": {}} if chat else {"text": ""}
+                yield event({"index": i, **delta, "logprobs": None,
+                             "finish_reason": self._finish(c) if chat else c.finish_reason,
+                             "token_ids": c.token_ids[used[i] :]})  # fmt: skip
+            if p.usage_chunk:
+                yield event(None, usage=self._usage(calls))
+            yield "data: [DONE]\n\n"
+        finally:
+            if done is not None:
+                done()
+
+    def _head(self, chat: bool) -> dict:
+        return {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
+                "object": "chat.completion.chunk" if chat else "text_completion", "model": self.model_name}  # fmt: skip
+
     def app(self):
         """The FastAPI app: the three endpoints under `/episodes/{eid}/v1`, and the same under `/v1` (agents/serve.py:
         each request an episode of its own, recorded nowhere)."""
         from fastapi import FastAPI, Request
         from fastapi.exceptions import RequestValidationError
-        from fastapi.responses import JSONResponse
+        from fastapi.responses import JSONResponse, StreamingResponse
 
         app = FastAPI(title="CleanRLHF agent server")
 
@@ -1145,8 +1276,16 @@ class OpenAIServer:
         app.get("/v1/models")(models)
         app.get("/episodes/{eid}/v1/models")(models)
 
+        async def live(job: _Job, chat: bool, done: Callable[[], None] | None = None):
+            pending, news = await self._first_news(job)
+            return StreamingResponse(self._stream_live(job, chat, pending, news, done), media_type="text/event-stream",
+                                     headers={"Cache-Control": "no-cache"})  # fmt: skip
+
         async def answer(eid: str, request: Request, chat: bool):
-            calls, p = await self.generate(eid, request, chat_request=chat)
+            job = await self.begin(eid, request, chat_request=chat)
+            if job.updates is not None:
+                return await live(job, chat)
+            calls, p = await self.finish(job), job.p
             if p.stream:
                 return _event_stream(self._stream(calls, p, chat))
             return JSONResponse(self.chat_response(calls, p) if chat else self.completion_response(calls, p))
@@ -1164,9 +1303,14 @@ class OpenAIServer:
             # answered; it samples as it asks, not as a rollout would
             eid = self.open_episode(temperature=1.0, seed=None)
             try:
-                calls, p = await self.generate(eid, request, chat_request=chat, request_sampling=True)
-            finally:
+                job = await self.begin(eid, request, chat_request=chat, request_sampling=True)
+                if job.updates is not None:  # the episode closes when the stream ends
+                    return await live(job, chat, functools.partial(self.close_episode, eid))
+                calls, p = await self.finish(job), job.p
+            except BaseException:
                 self.close_episode(eid)
+                raise
+            self.close_episode(eid)
             if p.stream:
                 return _event_stream(self._stream(calls, p, chat))
             return JSONResponse(self.chat_response(calls, p) if chat else self.completion_response(calls, p))

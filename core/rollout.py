@@ -48,8 +48,9 @@ import shutil
 import tempfile
 import threading
 import time
+import uuid
 import weakref
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -636,8 +637,12 @@ class VLLMEngine:
     def generate(self, prompt_token_ids: list[list[int]], n: int = 1, max_new_tokens: int = 256,
                  temperature: float = 1.0, top_p: float = 1.0, seed: int | list[int] | None = None,
                  ignore_eos: bool = False, images: list | None = None, stop: list[str] | None = None,
-                 top_logprobs: int = 0) -> list[list[Sample]]:  # fmt: skip
+                 top_logprobs: int = 0, on_tokens: Callable[[int, int, list[int]], None] | None = None,
+                 ) -> list[list[Sample]]:  # fmt: skip
         """n samples for each prompt (token ids in, token ids out), `result[i][j]` the j-th sample of prompt i.
+        `on_tokens(i, j, token_ids)`: called from this thread after every engine step that extended sample j of
+        prompt i, with its tokens so far (`_stepped`: the agent server streams them as they come); the samples are
+        the same as without it.
         `stop`: strings that end a sample after the token completing one (kept in `token_ids`, as vLLM's
         `include_stop_str_in_output`; needs detokenizing, so only then); `top_logprobs` k > 0: each sample's
         `top_logprobs` holds the k most likely tokens per position.
@@ -671,8 +676,11 @@ class VLLMEngine:
 
         images = images or [None] * len(prompt_token_ids)
         prompts = [self._prompt(p, image) for p, image in zip(prompt_token_ids, images)]
-        outputs = self.llm.generate(prompts, [params(i) for i in range(len(prompts))], use_tqdm=False,
-                                    lora_request=self.lora)  # fmt: skip
+        if on_tokens is not None:
+            outputs = self._stepped(prompts, [params(i) for i in range(len(prompts))], on_tokens)
+        else:
+            outputs = self.llm.generate(prompts, [params(i) for i in range(len(prompts))], use_tqdm=False,
+                                        lora_request=self.lora)  # fmt: skip
         groups = []
         for out in outputs:
             group = []
@@ -692,6 +700,40 @@ class VLLMEngine:
                                     top_logprobs=top))  # fmt: skip
             groups.append(group)
         return groups
+
+    def _stepped(self, prompts: list, params: list, on_tokens: Callable[[int, int, list[int]], None]) -> list:
+        """`LLM.generate`'s outputs, one engine step at a time: the requests go to the engine as they are (vLLM's
+        offline `generate` asks for final outputs only; here every step's cumulative output comes back) and
+        `on_tokens(i, j, ids so far)` hears of every sample that grew. The same requests, seeds and sampling, so the
+        same samples. On an error the requests still running are aborted."""
+        from vllm.sampling_params import RequestOutputKind
+
+        engine, index, seen = self.llm.llm_engine, {}, {}
+        finished: dict[int, Any] = {}
+        try:
+            for i, (prompt, p) in enumerate(zip(prompts, params)):
+                p.output_kind = RequestOutputKind.CUMULATIVE
+                rid = f"stepped-{uuid.uuid4().hex}"  # outputs carry this id; vLLM's internal one gets a suffix
+                index[rid] = index[engine.add_request(rid, prompt, p, lora_request=self.lora)] = i
+            while len(finished) < len(prompts):
+                if not engine.has_unfinished_requests():
+                    raise RuntimeError(f"{self.name}: the engine finished {len(finished)} of {len(prompts)} requests")
+                for out in engine.step():
+                    i = index.get(out.request_id)
+                    if i is None:
+                        continue
+                    for c in out.outputs:
+                        if len(c.token_ids) > seen.get((i, c.index), 0):
+                            seen[(i, c.index)] = len(c.token_ids)
+                            on_tokens(i, c.index, list(c.token_ids))
+                    if out.finished:
+                        finished[i] = out
+        except BaseException:
+            running = [r for r, i in index.items() if i not in finished and r.startswith("stepped-")]
+            if running:
+                engine.abort_request(running)
+            raise
+        return [finished[i] for i in range(len(prompts))]
 
     def _prompt(self, token_ids: list[int], image=None):
         """vLLM's request for prompt tokens and, with pictures (`image`: a list of PIL images, in prompt order), its
@@ -791,10 +833,12 @@ class RowSampler:
     plain log-softmax at temperature 0, greedy), the draw from prompt i's own generator (seeded `seeds[i]`, its `n`
     rows drawn together), and the returned logits one-hot (0 at the drawn token, −inf elsewhere) so that greedy
     decoding takes it. Records per step the drawn tokens' log-probs (`logps`, (B,) each) and, with `top` > 0, the top
-    `top` {token id: log-prob} of each row (`tops`). `suppress`: token ids never drawn."""
+    `top` {token id: log-prob} of each row (`tops`). `suppress`: token ids never drawn. `on_tokens(i, j, ids so far)`:
+    called after every step for each sample still running (row i·n + j), until it draws one of `stops`."""
 
     def __init__(self, seeds: list[int], n: int, temperature: float, top_p: float, suppress: list[int], top: int,
-                 device):  # fmt: skip
+                 device, on_tokens: Callable[[int, int, list[int]], None] | None = None,
+                 stops: list[int] | None = None):  # fmt: skip
         from transformers import TemperatureLogitsWarper, TopPLogitsWarper
 
         self.generators = [torch.Generator(device=device).manual_seed(int(s) % 2**64) for s in seeds]
@@ -802,6 +846,9 @@ class RowSampler:
         self.warpers = [] if self.greedy else [TemperatureLogitsWarper(temperature)] + (
             [TopPLogitsWarper(top_p)] if top_p < 1.0 else [])  # fmt: skip
         self.logps, self.tops = [], []
+        self.on_tokens, self.stops = on_tokens, set(stops or [])
+        self.drawn: list[list[int]] = [[] for _ in range(len(seeds) * n)]
+        self.running = [True] * (len(seeds) * n)
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         scores = scores.float()
@@ -820,6 +867,12 @@ class RowSampler:
         if self.top > 0:
             best = logp.topk(self.top, dim=-1)
             self.tops.append([dict(zip(i.tolist(), v.tolist())) for v, i in zip(best.values, best.indices)])
+        if self.on_tokens is not None:
+            for r, t in enumerate(tokens.tolist()):
+                if self.running[r]:
+                    self.drawn[r].append(t)
+                    self.on_tokens(r // self.n, r % self.n, list(self.drawn[r]))
+                    self.running[r] = t not in self.stops
         onehot = torch.full_like(scores, -float("inf"))
         return onehot.scatter_(-1, tokens[:, None], 0.0)
 
@@ -878,8 +931,9 @@ class HFEngine:
     def generate(self, prompt_token_ids: list[list[int]], n: int = 1, max_new_tokens: int = 256,
                  temperature: float = 1.0, top_p: float = 1.0, seed: int | list[int] | None = None,
                  ignore_eos: bool = False, images: list | None = None, stop: list[str] | None = None,
-                 top_logprobs: int = 0) -> list[list[Sample]]:  # fmt: skip
-        """As `VLLMEngine.generate`, except `stop`: accepted and not applied (samples end at a stop token or the
+                 top_logprobs: int = 0, on_tokens: Callable[[int, int, list[int]], None] | None = None,
+                 ) -> list[list[Sample]]:  # fmt: skip
+        """As `VLLMEngine.generate` (`on_tokens` included), except `stop`: accepted and not applied (samples end at a stop token or the
         limit; the caller cuts at its strings, as agents/openai_server.py does). ONE `generate` call for the whole
         batch (P prompts × n samples, left-padded); each prompt's rows draw from a torch generator of their own
         (`RowSampler`), so a sample does not depend on the other prompts of the call or on their padding."""
@@ -896,13 +950,14 @@ class HFEngine:
         seeds = [seed[i] if isinstance(seed, list) else (self.seed if seed is None else seed + i * n) for i in range(P)]
         # a picture's token in a response would take image features the model does not have: never sampled
         suppress = [self.model.config.image_token_id] if self.processor is not None else []
-        sampler = RowSampler(seeds, n, temperature, top_p, suppress, top_logprobs, self.device)
+        sampler = RowSampler(seeds, n, temperature, top_p, suppress, top_logprobs, self.device, on_tokens,
+                             [] if ignore_eos else self.stop_token_ids)  # fmt: skip
         # greedy over the sampler's one-hot logits: the draw is the sampler's. transformers fills every field left None
         # from the model's generation_config.json, so the fields that would change the distribution or the stop are
         # set here: no repetition penalty, and no stop token at all under `ignore_eos` ([]: None would be the model's eos)
         config = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=self.pad_id,
                                   eos_token_id=[] if ignore_eos else self.stop_token_ids, repetition_penalty=1.0,
-                                  no_repeat_ngram_size=0, min_new_tokens=0, min_length=0)  # fmt: skip
+                                  no_repeat_ngram_size=0, min_new_tokens=0)  # fmt: skip
         out = self.model.generate(input_ids=ids, attention_mask=attn, generation_config=config,
                                   logits_processor=[sampler], **extra)  # fmt: skip
         new = out[:, width:].tolist()
@@ -1040,10 +1095,10 @@ class RolloutEngines:
         self.senders = senders
 
     # -- calls with timeouts ------------------------------------------------------------------------------------
-    def _submit(self, i: int, method: str, *args):
+    def _submit(self, i: int, method: str, *args, **kwargs):
         if not self.actors:
             try:
-                return _Done(getattr(self.engines[i], method)(*args))
+                return _Done(getattr(self.engines[i], method)(*args, **kwargs))
             except Exception as e:
                 raise EngineError(f"vLLM engine {self.names[i]!r} failed in {method}: {e!r}") from e
         return getattr(self.engines[i], method).remote(*args)
@@ -1087,9 +1142,11 @@ class RolloutEngines:
     def generate(self, prompt_token_ids: list[list[int]], n: int = 1, max_new_tokens: int = 256,
                  temperature: float = 1.0, top_p: float = 1.0, seed: int | list[int] | None = None,
                  ignore_eos: bool = False, images: list | None = None, stop: list[str] | None = None,
-                 top_logprobs: int = 0) -> list[list[Sample]]:  # fmt: skip
+                 top_logprobs: int = 0, on_tokens: Callable[[int, int, list[int]], None] | None = None,
+                 ) -> list[list[Sample]]:  # fmt: skip
         """n samples per prompt, `result[i][j]` the j-th sample of prompt i. `stop` strings and `top_logprobs` k: as
-        `VLLMEngine.generate` (passed on only when given). Prompts go to the engine with the fewest
+        `VLLMEngine.generate` (passed on only when given). `on_tokens(i, j, ids so far)`: as `VLLMEngine.generate`,
+        for engines in this process only (a Ray actor cannot call back: its samples arrive whole). Prompts go to the engine with the fewest
         tokens in flight (estimated as n * (prompt + max_new_tokens)), counting concurrent calls from other threads
         (e.g. agents). Seeds as in `VLLMEngine.generate`, by the prompt's index in this call: a sample does not depend
         on the engine its prompt lands on. `images[i]`: prompt i's pictures (a list) or None (`VLLMEngine.generate`)."""
@@ -1123,7 +1180,9 @@ class RolloutEngines:
                         args += (None if images is None else [images[idx] for idx in ids],)
                     if stop or top_logprobs > 0:
                         args += (list(stop or []) or None, top_logprobs)
-                    refs.append((e, ids, self._submit(e, "generate", *args)))
+                    hear = {} if on_tokens is None or self.actors else \
+                        {"on_tokens": lambda i, j, t, ids=ids: on_tokens(ids[i], j, t)}  # by the prompt's index here
+                    refs.append((e, ids, self._submit(e, "generate", *args, **hear)))
             results: list[list[Sample]] = [[] for _ in prompt_token_ids]
             for (_, ids, _), groups in zip(refs, self._gather([(e, "generate", ref) for e, _, ref in refs])):
                 for idx, group in zip(ids, groups, strict=True):

@@ -86,3 +86,23 @@ def test_greedy_equals_the_greedy_reference_and_top_p_keeps_the_nucleus(hf, toke
                 assert above < 0.5 + 1e-5, (t, above)
             assert len(s.top_logprobs) == 4 and all(len(d) == 3 for d in s.top_logprobs)
             assert all(abs(d[tok] - lp) < 1e-6 for d, tok, lp in zip(s.top_logprobs, s.token_ids, s.logprobs) if tok in d)
+
+
+def test_on_tokens_reports_every_step_of_every_sample_until_it_stops(hf):
+    """`on_tokens(i, j, ids so far)` (the agent server's live stream): called once per new token of sample j of prompt
+    i, growing by one each time, never after its stop token; its last report is the returned sample."""
+    engine, _, prompts = hf
+    heard = {}
+
+    def on_tokens(i, j, ids):
+        before = heard.setdefault((i, j), [])
+        assert ids[:-1] == (before[-1] if before else []) and len(ids) == len(before) + 1
+        before.append(list(ids))
+
+    groups = engine.generate(prompts, n=2, max_new_tokens=12, temperature=1.0, seed=4, on_tokens=on_tokens)
+    plain = engine.generate(prompts, n=2, max_new_tokens=12, temperature=1.0, seed=4)
+    assert [[s.token_ids for s in g] for g in groups] == [[s.token_ids for s in g] for g in plain]  # same samples
+    for i, g in enumerate(groups):
+        for j, s in enumerate(g):
+            assert heard[(i, j)][-1] == s.token_ids
+    assert any(s.finish_reason == "stop" for g in groups for s in g)  # some sample stopped early (and was not heard after)

@@ -337,6 +337,79 @@ def test_a_streamed_answer_is_the_same_recorded_call_in_chunks(chat_tok):
     assert sum((p["logprobs"]["token_logprobs"] for p in pieces), []) == c_raw.logprobs
 
 
+@pytest.fixture(scope="module")
+def chat_engines(chat_dir, one_thread):
+    yield from in_process_engines(chat_dir, "float32")
+
+
+def test_a_stream_goes_out_as_the_engine_generates_and_is_the_whole_answer(chat_engines, chat_tok):
+    """A streamed chat answer of 64 tokens from the in-process vLLM engine on tiny-chat, read by the official client:
+    its first content arrives within 20 % of the whole answer's time (the engine reports every step; the stream was
+    whole before its first event), and the pieces join to the answer the same request gets without `stream` (same
+    seed: the same text and token ids)."""
+    server = serve(chat_engines, chat_tok, max_new_tokens=64)
+    client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+    ask = {"model": "chat", "messages": [{"role": "user", "content": "Tell me a story."}], "max_tokens": 64}
+
+    async def streamed(seed: int) -> tuple[float, float, str, list[int]]:
+        t0, first, text, ids = time.perf_counter(), None, "", []
+        async for chunk in await client.chat.completions.create(**ask, seed=seed, stream=True):
+            for c in chunk.choices:
+                if c.delta.content and first is None:
+                    first = time.perf_counter() - t0
+                text += c.delta.content or ""
+                ids += c.model_extra.get("token_ids") or []
+        return first, time.perf_counter() - t0, text, ids
+
+    async def run():
+        for seed in range(20):  # the random model may end early: a seed whose answer runs to the limit
+            whole = await client.chat.completions.create(**ask, seed=seed)
+            if len(whole.choices[0].model_extra["token_ids"]) == 64:
+                break
+        return whole, seed, [await streamed(seed) for _ in range(3)]
+
+    try:
+        whole, seed, runs = asyncio.run(run())
+    finally:
+        server.close()
+    assert len(whole.choices[0].model_extra["token_ids"]) == 64, seed
+    for _, _, text, ids in runs:
+        assert text == whole.choices[0].message.content and ids == whole.choices[0].model_extra["token_ids"]
+    ratios = sorted(first / total for first, total, _, _ in runs)
+    print(f"\nfirst content / whole answer (s): {[(round(f, 3), round(t, 3)) for f, t, _, _ in runs]}")
+    assert ratios[1] <= 0.2, runs  # the median of three
+
+
+def test_a_live_stream_the_engine_fails_on_before_any_token_is_answered_500(chat_tok):
+    """A streamed request that goes out as it is generated (no tools, stops or log-probs) waits for the engine's
+    first news before it answers: a failure then is a 500 with the engine's error, as for a plain request, not a
+    stream that breaks off; the next request is served."""
+    calls = []
+
+    class FailsOnce:
+        def generate(self, prompts, n=1, max_new_tokens=8, temperature=1.0, top_p=1.0, seed=None):
+            calls.append(len(prompts))
+            if len(calls) == 1:
+                raise RuntimeError("the engine broke")
+            return [[Sample([5, 6], [-0.1, -0.2], "length", True)] for _ in prompts]
+
+    server = serve(FailsOnce(), chat_tok)
+    ask = {"model": "chat", "messages": [{"role": "user", "content": "hi"}], "stream": True}
+
+    async def run():
+        client = openai.AsyncOpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0)
+        with pytest.raises(openai.InternalServerError, match="the engine broke"):
+            await client.chat.completions.create(**ask)
+        return [c async for c in await client.chat.completions.create(**ask)]
+
+    try:
+        chunks = asyncio.run(run())
+    finally:
+        server.close()
+    assert sum((c.choices[0].model_extra.get("token_ids") or [] for c in chunks if c.choices), []) == [5, 6]
+    assert chunks[-1].choices[0].finish_reason == "length"
+
+
 # --------------------------------------------------------------------------------------------------------- n
 def test_n_choices_are_calls_and_the_one_the_agent_continues_is_trained(chat_tok):
     """n=3: three recorded calls on one prompt with seeds seed + 7919·k; the agent continues choice 2 (sends its
