@@ -143,6 +143,51 @@ def run_trl(steps: int, warmup: int, out: Path, model: str = "cleanrlhf/tiny-sft
             "threads": torch.get_num_threads()}  # fmt: skip
 
 
+def linear_shapes(config) -> list[tuple[int, int]]:
+    """(in, out) of every linear a token goes through in one decoder layer of a Qwen2/Llama-style config, then the LM
+    head's (hidden, vocab) as the last entry."""
+    h, inter = config.hidden_size, config.intermediate_size
+    kv = config.num_key_value_heads * (h // config.num_attention_heads)
+    return [(h, h), (h, kv), (h, kv), (h, h), (h, inter), (h, inter), (inter, h), (h, config.vocab_size)]
+
+
+def train_flops(model: str, tokens: float, seq_len: float) -> float:
+    """Model FLOPs of one training pass (forward + backward = 3 forwards) over `tokens` tokens in sequences of about
+    `seq_len`: 2·in·out per token per linear, the causal attention's QKᵀ and AV (2 · 2 · hidden · seq_len / 2 per
+    token and layer). Counted on the real tokens only, so padding (TRL's) is not counted as work."""
+    from transformers import AutoConfig
+
+    from core import embedded
+
+    config = AutoConfig.from_pretrained(embedded.resolve_model(model))
+    *layer, head = linear_shapes(config)
+    per_token = config.num_hidden_layers * (sum(2 * i * o for i, o in layer) + 2 * config.hidden_size * seq_len)
+    return 3 * tokens * (per_token + 2 * head[0] * head[1])
+
+
+def matmul_rate(model: str, tokens: int, threads: int, dtype: str = "fp32", reps: int = 3) -> float:
+    """This CPU's measured FLOP/s on the model's own matmul shapes: one layer's linears forward, (tokens, in) @ (in,
+    out) each, with `threads` torch threads, best of `reps`. The bound a training phase's FLOP/s is read against."""
+    import torch
+    from transformers import AutoConfig
+
+    from core import embedded
+
+    torch.set_num_threads(threads)
+    dt = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    *layer, _ = linear_shapes(AutoConfig.from_pretrained(embedded.resolve_model(model)))
+    xs = {i: torch.randn(tokens, i, dtype=dt) for i in {i for i, _ in layer}}
+    ws = [torch.randn(i, o, dtype=dt) for i, o in layer]
+    flops = sum(2 * tokens * w.shape[0] * w.shape[1] for w in ws)
+    best = float("inf")
+    for _ in range(reps + 1):  # the first pass warms the allocator and the kernels up
+        t0 = time.perf_counter()
+        for w in ws:
+            torch.mm(xs[w.shape[0]], w)
+        best = min(best, time.perf_counter() - t0)
+    return flops / best
+
+
 def main() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--steps", type=int, default=10)
@@ -203,6 +248,26 @@ def main() -> None:
         # A step is never shorter than its training phase, even with generation and sync free or fully overlapped
         print("ceiling with free generation and sync (TRL's step over our training alone): "
               + ", ".join(f"{s} {trl / r['train_s']:.2f}x" for s, r in res.items() if s != "trl"))  # fmt: skip
+        print("training phase vs TRL's: " + ", ".join(f"{s} {res['trl']['train_s'] / r['train_s']:.2f}x"
+                                                      for s, r in res.items() if s != "trl"))  # fmt: skip
+    # The training phase's bound: its model FLOPs over this CPU's own matmul rate at the model's shapes
+    if a.device == "cpu":
+        from transformers import AutoTokenizer
+
+        from core import embedded
+
+        tokenizer = AutoTokenizer.from_pretrained(embedded.resolve_model(model))
+        rows = [json.loads(line) for line in open(Path(embedded.resolve_data("cleanrlhf/add2")) / "train.jsonl")]
+        prompt = sum(len(tokenizer(r["prompt"])["input_ids"]) for r in rows[:512]) / len(rows[:512])
+        seq, n = prompt + TOKENS, PROMPTS * GROUP
+        flops = train_flops(model, n * seq, seq)
+        rate = matmul_rate(model, int(n * seq), a.threads, dtype)
+        print(f"training FLOPs per step {flops / 1e12:.2f} T ({n} sequences of ~{seq:.0f} tokens, forward + backward); "
+              f"torch.mm at the model's shapes on {a.threads} threads: {rate / 1e9:.1f} GFLOP/s, so the training phase "
+              f"takes at least {flops / rate:.2f} s")  # fmt: skip
+        print("training phase FLOP/s, fraction of the matmul rate: " + ", ".join(
+            f"{NAMES[s]} {flops / r['train_s'] / 1e9:.1f} GFLOP/s ({100 * flops / r['train_s'] / rate:.0f} %)"
+            for s, r in res.items()))  # fmt: skip
 
 
 if __name__ == "__main__":
