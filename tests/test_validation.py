@@ -379,17 +379,19 @@ def test_loaders_name_the_flag_they_are_given(tmp_path):
         models.load_tokenizer(missing, "--actor.model.name-or-path / --actor.model.tokenizer")
 
 
-@pytest.mark.parametrize("script", ["rm", "kto"])
-def test_the_preference_scripts_refuse_a_picture_column(script, tmp_path):
-    """rm/kto offer `--data.image-key` through the shared data section but read no pictures: refused by name (dpo.py
-    reads them, tests/test_vlm.py)."""
-    import importlib
+def test_kto_refuses_a_picture_column_and_rm_asks_for_a_vision_language_model(tmp_path):
+    """kto.py offers `--data.image-key` through the shared data section but reads no pictures: refused by name (dpo.py
+    and rm.py read them, tests/test_vlm.py). rm.py with pictures on a text model: refused naming the model."""
+    from algos import kto, rm
 
-    mod = importlib.import_module(f"algos.{script}")
-    args = mod.Args(run_dir=str(tmp_path / "run"))
+    args = kto.Args(run_dir=str(tmp_path / "kto"))
     args.data.image_key = "image"
-    with pytest.raises(ValueError, match=rf"--data.image-key 'image': {script}.py reads no pictures"):
-        mod.main(args)
+    with pytest.raises(ValueError, match=r"--data.image-key 'image': kto.py reads no pictures"):
+        kto.main(args)
+    args = rm.Args(run_dir=str(tmp_path / "rm"))
+    args.data.image_key = "image"
+    with pytest.raises(ValueError, match=r"--data.image-key needs a vision-language model .*'cleanrlhf/tiny-sft'"):
+        rm.main(args)
 
 
 # ------------------------------------------------------------------------------------------ one name per idea
