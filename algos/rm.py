@@ -160,7 +160,7 @@ def pair_scores(model, pairs: list[dict], device, share_prompt: bool = False) ->
         batch = picture_batch(seqs, [p["pictures"] for p in pairs] * 2, device)
         values = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
                        **vision.model_kwargs(batch))  # (2P, L): models.TokenValues  # fmt: skip
-        r = values.gather(1, (batch["attention_mask"].sum(-1) - 1).unsqueeze(1)).squeeze(1)
+        r = models.at_last_token(values, batch["attention_mask"])
         return r[: len(pairs)], r[len(pairs) :]
     if not share_prompt:
         r = packed_scores(model, [p["chosen"] for p in pairs] + [p["rejected"] for p in pairs], device)
@@ -197,8 +197,7 @@ def padded_scores(model, seqs: list[list[int]], pad_id: int, device, pictures: l
     `pictures`: each sequence's pictures (`with_pictures`), given to the forward."""
     if pictures is not None:
         batch = picture_batch(seqs, pictures, device)
-        values = models.token_values(model, batch["input_ids"], batch["attention_mask"], **vision.model_kwargs(batch))
-        return values.gather(1, (batch["attention_mask"].sum(-1) - 1).unsqueeze(1)).squeeze(1)
+        return models.sequence_scores(model, batch["input_ids"], batch["attention_mask"], **vision.model_kwargs(batch))
     width = max(len(s) for s in seqs)
     ids = torch.tensor([s + [pad_id] * (width - len(s)) for s in seqs], device=device)
     attn = torch.tensor([[1] * len(s) + [0] * (width - len(s)) for s in seqs], device=device)

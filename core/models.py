@@ -388,11 +388,15 @@ class TokenValues(torch.nn.Module):
         return token_values(self.model, input_ids, attention_mask=attention_mask, position_ids=position_ids, **kwargs)
 
 
-def sequence_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-    """Reward of each right-padded sequence (B,): the scalar head at its last non-pad token."""
-    values = token_values(model, input_ids, attention_mask=attention_mask)
-    last = attention_mask.long().sum(-1) - 1
-    return values.gather(1, last.unsqueeze(1)).squeeze(1)
+def at_last_token(values: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """(B,): per-token values (B, T) of right-padded rows read at each row's last non-pad token."""
+    return values.gather(1, (attention_mask.long().sum(-1) - 1).unsqueeze(1)).squeeze(1)
+
+
+def sequence_scores(model, input_ids: torch.Tensor, attention_mask: torch.Tensor, **kwargs) -> torch.Tensor:
+    """Reward of each right-padded sequence (B,): the scalar head at its last non-pad token. `kwargs` go to the
+    forward (a vision-language model's pictures, `core.vision.model_kwargs`)."""
+    return at_last_token(token_values(model, input_ids, attention_mask=attention_mask, **kwargs), attention_mask)
 
 
 @torch.no_grad()

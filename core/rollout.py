@@ -714,8 +714,9 @@ class VLLMEngine:
         try:
             for i, (prompt, p) in enumerate(zip(prompts, params)):
                 p.output_kind = RequestOutputKind.CUMULATIVE
-                rid = f"stepped-{uuid.uuid4().hex}"  # outputs carry this id; vLLM's internal one gets a suffix
-                index[rid] = index[engine.add_request(rid, prompt, p, lora_request=self.lora)] = i
+                rid = f"stepped-{uuid.uuid4().hex}"  # outputs and aborts use this id (vLLM's internal one differs)
+                engine.add_request(rid, prompt, p, lora_request=self.lora)
+                index[rid] = i
             while len(finished) < len(prompts):
                 if not engine.has_unfinished_requests():
                     raise RuntimeError(f"{self.name}: the engine finished {len(finished)} of {len(prompts)} requests")
@@ -730,7 +731,7 @@ class VLLMEngine:
                     if out.finished:
                         finished[i] = out
         except BaseException:
-            running = [r for r, i in index.items() if i not in finished and r.startswith("stepped-")]
+            running = [r for r, i in index.items() if i not in finished]
             if running:
                 engine.abort_request(running)
             raise
