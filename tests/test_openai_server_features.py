@@ -337,8 +337,9 @@ def test_a_streamed_answer_is_the_same_recorded_call_in_chunks(chat_tok):
     assert sum((p["logprobs"]["token_logprobs"] for p in pieces), []) == c_raw.logprobs
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture
 def chat_engines(chat_dir, one_thread):
+    """Its own in-process vLLM engine, shut down after the test (the module's later tests do not need it)."""
     yield from in_process_engines(chat_dir, "float32")
 
 
