@@ -417,11 +417,15 @@ def make_engine(model, ds: DSConfig, lr: float, total_steps: int, warmup_steps: 
             if tp_size(engine) > 1:  # the shards of a TP group make one gradient: one norm for the group
                 engine._global_grad_norm = _tp_clip_and_keep_norm(engine, ds.grad_clip or math.inf)
                 return
-            engine._global_grad_norm = torch.nn.utils.clip_grad_norm_(
-                engine.module.parameters(), ds.grad_clip or math.inf
-            )
+            # the norm `optimizer_step` computed for its NaN/inf check, else computed here (one pass either way)
+            norm, engine.cleanrlhf_norm = engine.cleanrlhf_norm, None
+            if norm is None:
+                norm = torch.nn.utils.get_total_norm([p.grad for p in engine.module.parameters() if p.grad is not None])
+            torch.nn.utils.clip_grads_with_norm_(engine.module.parameters(), ds.grad_clip or math.inf, norm)
+            engine._global_grad_norm = norm
 
         engine.clip_fp32_gradients = clip_and_keep_norm
+        engine.cleanrlhf_norm = None  # set by `optimizer_step`, taken by the clip of the `engine.step()` it calls
         if not dist.is_initialized() or dist.get_world_size() == 1:
             engine.enable_backward_allreduce = False  # a world of one: its "all-reduce" only flattens and copies back
     if ds.compile or ds.deepcompile:  # DeepCompile's passes are installed by the same engine.compile()
@@ -607,13 +611,21 @@ def optimizer_step(engine, step: int, name: str = "model") -> float:
     actor, critic) and `step`, before the optimizer touches the weights. Call after the last backward of the step, on
     every rank (collective). Returns DeepSpeed's gradient norm of the step (0.0 where it keeps none)."""
     grads, _ = _local_grads(engine)
-    bad = torch.zeros((), dtype=torch.float64)
-    for g in grads:  # a NaN/inf element anywhere makes the norm non-finite; no arithmetic on the gradients needed
-        if not bool(torch.isfinite(g.detach()).all()):
-            bad += 1
+    # One read of the gradients (they are the size of the model): a stage-0 fp32 engine's clip norm, computed here and
+    # handed to its clip (`make_engine`), else each tensor's largest |element|. Either is NaN/inf when an element is.
+    clips_here = hasattr(engine, "cleanrlhf_norm") and tp_size(engine) == 1
+    if clips_here:
+        norm = torch.nn.utils.get_total_norm([g.detach() for g in grads])
+        bad = float(not bool(torch.isfinite(norm)))
+    else:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        peaks = [torch.linalg.vector_norm(g.detach(), float("inf")).float().to(device) for g in grads]
+        bad = float(bool(peaks) and not bool(torch.isfinite(torch.stack(peaks)).all()))
     if all_reduce(bad) > 0:
-        raise FloatingPointError(f"non-finite gradient of the {name} at step {step} (a NaN or inf element, so the "
-                                 f"gradient norm is too): stopped before the optimizer step, weights untouched")  # fmt: skip
+        raise FloatingPointError(f"non-finite gradient of the {name} at step {step} (a NaN or inf element, or a norm "
+                                 f"past the float range): stopped before the optimizer step, weights untouched")  # fmt: skip
+    if clips_here:
+        engine.cleanrlhf_norm = norm
     engine.step()
     ema_update(engine)  # `--actor.ema-beta`: the moving average follows every optimizer step
     return float(engine.get_global_grad_norm() or 0.0)

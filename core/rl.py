@@ -564,21 +564,32 @@ def rows(batch: dict, r: list[int]) -> dict:
             for k, v in batch.items()}  # fmt: skip
 
 
+FULL_TABLE = 0.01
+"""`model_inputs` forwards a (b, L) table as it is when at most this share of it is padding. sdpa's attention per
+token grows with the row's width: at the Qwen2-0.5B shape on CPU (2026-11-29), 32 rows of 74 tokens cost 75 ms of
+attention per layer (forward and backward), the same tokens packed two to a 148-token row 101 ms, where the layer's
+linears take ~2.1 s: packing costs ~1.2 % of a step more in attention, and pays off once it drops over ~1 % of the
+table (each padding token costs a whole token's linears)."""
+
+
 def model_inputs(model, batch: dict) -> tuple[dict, torch.Tensor]:
     """The forward inputs for a (b, L) table of `sequences`, and `index` (b, L): where token (b, t)'s output lands
     in the forward's flattened (R · W) output, −1 at padding. Packed (default): the real tokens only, in rows
     (core.packing.pack_padded) of twice the longest sequence for sdpa/eager attention (whose block-diagonal mask
     costs O(row length²)), one row for flash-attention's varlen kernels and FlexAttention's block mask
-    (`models.packs_in_one_row`). Unpacked: the padded table itself."""
+    (`models.packs_in_one_row`). Unpacked: the padded table itself, also for sdpa/eager when under `FULL_TABLE` of
+    it is padding (packing would save no more tokens than its twice-as-wide rows cost in attention)."""
     lengths = batch["attention_mask"].sum(1).tolist()
-    if not batch.get("packed", True) or batch.get("pixel_values") is not None:  # pictures: multimodal RoPE, padded
+    config = getattr(getattr(model, "module", model), "config", None)
+    one_row = models.packs_in_one_row(str(getattr(config, "_attn_implementation", "")))
+    full = not one_row and sum(lengths) >= (1 - FULL_TABLE) * batch["input_ids"].numel() and (
+        sequence_parallel.sp_group(model) is None)  # fmt: skip
+    if not batch.get("packed", True) or batch.get("pixel_values") is not None or full:  # pictures: multimodal RoPE
         width = batch["input_ids"].shape[1]
         index = torch.arange(batch["input_ids"].numel(), device=batch["input_ids"].device).view(-1, width)
         index = index.masked_fill(batch["attention_mask"] == 0, -1)
         inputs = {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]}
         return {**inputs, **vision.model_kwargs(batch)}, index
-    config = getattr(getattr(model, "module", model), "config", None)
-    one_row = models.packs_in_one_row(str(getattr(config, "_attn_implementation", "")))
     packed = packing.pack_padded(batch["input_ids"], lengths, None if one_row else 2 * max(lengths))
     return {"input_ids": packed["input_ids"], "position_ids": packed["position_ids"]}, packed["index"]
 
@@ -594,9 +605,9 @@ def previous_token(y: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
 
 def forward_logp(model, batch: dict, temperature: float, entropy: bool = False):
     """Per-token log-probs (b, L) of a (b, L) table (position t: log p(x_t | x_<t) where the loss mask is set, 0
-    elsewhere), and optionally entropies. The forward sees the packed real tokens (`model_inputs`), and only the
-    target positions go through the LM head, a chunk of tokens at a time (`models.causal_logprobs`): the full
-    (tokens, vocab) logits are never held."""
+    elsewhere), and optionally entropies. The forward sees the packed real tokens (`model_inputs`; a table with almost
+    no padding as it is), and only the target positions go through the LM head, a chunk of tokens at a time
+    (`models.causal_logprobs`): the full (tokens, vocab) logits are never held."""
     inputs, index = model_inputs(model, batch)
     b, t = batch["loss_mask"].nonzero(as_tuple=True)  # the targets; t ≥ 1 (a prompt token is never one)
     # --train.sp-size N: this rank forwards 1/N of the tokens; the log-probs come back whole on every rank of its group

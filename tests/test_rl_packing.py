@@ -122,6 +122,38 @@ def test_packed_equals_padded_logprobs_loss_and_gradients(policy, tokenizer, scr
     assert all(g0[n].abs().sum() > 0 for n in g0)  # every parameter takes part
 
 
+def test_a_table_without_padding_is_forwarded_as_it_is_and_gives_what_packing_gives(policy, tokenizer, monkeypatch):
+    """Equal-length rows (a rollout forced to its token budget): no padding for packing to drop, so `model_inputs`
+    forwards the table itself (packing would only double the rows' width); log-probs, entropies and gradients equal
+    the packed forward's. One padding token in 200 is still under `rl.FULL_TABLE` (1 %); three are not."""
+    rng = random.Random(3)
+    episodes = [Episode({}, [rng.randrange(3, len(tokenizer)) for _ in range(6)],
+                        [rng.randrange(3, len(tokenizer)) for _ in range(34)], [-2.0] * 34, [1] * 34, False)
+                for _ in range(5)]  # fmt: skip
+    seqs = rl.sequences(episodes, tokenizer.pad_token_id, torch.device("cpu"), True)
+    inputs, _ = rl.model_inputs(policy, seqs)
+    assert "attention_mask" in inputs and "position_ids" not in inputs and inputs["input_ids"].shape == (5, 40)
+    out = {}
+    for threshold in (rl.FULL_TABLE, -1.0):  # -1: never "full", always packed
+        monkeypatch.setattr(rl, "FULL_TABLE", threshold)
+        policy.zero_grad()
+        logp, ent = rl.forward_logp(policy, seqs, temperature=0.7, entropy=True)
+        (-(logp * seqs["loss_mask"]).sum() + ent.sum()).backward()
+        out[threshold] = logp.detach(), ent.detach(), {n: p.grad.clone() for n, p in policy.named_parameters()}
+    (lp0, e0, g0), (lp1, e1, g1) = out.values()
+    assert (lp0 != 0).sum() == 5 * 34
+    torch.testing.assert_close(lp0, lp1, rtol=0, atol=1e-5)
+    torch.testing.assert_close(e0, e1, rtol=0, atol=1e-5)
+    for n in g0:
+        torch.testing.assert_close(g0[n], g1[n], rtol=1e-5, atol=1e-5, msg=n)
+    monkeypatch.undo()
+    shorter = [*episodes[:4], Episode({}, episodes[4].prompt_ids, episodes[4].token_ids[:-1], [-2.0] * 33, [1] * 33,
+                                      False)]  # fmt: skip
+    assert "attention_mask" in rl.model_inputs(policy, rl.sequences(shorter, 0, torch.device("cpu"), True))[0]
+    shorter[3] = Episode({}, episodes[3].prompt_ids, episodes[3].token_ids[:-2], [-2.0] * 32, [1] * 32, False)
+    assert "position_ids" in rl.model_inputs(policy, rl.sequences(shorter, 0, torch.device("cpu"), True))[0]
+
+
 def test_log_probs_equal_the_full_logits_path(policy, tokenizer):
     """The chunked head on the target positions against the model's own logits, log-softmaxed whole."""
     seqs = rl.sequences(mixed_rollout(len(tokenizer), seed=1), tokenizer.pad_token_id, torch.device("cpu"), False)
