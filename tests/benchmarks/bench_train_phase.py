@@ -9,10 +9,11 @@ of 10 prompt + 64 response tokens (random ids, fp32, loss = −mean log-prob of 
 AdamW), one untimed warm-up step then `--steps` timed ones:
 - `plain`: what TRL's `Trainer` step does with this model: a padded forward, the full logits, log-softmax, backward,
   `clip_grad_norm_`, torch's fused AdamW.
-- `packed`: the same model and optimizer through grpo.py's forward (`core.rl.forward_logp`: packed rows, the chunked
-  log-prob head).
+- `packed`: the same model and optimizer through grpo.py's forward (`core.rl.forward_logp`) made to pack the rows
+  (two samples to a row, the chunked log-prob head), as it does for a table with padding to drop.
 - `ours`: grpo.py's training phase: the DeepSpeed engine (`core.engine.make_engine`, ZeRO-0 with one process),
-  `core.rl.forward_logp`, `core.rl.backward`, `core.engine.optimizer_step`.
+  `core.rl.forward_logp` (this table has no padding: forwarded as it is, `core.rl.FULL_TABLE`), `core.rl.backward`,
+  `core.engine.optimizer_step`.
 The bound: the step's model FLOPs (bench_grpo.py's `train_flops`: forward + backward of every linear and the
 attention) over torch.mm's rate on the model's own matmul shapes with the same threads (`matmul_rate`).
 """
@@ -48,6 +49,8 @@ def run_side(side: str, model_path: str, steps: int) -> list[float]:
     mask[:, PROMPT:] = True
     batch = {"input_ids": ids, "attention_mask": attn, "loss_mask": mask, "packed": True}
     model = models.load_causal_lm(ModelConfig(name_or_path=model_path, dtype="fp32")).train()
+    if side == "packed":
+        rl.FULL_TABLE = -1.0  # pack even a table without padding
     if side == "ours":
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(ds_engine.free_port()), RANK="0", WORLD_SIZE="1",
                           LOCAL_RANK="0")  # fmt: skip
