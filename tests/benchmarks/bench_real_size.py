@@ -13,7 +13,7 @@ process (sampled every 0.2 s over the whole run, every process started after the
 out). Run:
 
     .venv/bin/python tests/benchmarks/bench_real_size.py                 # ~10 min on 2 CPU cores
-    .venv/bin/python tests/benchmarks/bench_real_size.py --layers 4      # what tests/test_real_size.py runs
+    .venv/bin/python tests/benchmarks/bench_real_size.py --layers 2      # what tests/test_real_size.py runs
 """
 
 from __future__ import annotations
