@@ -107,9 +107,9 @@ def init_ray(cfg: RayConfig, **ray_init_kwargs) -> dict[str, float]:
         # under /tmp/ray names, which a cluster stopped by a signal leaves behind (and which may be another job's).
         address = cfg.address or os.environ.get("RAY_ADDRESS") or "local"
         kwargs: dict[str, Any] = {"address": address, "include_dashboard": False}
-        if address == "local" and cfg.num_cpus is not None:
-            kwargs["num_cpus"] = cfg.num_cpus
         if address == "local":
+            if cfg.num_cpus is not None:
+                kwargs["num_cpus"] = cfg.num_cpus
             # Ray prestarts idle Python workers for the first driver; every actor here runs with a runtime_env of its
             # own (thread counts), which an idle worker started without it cannot take, so they only cost a start
             # each (~0.9 CPU-s apiece, two on a 2-core machine).

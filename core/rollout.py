@@ -579,6 +579,8 @@ def release_dropped_engines() -> int:
         return 0
     gc.collect()
     cores, _DROPPED_CORES[:] = list(_DROPPED_CORES), []
+    if not cores:  # the open engines are all still referenced: nothing to shut down, the heap stays as it is
+        return 0
     with _one_collection_for_the_shutdown():
         for core in cores:
             try:
