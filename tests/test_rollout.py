@@ -180,6 +180,47 @@ def _strip_eos(ids: list[int], eos: int) -> list[int]:
     return ids[: ids.index(eos)] if eos in ids else ids
 
 
+def test_cpu_kv_cache_default_holds_a_full_batch_of_full_length_sequences(tmp_path):
+    """Per token the cache holds keys and values of every layer: 2 · layers · kv_heads/tp · head_dim · bytes. The
+    embedded model (4 layers, 4 KV heads of 32, 512 positions): 4 KiB a token in fp32, 256 sequences of 512 tokens =
+    512 MiB; bf16 and 2 tensor-parallel workers halve it; a shorter --vllm.max-model-len shrinks it; past 1 GiB, or
+    for a config without the fields, 1 GiB."""
+    import json
+
+    def config(**kw):
+        folder = tmp_path / str(len(list(tmp_path.iterdir())))
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps(kw))
+        return str(folder)
+
+    tiny = config(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, hidden_size=128,
+                  max_position_embeddings=512)  # fmt: skip
+    assert rollout.cpu_kv_cache_bytes(tiny, "float32") == 2 * 4 * 4 * 32 * 4 * 256 * 512 == 512 * 2**20
+    assert rollout.cpu_kv_cache_bytes(tiny, "bfloat16") == rollout.cpu_kv_cache_bytes(tiny, "float32", tp=2) == 2**28
+    assert rollout.cpu_kv_cache_bytes(tiny, "float32", max_model_len=64) == 64 * 2**20
+    # grouped-query attention with an explicit head_dim, a vision-language model's decoder under text_config
+    gqa = config(text_config=dict(num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, head_dim=16,
+                                  hidden_size=64, max_position_embeddings=256))  # fmt: skip
+    assert rollout.cpu_kv_cache_bytes(gqa, "float32") == 2 * 2 * 2 * 16 * 4 * 256 * 256
+    big = config(num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, hidden_size=896,
+                 max_position_embeddings=32768)  # fmt: skip
+    assert rollout.cpu_kv_cache_bytes(big, "bfloat16") == rollout.CPU_KV_CACHE_CAP == 2**30
+    assert rollout.cpu_kv_cache_bytes(config(model_type="mamba"), "float32") == 2**30
+    assert rollout.cpu_kv_cache_bytes(str(tmp_path / "missing"), "float32") == 2**30
+
+
+def test_an_engine_without_kv_cache_gib_gets_the_default_blocks(base_dir):
+    """What vLLM allocated for an engine built without --vllm.kv-cache-gib: the default's bytes, in 128-token blocks of
+    4 KiB a token (the embedded model in fp32): 512 MiB, 1024 blocks."""
+    engines = rollout.create_engines(base_dir, rollout.VLLMConfig(in_process=True, dtype="float32", timeout_s=120))
+    try:
+        cache = engines.engines[0].llm.llm_engine.vllm_config.cache_config
+        assert cache.kv_cache_memory_bytes == rollout.cpu_kv_cache_bytes(base_dir, "float32") == 512 * 2**20
+        assert cache.num_gpu_blocks * cache.block_size * 4096 == 512 * 2**20
+    finally:
+        engines.shutdown()
+
+
 def test_an_engine_dropped_unclosed_leaves_the_world_alone_until_the_next_script_starts(base_dir):
     """vLLM shuts an in-process engine down when the garbage collector reaches it, destroying torch.distributed's
     world whoever made it: an agent-file run's engine, held by a reference cycle, was collected inside the next run's
