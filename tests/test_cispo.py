@@ -51,8 +51,8 @@ def test_a_lower_bound_truncates_small_ratios_and_ratio_one_is_the_policy_gradie
 
 @pytest.mark.slow
 def test_cispo_raises_eval_pass_at_1_from_the_warm_start(tmp_path):
-    """20 steps of the real loop (DeepSpeed actor, in-process vLLM, weight sync and --debug every step) learn."""
+    """12 steps of the real loop (DeepSpeed actor, in-process vLLM, weight sync and --debug every step) learn."""
     summary, rows = short_rl_run(main, Args(), tmp_path / "run")
     assert summary["eval_pass@1_last"] >= summary["eval_pass@1_first"] + 0.1, summary
-    # at the default lr (1e-4) later minibatches' weights move but stay under the cap of 5 in 20 steps; never all capped
+    # at the default lr (1e-4) later minibatches' weights move but stay under the cap of 5 in 12 steps; never all capped
     assert max(r.get("loss/clipfrac", 0) for r in rows) < 1

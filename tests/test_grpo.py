@@ -114,7 +114,7 @@ def test_grpo_raises_eval_pass_at_1_from_the_warm_start(tmp_path):
     """A short run of the real loop (DeepSpeed actor + in-process vLLM + weight sync every step) learns."""
     from algos.grpo import main
 
-    summary, _ = short_rl_run(main, Args(), tmp_path / "run")
+    summary, _ = short_rl_run(main, Args(), tmp_path / "run", steps=16)  # measured 0.480 -> 0.752
     assert summary["eval_pass@1_last"] >= summary["eval_pass@1_first"] + 0.1, summary
     assert (tmp_path / "run" / "learning_curve.png").stat().st_size > 1000
     assert (tmp_path / "run" / "hf" / "config.json").exists()

@@ -134,14 +134,14 @@ def test_lag_zero_trains_exactly_like_grpo(tmp_path, one_thread):
 
 @pytest.mark.slow
 def test_async_grpo_raises_eval_pass_at_1_from_the_warm_start(tmp_path, one_thread):
-    """30 steps of the defaults (lag 1, truncated IS) with `--debug` (engine log-probs == trainer log-probs after
-    every sync): the first step is fresh, every later one one update old, and eval pass@1 rises. (20 steps were not
-    enough from every machine's warm start: 0.522 -> 0.584 from the one an AMX Xeon builds.)"""
+    """18 steps of the defaults (lag 1, truncated IS) with `--debug` (engine log-probs == trainer log-probs after
+    every sync): the first step is fresh, every later one one update old, and eval pass@1 rises (measured 0.480 ->
+    0.706 on 2026-11-30 from the pinned warm start, conftest.py; the test asks for +0.1)."""
     from algos.grpo_async import main
 
-    summary, rows = short_rl_run(main, Args(), tmp_path / "run", steps=30)
+    summary, rows = short_rl_run(main, Args(), tmp_path / "run", steps=18)
     trained = [r for r in rows if "loss/policy" in r]
-    assert [r["rollout/lag"] for r in trained] == [0] + [1] * 29
+    assert [r["rollout/lag"] for r in trained] == [0] + [1] * 17
     assert all(0.5 < r["loss/is_weight"] < 2.0 for r in trained)
     assert summary["eval_pass@1_last"] >= summary["eval_pass@1_first"] + 0.1, summary
     assert (tmp_path / "run" / "hf" / "config.json").exists()

@@ -103,16 +103,17 @@ def test_help_lists_the_teacher_and_algo_flags():
 
 @pytest.mark.slow
 def test_opd_raises_eval_pass_at_1_from_the_warm_start(tmp_path):
-    """20 steps of distillation from the GRPO teacher (pure: λ = 0, the task reward only logged) with `--debug`: the
-    student's greedy pass@1 rises by 0.1 or more from the 0.48 warm start, and the reverse KL to the teacher falls."""
-    summary, rows = short_rl_run(main, Args(), tmp_path / "run", steps=20)
+    """12 steps of distillation from the GRPO teacher (pure: λ = 0, the task reward only logged) with `--debug`: the
+    student's greedy pass@1 rises by 0.1 or more from the 0.48 warm start (measured 0.832 on 2026-11-30), and the
+    reverse KL to the teacher falls."""
+    summary, rows = short_rl_run(main, Args(), tmp_path / "run", steps=12)
     assert summary["eval_pass@1_last"] >= summary["eval_pass@1_first"] + 0.1, summary
     kl = [r["opd/reverse_kl"] for r in rows if "opd/reverse_kl" in r]
-    assert len(kl) == 20 and kl[0] > 0 and sum(kl[-5:]) / 5 < kl[0], kl
+    assert len(kl) == 12 and kl[0] > 0 and sum(kl[-5:]) / 5 < kl[0], kl
     # samples.jsonl shows each token's advantage as the teacher's log-prob minus the sampling policy's (the trainer's
     # log-prob over the ratio): the per-token columns line up with the tokens the loss saw
     traced = [json.loads(line) for line in open(tmp_path / "run" / "samples.jsonl") if '"kind": "train"' in line]
-    assert len(traced) == 20 * 8
+    assert len(traced) == 12 * 8
     for r in traced:
         t = r["tokens"]
         old = [lp - math.log(ratio) for lp, ratio in zip(t["trainer_logp"], t["ratio"])]

@@ -182,7 +182,7 @@ def test_reinforce_pp_raises_eval_pass_at_1_from_the_warm_start(tmp_path):
     summary, rows = short_rl_run(main, Args(), tmp_path / "run")
     assert summary["eval_pass@1_last"] >= summary["eval_pass@1_first"] + 0.1, summary
     kls = [row["loss/kl"] for row in rows if "loss/kl" in row]
-    assert len(kls) == 20, "the default kl_coef > 0 must load the reference model and log the KL every step"
+    assert len(kls) == 12, "the default kl_coef > 0 must load the reference model and log the KL every step"
     assert kls[0] == pytest.approx(0.0, abs=1e-4)  # the first rollout's policy is the reference
     assert all(math.isfinite(k) for k in kls) and max(abs(k) for k in kls[1:]) > 0
     assert (tmp_path / "run" / "hf" / "config.json").exists()

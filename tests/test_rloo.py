@@ -105,7 +105,7 @@ def test_help_lists_grouped_flags():
 @pytest.mark.slow
 def test_rloo_raises_eval_pass_at_1_from_the_warm_start(tmp_path):
     """A short run of the real loop (DeepSpeed actor + in-process vLLM + weight sync every step) learns."""
-    summary, rows = short_rl_run(main, Args(), tmp_path / "run", eval_k=4)  # the sampled pass@4 too, as by default
+    summary, rows = short_rl_run(main, Args(), tmp_path / "run", steps=16, eval_k=4)  # the sampled pass@4 too, as by default
     assert summary["eval_pass@1_last"] >= summary["eval_pass@1_first"] + 0.1, summary
     logged = set().union(*rows)
     for key in ("rollout/reward_mean", "rollout/kept_frac", "loss/policy", "loss/clipfrac", "train/grad_norm",

@@ -67,7 +67,7 @@ def test_bad_temperatures_are_refused(tmp_path):
 
 @pytest.mark.slow
 def test_sapo_raises_eval_pass_at_1_from_the_warm_start(tmp_path):
-    """20 steps of the real loop (DeepSpeed actor, in-process vLLM, weight sync and --debug every step) learn."""
+    """12 steps of the real loop (DeepSpeed actor, in-process vLLM, weight sync and --debug every step) learn."""
     summary, rows = short_rl_run(main, Args(), tmp_path / "run")
     assert summary["eval_pass@1_last"] >= summary["eval_pass@1_first"] + 0.1, summary
     # w(ρ) = 4σ(τ(ρ − 1))(1 − σ(τ(ρ − 1)))·ρ is 1 at ρ = 1, peaks at ≈ 1.575 near ρ = 2 for τ = 1 (less for τ = 1.05),
