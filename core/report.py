@@ -132,7 +132,7 @@ def curve_figures(rows: list[dict]) -> tuple[list[dict], dict | None, int]:
     """The named panels (one per `PANELS` entry the run logged, then the time split), one figure of small multiples
     holding every other numeric metric (None when there is none) and how many metrics that is. Figures are plotly's
     JSON (`data` traces and a `layout`), written without building graph objects: a report of 7 figures took 0.46 s
-    that way and 0.01 s this way, at the end of every run."""
+    that way and 0.002 s this way, at the end of every run."""
     logged = sorted({k for r in rows for k, v in r.items() if k != "step" and _number(v)})
     used, figures = set(), []
     layout = dict(template=_template(), height=290, margin=dict(l=55, r=15, t=40, b=40),
