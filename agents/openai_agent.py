@@ -171,6 +171,32 @@ def _unawaited(file: Path) -> list[tuple[int, str]]:
 _EPISODE: contextvars.ContextVar[str | None] = contextvars.ContextVar("cleanrlhf_agent_episode", default=None)
 
 
+class _Steps:
+    """Awaits a coroutine a step at a time, and throws `CancelledError` into it at its next step once `gone()` says
+    its episode left this loop. Why: a task's next step may already be queued on a loop that is blocked (its awaited
+    result came in the same loop pass as the blocking agent's); when the loop runs again, that step runs before any
+    cancel posted meanwhile (`call_soon_threadsafe` queues behind it) and would resume an agent whose episode was
+    restarted elsewhere, or timed out. Only the first step after that is turned into the cancellation: what the
+    agent's `finally` awaits then runs as under `Task.cancel`."""
+
+    def __init__(self, coro, gone: Callable[[], bool]):
+        self.coro, self.gone = coro, gone
+
+    def __await__(self):
+        coro, value, error, thrown = self.coro, None, None, False
+        while True:
+            if not thrown and self.gone():
+                error, thrown = asyncio.CancelledError("the episode left this agent loop"), True
+            try:
+                step = coro.send(value) if error is None else coro.throw(error)
+            except StopIteration as end:
+                return end.value
+            try:
+                value, error = (yield step), None
+            except BaseException as e:  # what the task threw in (its cancel): handed to the coroutine as it is
+                value, error = None, e
+
+
 ISOLATE_AFTER_BLOCKS = 2  # agents that blocked the shared loop this often get a loop each from then on
 HTTP_CLIENT_EPISODES = 64  # episodes one kept HTTP pool serves before it is closed and a new one made
 
@@ -284,7 +310,8 @@ class _AgentLoop:
     holds it is given to that agent, and the other episodes on it start again elsewhere. A loop whose agent timed out
     is retired, never reused: its tasks are cancelled, the loop stops when they end, and if the thread still runs a
     second later (the loop is blocked, so the cancel cannot run) `AgentAbandoned` is raised inside it
-    (`LoopWatch.abandon`)."""
+    (`LoopWatch.abandon`). An episode that left a loop (restarted elsewhere, timed out, its loop retired) runs none of
+    its agent's code there again, even a step that was queued before the loop was blocked (`_Steps`)."""
 
     def __init__(self, shared: bool = False):
         self.shared = shared
@@ -294,6 +321,8 @@ class _AgentLoop:
         self.futures: dict[str, asyncio.Future] = {}  # episode -> the executor loop's future of its outcome
         self.clients: list = []  # (httpx.AsyncClient, episodes served) kept for the next episodes on this loop
         self.uses: dict = {}  # the pools in use: episodes each served before
+        self.gone: set[str] = set()  # episodes that left this loop (restarted elsewhere, timed out): none of their
+        self.retired = False  # code runs here again (`_Steps`); a retired loop runs no agent's code again
         name = "agent-loop-shared" if shared else f"agent-loop-{id(self):x}"
         self.thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self.watch = LoopWatch(self.loop, self.thread)  # is an agent's synchronous code holding it; ending that code
@@ -315,8 +344,10 @@ class _AgentLoop:
     def _new_task(self, loop, coro, context=None):
         """Every task on this loop, tagged with the episode whose agent started it (so that it ends with the
         episode, and a task blocking the loop names its episode)."""
-        task = asyncio.Task(coro, loop=loop, context=context)
         episode = context.get(_EPISODE) if context is not None else _EPISODE.get()
+        if episode is not None:  # a task the agent started: it ends with its episode (`_Steps`)
+            coro = self._guarded(coro, episode)
+        task = asyncio.Task(coro, loop=loop, context=context)
         if episode is not None:
             self.owner[task] = episode
             task.add_done_callback(self._forget)
@@ -324,6 +355,10 @@ class _AgentLoop:
 
     def _forget(self, task: asyncio.Task) -> None:
         self.owner.pop(task, None)
+
+    async def _guarded(self, coro, episode: str):
+        """`coro` run so that none of it runs on this loop once `episode` left it (`_Steps`)."""
+        return await _Steps(coro, lambda: self.retired or episode in self.gone)
 
     def start(self, main: Callable, episode: str) -> asyncio.Future:
         """Run the coroutine `main()` on this loop as `episode`; returns a future of the calling (executor's) loop
@@ -337,11 +372,12 @@ class _AgentLoop:
             self.owner[me] = episode
             _EPISODE.set(episode)  # the tasks the agent starts inherit it
             try:
-                return await main()
+                return await self._guarded(main(), episode)
             finally:  # tasks the agent left running end with it, as `asyncio.run` would end them
                 self.owner.pop(me, None)
                 for task in [t for t, e in list(self.owner.items()) if e == episode]:
                     task.cancel()
+                self.gone.discard(episode)  # its tasks are cancelled now: a queued step of theirs runs no code
 
         def settle(f: concurrent.futures.Future) -> None:  # in this thread: hand the outcome to the executor's loop
             def put() -> None:
@@ -376,6 +412,7 @@ class _AgentLoop:
         and its tasks here are cancelled once the loop runs again. Returns the episodes restarted. Called from the
         executor's loop."""
         others = [e for e in list(self.futures) if e != episode]
+        self.gone.update(others)  # before the executor starts them again: their steps queued here do not run them
         for e in others:
             future = self.futures.pop(e)
             if not future.done():
@@ -392,6 +429,7 @@ class _AgentLoop:
     def cancel_episode(self, episode: str) -> None:
         """End one episode's tasks (timed out while it awaits: the loop itself runs) and leave the others alone."""
         self.futures.pop(episode, None)
+        self.gone.add(episode)
 
         def cancel() -> None:
             for task, e in list(self.owner.items()):
@@ -407,6 +445,8 @@ class _AgentLoop:
         """Cancel every task on the loop and stop it once they have ended; raise `AgentAbandoned` in the thread if it
         still runs after `grace_s` (`LoopWatch.abandon`): that ends Python code (a CPU loop) at once and a blocking
         call (`time.sleep`) when it returns; either way the episode is already over and its server URL answers 404."""
+
+        self.retired = True
 
         def cancel() -> None:  # on this loop, when it gets to run
             pending = [t for t in asyncio.all_tasks(self.loop) if not t.done()]

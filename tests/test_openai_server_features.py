@@ -22,7 +22,7 @@ import openai
 import pytest
 from conftest import in_process_engines
 
-from agents.openai_agent import OpenAIAgentExecutor, load_agent
+from agents.openai_agent import OpenAIAgentExecutor, _AgentLoop, _Restart, load_agent
 from agents.openai_server import (
     SEED_STRIDE,
     OpenAIServer,
@@ -667,14 +667,46 @@ def test_an_agent_that_blocks_its_event_loop_times_out_and_the_run_goes_on(sft_t
     assert [e.finish_reason for e in ro.episodes] == ["stop", "stop"] + ["agent_timeout"] * 4
     # the spinners' threads are stopped about a second after their timeout (on a loaded 2-core machine it took longer
     # than 5 s); the two sleepers wake only 30 s after they started, so waiting up to 20 s still sees them. What every
-    # agent thread left runs is read from its stack: no spinner's line, and the sleepers' line. (A sleeper may be seen
-    # twice: an episode restarted on a new loop can resume its agent's code on the loop it left, when that loop's
-    # step for it was ready before the cancel queued for it; about one run in four on 2026-11-30.)
+    # agent thread left runs is read from its stack: no spinner's line, and each sleeper's line once (an episode
+    # restarted elsewhere runs none of its code on the loop it left: the test above).
     deadline = time.monotonic() + 20
     while any(line in SPIN_LINES for line in agent_lines(path)) and time.monotonic() < deadline:
         time.sleep(0.1)
     lines = agent_lines(path)
-    assert lines.count(SLEEP_LINE) >= 2 and set(lines) == {SLEEP_LINE}, (lines, agent_threads())
+    assert lines == [SLEEP_LINE] * 2, (lines, agent_threads())
+
+
+def test_an_episode_restarted_elsewhere_runs_no_more_of_its_agent_on_the_loop_it_left():
+    """The shared loop is left to episode A, which blocks it, while B's next step is already queued on it (both awaited
+    one event; A's step came first and blocks). B restarts elsewhere (`_Restart`), so once A lets the loop go, B's
+    queued step must not run B's code there: it gets `CancelledError` at its `await` instead."""
+    ran: list[str] = []
+
+    async def main():
+        worker = _AgentLoop(shared=True)
+        gate = asyncio.Event()
+
+        async def agent(name: str, hold_s: float):
+            await gate.wait()
+            ran.append(name)
+            time.sleep(hold_s)  # A holds the loop; B's wake-up waits behind it
+            return name
+
+        a = worker.start(lambda: agent("A", 0.5), "A")
+        b = worker.start(lambda: agent("B", 0.0), "B")
+        await asyncio.sleep(0.05)  # both await the gate, A first
+        worker.loop.call_soon_threadsafe(gate.set)  # wakes A, then B, in that order
+        while worker.blocking_episode() != "A":
+            await asyncio.sleep(0.005)
+        assert worker.give_to("A") == ["B"]
+        with pytest.raises(_Restart):
+            await b
+        assert await a == "A"
+        await asyncio.sleep(0.2)  # B's queued step has run by now (the loop is free)
+        worker.stop()
+
+    asyncio.run(main())
+    assert ran == ["A"], ran
 
 
 SLEEP_LINE, SPIN_LINES = 7, (9, 10)  # BLOCKING_AGENT's `time.sleep(30)` and `while True: pass`
