@@ -96,8 +96,8 @@ def test_grpo_over_two_nodes_survives_a_cancel_and_a_lost_node_resumes_and_learn
     """slurm/grpo_ray.sbatch: a Ray head and worker started by the script, two ZeRO-3 trainer ranks placed
     STRICT_SPREAD (one per node: Ray refuses the group otherwise) and two vLLM engines colocated with them, so rank 0
     syncs weights to an engine on the other node; `--debug` checks the engines' log-probs against the trainer's after
-    every sync. One run folder, three submissions of the same command (20 steps, a checkpoint every second step,
-    eval pass@1 at steps 0 and 20):
+    every sync. One run folder, three submissions of the same command (12 steps, a checkpoint every second step,
+    eval pass@1 at steps 0 and 12):
     1. cancelled with `scancel` after two checkpointed steps: the batch file stops Ray on both nodes on its way out
        and no process of the job is left;
     2. resubmitted, it resumes; one step later the second node vanishes (its slurmd, the Ray worker node and the
@@ -107,7 +107,9 @@ def test_grpo_over_two_nodes_survives_a_cancel_and_a_lost_node_resumes_and_learn
     3. resubmitted once more, it runs to the end: every step was logged once across the three jobs, actors ran on
        the second node, no Ray process outlived the job, and the policy learned (pass@1 up by 0.1 from step 0, whose
        eval the checkpoints carried over)."""
-    run_dir, port, steps = tmp_path / "grpo", 6393, 20
+    # 12 steps: this test's run reached pass@1 0.734 from 0.48 (2026-11-30; 0.790 with 20 steps, whose rewards matched
+    # the same command's in one process step for step)
+    run_dir, port, steps = tmp_path / "grpo", 6393, 12
     flags = ("--train.max-steps", str(steps), "--rollout.batch-size", "16", "--eval.every", str(steps), "--eval.k",
              "1", "--ckpt.every", "2", "--debug")  # fmt: skip  (greedy pass@1 only: the sampled pass@k is not asserted)
 
