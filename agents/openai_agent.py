@@ -321,8 +321,10 @@ class _AgentLoop:
         self.futures: dict[str, asyncio.Future] = {}  # episode -> the executor loop's future of its outcome
         self.clients: list = []  # (httpx.AsyncClient, episodes served) kept for the next episodes on this loop
         self.uses: dict = {}  # the pools in use: episodes each served before
-        self.gone: set[str] = set()  # episodes that left this loop (restarted elsewhere, timed out): none of their
-        self.retired = False  # code runs here again (`_Steps`); a retired loop runs no agent's code again
+        # episodes that left this loop (restarted elsewhere, timed out), and whether the loop was retired: none of
+        # their agents' code runs here again (`_Steps`)
+        self.gone: set[str] = set()
+        self.retired = False
         name = "agent-loop-shared" if shared else f"agent-loop-{id(self):x}"
         self.thread = threading.Thread(target=self._serve, name=name, daemon=True)
         self.watch = LoopWatch(self.loop, self.thread)  # is an agent's synchronous code holding it; ending that code
@@ -445,7 +447,6 @@ class _AgentLoop:
         """Cancel every task on the loop and stop it once they have ended; raise `AgentAbandoned` in the thread if it
         still runs after `grace_s` (`LoopWatch.abandon`): that ends Python code (a CPU loop) at once and a blocking
         call (`time.sleep`) when it returns; either way the episode is already over and its server URL answers 404."""
-
         self.retired = True
 
         def cancel() -> None:  # on this loop, when it gets to run
