@@ -13,16 +13,16 @@ import asyncio
 import json
 import logging
 import re
-import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
 from conftest import in_process_engines
 
-from agents.openai_agent import OpenAIAgentExecutor, _AgentLoop, _Restart, load_agent
+from agents.openai_agent import LoopWatch, OpenAIAgentExecutor, _AgentLoop, _Restart, load_agent
 from agents.openai_server import (
     SEED_STRIDE,
     OpenAIServer,
@@ -713,15 +713,10 @@ SLEEP_LINE, SPIN_LINES = 7, (9, 10)  # BLOCKING_AGENT's `time.sleep(30)` and `wh
 
 
 def agent_lines(path) -> list[int | None]:
-    """The line of `path` each live agent thread runs now (None: not inside the file)."""
-    frames, lines = sys._current_frames(), []
-    for t in agent_threads():
-        frame, line = frames.get(t.ident), None
-        while frame is not None and line is None:
-            line = frame.f_lineno if frame.f_code.co_filename == str(path) else None
-            frame = frame.f_back
-        lines.append(line)
-    return lines
+    """The line of `path` each live agent thread runs now (None: not inside the file), read as the executor's watch
+    reads a blocked loop's (`LoopWatch.blocked_at`)."""
+    where = [LoopWatch(None, t).blocked_at(Path(path).resolve()) for t in agent_threads()]
+    return [None if w is None else int(w.split()[1]) for w in where]
 
 
 def agent_threads() -> list[threading.Thread]:
