@@ -504,12 +504,19 @@ class Pending:
             except ray.exceptions.RayActorError as e:
                 raise GroupError(f"group {self.group!r} rank {r} died during {self.method}{self._on(r)}: {e}") from None
             except ray.exceptions.RayError as e:
-                dead = self._dead_peer(left, rank_of, e)
+                dead, failed = self._settle(left, rank_of, e)
                 if dead is not None:  # the peer's death is the cause; this rank's error is its echo
                     raise GroupError(f"group {self.group!r} rank {dead[0]} died during {self.method}{self._on(dead[0])}: "
                                      f"{dead[1]} (rank "
-                                     f"{r} then failed: {str(e).splitlines()[-1][:300]})") from None  # fmt: skip
-                raise GroupError(f"group {self.group!r} rank {r} failed in {self.method}: {e}") from None
+                                     f"{r} then failed: {_last_line(e)})") from None  # fmt: skip
+                # several ranks failed together (a collective broke): the lowest rank's error is told, the others' last
+                # lines after it. Rank 0 is the rank that talks to the engines and the other groups, so its error names
+                # what broke (e.g. the engine that died) where the others' say only that their send failed.
+                failed[r] = e
+                first = min(failed)
+                also = "; ".join(f"rank {q} also failed: {_last_line(x)}" for q, x in sorted(failed.items()) if q != first)
+                raise GroupError(f"group {self.group!r} rank {first} failed in {self.method}: {failed[first]}"
+                                 + (f" ({also})" if also else "")) from None  # fmt: skip
         return results
 
     # a surviving rank's collective fails as soon as a peer's connection drops, often before Ray has noticed that the
@@ -517,27 +524,32 @@ class Pending:
     _PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "NCCL communicator was aborted",
                   "remote process exited or there was a network error")  # fmt: skip
 
-    def _dead_peer(self, left: list, rank_of: dict, error: Exception, grace_s: float = 30.0,
-                   other_grace_s: float = 3.0):  # fmt: skip
-        """(rank, error) of a rank of `left` that turns out to have died within `grace_s` when `error` (another rank's)
-        is a lost-connection error (a lost node takes Ray's health checks ~15-30 s to declare), or within
-        `other_grace_s` for any other error (a rank whose engine call failed because the engine's node was lost: the
-        rank on that node is the cause); else None."""
+    def _settle(self, left: list, rank_of: dict, error: Exception, grace_s: float = 30.0,
+                other_grace_s: float = 3.0) -> tuple[tuple[int, Exception] | None, dict[int, Exception]]:  # fmt: skip
+        """After a rank failed with `error`, what the ranks of `left` do within a grace period: `grace_s` when `error`
+        is a lost-connection error (a lost node takes Ray's health checks ~15-30 s to declare), `other_grace_s` for any
+        other error (a rank whose engine call failed because the engine's node was lost: the rank on that node is the
+        cause). Returns ((rank, error) of the first that died, or None; {rank: error} of those that raised)."""
         import ray
 
         grace_s = grace_s if any(k in str(error) for k in self._PEER_LOST) else other_grace_s
         until = min(time.monotonic() + grace_s, self.deadline)
-        pending = list(left)
+        pending, failed = list(left), {}
         while pending and time.monotonic() < until:
             ready, pending = ray.wait(pending, num_returns=1, timeout=max(0.0, until - time.monotonic()))
             for ref in ready:
                 try:
                     ray.get(ref)
                 except ray.exceptions.RayActorError as e:
-                    return rank_of[ref], e
-                except ray.exceptions.RayError:
-                    pass
-        return None
+                    return (rank_of[ref], e), failed
+                except ray.exceptions.RayError as e:
+                    failed[rank_of[ref]] = e
+        return None, failed
+
+
+def _last_line(error: Exception) -> str:
+    lines = str(error).strip().splitlines()
+    return lines[-1][:300] if lines else type(error).__name__
 
 
 @dataclass

@@ -64,6 +64,14 @@ def _fail_on(worker, rank: int) -> int:
     return worker.rank
 
 
+def _echo_then_cause(worker) -> None:
+    """Both ranks fail in a broken collective: rank 1 at once with the echo, rank 0 later with what broke it."""
+    if worker.rank == 1:
+        raise RuntimeError("weight sync from trainer rank 1 failed: Connection closed by peer; see rank 0")
+    time.sleep(1.5)
+    raise RuntimeError("weight sync from trainer rank 0 failed: engine 'e-0' died during receive")
+
+
 def _sleep_on(worker, rank: int, seconds: float) -> int:
     if worker.rank == rank:
         time.sleep(seconds)
@@ -488,6 +496,9 @@ def test_failing_stuck_or_killed_rank_is_a_group_error(ray_cluster):
     try:
         with pytest.raises(GroupError, match="(?s)group 'victim' rank 1 failed in run.*ZeroDivisionError"):
             group.run(_fail_on, 1)
+        with pytest.raises(GroupError, match="(?s)group 'victim' rank 0 failed in run.*engine 'e-0' died during receive"
+                                             r".*\(rank 1 also failed: RuntimeError: weight sync from trainer rank 1"):
+            group.run(_echo_then_cause)  # the first error to arrive is rank 1's echo; rank 0's names the cause
         group.timeout_s = 2
         t0 = time.monotonic()
         with pytest.raises(GroupError, match=r"group 'victim': rank\(s\) \[1\] did not finish run within 2 s"):
