@@ -514,7 +514,7 @@ class Pending:
                 # what broke (e.g. the engine that died) where the others' say only that their send failed.
                 failed[r] = e
                 first = min(failed)
-                also = "; ".join(f"rank {q} also failed: {_last_line(x)}" for q, x in sorted(failed.items()) if q != first)
+                also = "; ".join(f"rank {q} also failed: {_last_line(x)}" for q, x in sorted(failed.items()) if q != first)  # fmt: skip
                 raise GroupError(f"group {self.group!r} rank {first} failed in {self.method}: {failed[first]}"
                                  + (f" ({also})" if also else "")) from None  # fmt: skip
         return results

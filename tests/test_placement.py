@@ -497,7 +497,7 @@ def test_failing_stuck_or_killed_rank_is_a_group_error(ray_cluster):
         with pytest.raises(GroupError, match="(?s)group 'victim' rank 1 failed in run.*ZeroDivisionError"):
             group.run(_fail_on, 1)
         with pytest.raises(GroupError, match="(?s)group 'victim' rank 0 failed in run.*engine 'e-0' died during receive"
-                                             r".*\(rank 1 also failed: RuntimeError: weight sync from trainer rank 1"):
+                                             r".*\(rank 1 also failed: RuntimeError: weight sync from trainer rank 1"):  # fmt: skip
             group.run(_echo_then_cause)  # the first error to arrive is rank 1's echo; rank 0's names the cause
         group.timeout_s = 2
         t0 = time.monotonic()
