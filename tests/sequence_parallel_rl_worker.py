@@ -59,6 +59,10 @@ def main(out: str) -> None:
     if rank == 0:
         with open(out, "w") as f:
             json.dump(results, f)
+    # every rank past its last collective before any rank tears the world down: both ranks of a finished run once
+    # died with SIGABRT at exit ("terminate called without an active exception") while the other still had gloo work
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
 
 
 if __name__ == "__main__":
