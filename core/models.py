@@ -137,6 +137,8 @@ def load_causal_lm(cfg: ModelConfig, flag: str = "--model.name-or-path", frozen:
         raise ValueError(f"{flag} {cfg.name_or_path!r}: cannot load a causal LM: {e}") from None
     except Exception as e:
         raise damaged_weights(e, path, flag, cfg.name_or_path) from None
+    if cfg.load_in_4bit:
+        no_packed_4bit_inference(model)
     if is_moe(model):  # forwards without a KV cache compute the router's aux loss; `router_aux_loss` hands it over
         model.register_forward_pre_hook(_ask_router_aux_loss, with_kwargs=True)
         model.register_forward_hook(_keep_router_aux_loss)
@@ -183,6 +185,20 @@ def four_bit(dtype: torch.dtype, keep: tuple[str, ...] = ()) -> dict:
                                 bnb_4bit_compute_dtype=dtype, bnb_4bit_quant_storage=torch.uint8,
                                 llm_int8_skip_modules=list(keep) or None)  # fmt: skip
     return {"quantization_config": config, "device_map": {"": device}}
+
+
+def no_packed_4bit_inference(model) -> None:
+    """Keep every 4-bit linear of `model` on bitsandbytes' one CPU path: dequantize the NF4 weight to the compute
+    dtype, then `F.linear`, the same arithmetic and autograd on every CPU. Where the CPU has AVX512-BF16 (Zen 4,
+    Sapphire Rapids and later), bitsandbytes 0.50's `Linear4bit.forward` otherwise repacks the weight in place into
+    an inference-only layout the first time it runs in eval mode on an input without grad (an eval, a log-prob pass
+    under `no_grad`), and from then on, in training too, multiplies in bf16 through a kernel with no backward whose
+    `result += bias` fails under autograd ("a view of a leaf Variable ... in-place operation"). So a QLoRA model would
+    compute another policy than the dequantized weights the engines get (bf16 rounding, ~5e-3 in the logits) and
+    stop training at its first update after an eval. The switch is the module's own `support_avx512bf16_for_cpu`."""
+    for module in model.modules():
+        if hasattr(module, "support_avx512bf16_for_cpu"):
+            module.support_avx512bf16_for_cpu = False
 
 
 def is_4bit(model) -> bool:
@@ -294,6 +310,8 @@ def load_scalar_model(name_or_path: str, dtype: str = "auto", attn: str = "auto"
         raise ValueError(f"{flag} {name_or_path!r}: cannot load a scalar-head model: {e}") from None
     except Exception as e:
         raise damaged_weights(e, path, flag, name_or_path) from None
+    if load_in_4bit:
+        no_packed_4bit_inference(model)
     text = model.config.get_text_config()  # a vision-language config keeps it in its text config
     text.pad_token_id = text.pad_token_id if getattr(text, "pad_token_id", None) is not None else 0
     if lora_rank > 0:
