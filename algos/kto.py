@@ -97,6 +97,13 @@ class EvalArgs:
 
 
 @dataclass
+class DSArgs(DSConfig):
+    tensor_parallel_size: tyro.conf.Suppress[int] = 1
+    """not a flag here: kto.py gives every rank its own examples, where AutoTP needs the ranks of a tensor-parallel
+    group to take the same ones (sft.py, dpo.py and the RL scripts do); `main` refuses a size above 1."""
+
+
+@dataclass
 class Args:
     exp_name: str = Path(__file__).stem
     """run name prefix; defaults to this file's name, so a copied script names its own runs."""
@@ -108,7 +115,7 @@ class Args:
     data: DataConfig = field(default_factory=lambda: DataConfig(path="cleanrlhf/add2-kto"))
     train: TrainArgs = field(default_factory=TrainArgs)
     eval: EvalArgs = field(default_factory=EvalArgs)
-    ds: DSConfig = field(default_factory=DSConfig)
+    ds: DSArgs = field(default_factory=DSArgs)
     ckpt: CkptConfig = field(default_factory=CkptConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     run_dir: str | None = None
@@ -228,6 +235,9 @@ def main(args: Args) -> dict:
     if args.data.image_key:  # PLUMBING: pictures are read by sft.py, dpo.py and the RL scripts
         raise ValueError(f"--data.image-key {args.data.image_key!r}: kto.py reads no pictures (sft.py, dpo.py and the "
                          "RL scripts do)")  # fmt: skip
+    if args.ds.tensor_parallel_size > 1:  # PLUMBING: not a flag here (DSArgs); a caller's DSConfig may still set it
+        raise ValueError(f"--ds.tensor-parallel-size {args.ds.tensor_parallel_size}: kto.py does not train with "
+                         "AutoTP (sft.py, dpo.py and the RL scripts do)")  # fmt: skip
     # PLUMBING: process group (world of one for `python algos/kto.py`), tokenizer, examples, policy, engine.
     rank, world, device = ds_engine.init_distributed(args.ds.backend, args.ds.timeout_s)
     # Same seed on every rank for the data order (each rank slices the same global batch); per-rank offset for

@@ -141,3 +141,29 @@ def test_sft_refuses_a_tensor_parallel_size_the_ranks_cannot_hold(tmp_path):
                          env=child_env(), capture_output=True, text=True, timeout=300)  # fmt: skip
     assert out.returncode != 0
     assert "--ds.tensor-parallel-size 2: must divide the number of ranks (1)" in out.stderr
+
+
+@pytest.mark.parametrize("name", ["kto", "rm"])
+def test_kto_and_rm_hide_and_refuse_tensor_parallel_before_loading(name, nothing_loads, capsys):
+    """kto.py and rm.py give every rank its own examples, which AutoTP's groups cannot take: `--help` leaves the flag
+    out (sft.py's shows it), the command line refuses it by name, and a caller's `DSConfig` with it stops `main` before
+    any model, tokenizer or process group is set up."""
+    import importlib
+
+    import tyro
+
+    def parse(module: str, *argv: str) -> str:
+        with pytest.raises(SystemExit):
+            tyro.cli(importlib.import_module(f"algos.{module}").Args, args=list(argv))
+        out = capsys.readouterr()
+        return out.out + out.err
+
+    assert "--ds.tensor-parallel-size" in parse("sft", "--help")
+    shown = parse(name, "--help")
+    assert "--ds.zero-stage" in shown and "--ds.tensor-parallel-size" not in shown
+    assert "Unrecognized options: --ds.tensor-parallel-size" in parse(name, "--ds.tensor-parallel-size", "2")
+    script = importlib.import_module(f"algos.{name}")
+    args = script.Args()
+    args.ds = DSConfig(tensor_parallel_size=2)
+    with pytest.raises(ValueError, match=f"--ds.tensor-parallel-size 2: {name}.py does not train with AutoTP"):
+        script.main(args)
