@@ -53,9 +53,15 @@ def load_image_processor(name_or_path: str):
                          f"has none: {e}") from None  # fmt: skip
 
 
+PIXEL_BOMB = "pictures over PIL's decompression-bomb limit"
+REFUSED = "pictures the image processor refuses"
+
+
 def load_image(value, key: str):
     """A PIL RGB image from a row's value: a `data:image/...;base64,` string, bare base64 or a file path. BadRow
-    naming `key` when it is none of these or cannot be decoded."""
+    naming `key` when it is none of these, cannot be decoded, or claims more pixels than PIL opens (its
+    decompression-bomb guard, 2 x `PIL.Image.MAX_IMAGE_PIXELS`: PIL raises at `Image.open`, from the header, before
+    decoding anything)."""
     from PIL import Image, UnidentifiedImageError
 
     if not isinstance(value, str) or not value.strip():
@@ -74,12 +80,21 @@ def load_image(value, key: str):
     except (binascii.Error, IndexError, UnidentifiedImageError, OSError, ValueError):
         shown = value if len(value) < 60 else value[:57] + "..."
         raise BadRow(key, f"key {key!r}: {shown!r} is neither an image file nor a base64-encoded image") from None
+    except Image.DecompressionBombError as e:  # not an OSError: it would end the run with PIL's bare error
+        raise BadRow(key, f"PIL refuses to open the picture: {e}", PIXEL_BOMB) from None
     return image.convert("RGB")
 
 
 def process(images: list, processor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The vision tower's inputs for pictures: pixel_values (sum of patches, C·T·P·P) and image_grid_thw (n, 3)."""
-    out = processor(images=images, return_tensors="pt")
+    """The vision tower's inputs for pictures: pixel_values (sum of patches, C·T·P·P) and image_grid_thw (n, 3). A
+    picture the processor refuses (Qwen2-VL's `smart_resize`: an aspect ratio over 200) is a ValueError naming the
+    pictures' sizes and the processor's reason."""
+    try:
+        out = processor(images=images, return_tensors="pt")
+    except ValueError as e:
+        sizes = ", ".join(f"{w}x{h}" for w, h in (im.size for im in images))
+        raise ValueError(f"the image processor refuses the picture(s) of {sizes} pixels (width x height): "
+                         f"{e}") from None  # fmt: skip
     return out["pixel_values"], out["image_grid_thw"]
 
 
@@ -145,7 +160,10 @@ def with_image(make, cfg, tokenizer, processor):
         if isinstance(prompt, str) and IMAGE_PAD not in prompt:
             row = {**row, cfg.input_key: IMAGE_PLACEHOLDER * len(images) + prompt}
         example = make(row)
-        pixels, grid = process(images, processor)
+        try:  # here, at load, so that such a row is skipped and counted (or named) before the run starts
+            pixels, grid = process(images, processor)
+        except ValueError as e:
+            raise BadRow(cfg.image_key, str(e), REFUSED) from None
         counts = [image_tokens(g, processor) for g in grid]
         if "chosen" in example and "rejected" in example:  # a preference pair: both sides see the prompt's pictures
             return {**example, **{side: picture_part(example[side], images, pixels, grid, counts)

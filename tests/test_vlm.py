@@ -510,3 +510,54 @@ def test_reward_model_on_picture_pairs_learns_and_its_export_scores_them_the_sam
     other = padded_scores(model, [pairs[0]["chosen"]], 0, "cpu", [pairs[1]["pictures"]])
     assert pairs[0]["pictures"]["pixel_values"].shape != pairs[1]["pictures"]["pixel_values"].shape or \
         not torch.allclose(other, scores[:1])  # fmt: skip
+
+
+def png_claiming(width: int, height: int) -> bytes:
+    """A PNG of a signature, a header chunk claiming `width` x `height` RGB pixels and an end chunk: no pixel data, so
+    only what PIL reads from the header (its decompression-bomb check at `Image.open`) can decide."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", zlib.crc32(kind + body))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IEND", b"")
+
+
+def test_pictures_a_library_refuses_are_bad_rows_skipped_and_counted_or_named(vl, tmp_path):
+    """A picture over PIL's decompression-bomb limit (its real one: 15000 x 15000 = 225 M pixels against 2 x
+    `Image.MAX_IMAGE_PIXELS`, read from a header that claims it) and one whose 300:1 aspect ratio Qwen2-VL's processor
+    refuses (over 200) are bad rows at load: skipped and counted by what is wrong with `--data.on-bad-row skip`,
+    named by file, row and key with `raise`, never the library's bare error."""
+    import base64
+
+    from PIL import Image
+
+    _, tokenizer, processor = vl
+    assert 15000 * 15000 > 2 * Image.MAX_IMAGE_PIXELS  # PIL's default limit, not one lowered for the test
+    wide = tmp_path / "wide.png"
+    Image.new("RGB", (300, 1), "red").save(wide)
+    good = picture_rows(1)[0]
+    bomb = {**good, "image": "data:image/png;base64," + base64.b64encode(png_claiming(15000, 15000)).decode()}
+    files = {"bomb": [good, bomb], "wide": [good, {**good, "image": str(wide)}]}
+    for name, rows in files.items():
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    both = f"{tmp_path / 'bomb.jsonl'},{tmp_path / 'wide.jsonl'}"
+    for mode in ("skip", "raise"):
+        cfg = DataConfig(path=both, image_key="image", on_bad_row=mode)
+        make = vision.with_image(lambda r, cfg=cfg: data.sft_example(r, tokenizer, cfg), cfg, tokenizer, processor)
+        if mode == "skip":
+            lines = []
+            groups = data.build_examples(data.load_sources(both, "train"), make, cfg, lines.append)
+            assert [len(g) for g in groups] == [1, 1]  # the good row of each file, processed as before
+            assert torch.equal(groups[0][0]["pixel_values"], examples(tokenizer, processor, [good])[0]["pixel_values"])
+            assert "skipped 1 of 2 rows" in lines[0] and f"{{{vision.PIXEL_BOMB!r}: 1}}" in lines[0]
+            assert "skipped 1 of 2 rows" in lines[1] and f"{{{vision.REFUSED!r}: 1}}" in lines[1]
+            continue
+        for name, what in (("bomb", r"PIL refuses to open the picture: Image size \(225000000 pixels\)"),
+                           ("wide", r"the image processor refuses the picture\(s\) of 300x1 pixels .*aspect ratio")):  # fmt: skip
+            path = str(tmp_path / f"{name}.jsonl")
+            with pytest.raises(ValueError, match=rf"{name}.jsonl: row 1: key 'image': {what}") as e:
+                data.build_examples(data.load_sources(path, "train"), make, cfg)
+            assert e.type is ValueError and e.value.__cause__ is None
