@@ -12,6 +12,7 @@ starting over.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -142,24 +143,31 @@ def save(engines: dict, ckpt_dir: str | Path, step: int, client_state: dict, kee
             group.run(_group_check_finite, step, name)
     tag = f"step_{step:08d}"
     tmp = ckpt_dir / f".tmp_{tag}"
+    try:
+        if rank == 0:
+            for leftover in ckpt_dir.glob(".tmp_step_*"):  # from a kill during an earlier save
+                shutil.rmtree(leftover, ignore_errors=True)
+            tmp.mkdir(parents=True)
+        _barrier()
+        for name, engine in engines.items():
+            engine.save_checkpoint(str(tmp), tag=name, client_state=client_state if name == next(iter(engines)) else {},
+                                   save_latest=False)  # fmt: skip
+        torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
+        for name, engine in engines.items():  # `--actor.ema-beta`: this rank's part of the moving average
+            if getattr(engine, "ema", None) is not None:
+                torch.save(engine.ema, tmp / f"ema_{name}_rank{rank}.pt")
+        if rank == 0:  # a group's ranks save its engine under its name (they draw no random numbers: no RNG files)
+            for name, group in groups.items():
+                group.run(_group_save, str(tmp), name)
+        _barrier()
+        if rank == 0:
+            write_manifest(tmp)  # last: a folder with a manifest is complete
+    except (OSError, RuntimeError) as e:
+        reason = _write_failure(e)
+        if reason is None:
+            raise
+        raise OSError(_no_room(ckpt_dir, tmp, reason)) from None
     if rank == 0:
-        for leftover in ckpt_dir.glob(".tmp_step_*"):  # from a kill during an earlier save
-            shutil.rmtree(leftover, ignore_errors=True)
-        tmp.mkdir(parents=True)
-    _barrier()
-    for name, engine in engines.items():
-        engine.save_checkpoint(str(tmp), tag=name, client_state=client_state if name == next(iter(engines)) else {},
-                               save_latest=False)  # fmt: skip
-    torch.save(rng_state(), tmp / f"rng_rank{rank}.pt")
-    for name, engine in engines.items():  # `--actor.ema-beta`: this rank's part of the moving average
-        if getattr(engine, "ema", None) is not None:
-            torch.save(engine.ema, tmp / f"ema_{name}_rank{rank}.pt")
-    if rank == 0:  # a group's ranks save its engine under its name (they draw no random numbers: no RNG files)
-        for name, group in groups.items():
-            group.run(_group_save, str(tmp), name)
-    _barrier()
-    if rank == 0:
-        write_manifest(tmp)  # last: a folder with a manifest is complete
         final = ckpt_dir / tag
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
@@ -171,6 +179,32 @@ def save(engines: dict, ckpt_dir: str | Path, step: int, client_state: dict, kee
             shutil.rmtree(p, ignore_errors=True)
     _barrier()
     return ckpt_dir / tag
+
+
+def _write_failure(e: BaseException) -> str | None:
+    """What went wrong when a checkpoint write failed for want of room, None for any other error: an OSError of a full
+    disk or quota (Python's and DeepSpeed's writes), or the RuntimeError of torch's stream writer, which says nothing
+    of the disk (`[enforce fail at inline_container.cc:672] . unexpected pos 576 vs 534`: `torch.save` to a full
+    tmpfs, torch 2.10)."""
+    if isinstance(e, OSError):
+        return e.strerror or str(e) if e.errno in (errno.ENOSPC, errno.EDQUOT) else None
+    lines = [line for line in str(e).splitlines() if "inline_container.cc" in line or "PytorchStreamWriter" in line]
+    return f"torch: {lines[0].strip()}" if isinstance(e, RuntimeError) and lines else None
+
+
+def _no_room(ckpt_dir: Path, tmp: Path, reason: str) -> str:
+    """One line for a checkpoint write that failed (`_write_failure`): the folder, the free space on its disk, what
+    the previous checkpoint took, and that the run resumes from it; the half-written `tmp` is removed."""
+    folder = next(p for p in (tmp, *tmp.parents) if p.exists())
+    free = shutil.disk_usage(folder).free
+    shutil.rmtree(tmp, ignore_errors=True)  # never resumed from; its space is better given back at once
+    previous = _step_folders(ckpt_dir) if ckpt_dir.is_dir() else []
+    size = sum(f.stat().st_size for f in previous[0].rglob("*") if f.is_file()) if previous else 0
+    before = f"the previous one, {previous[0].name}, took {size / 2**20:,.1f} MiB and is intact" if previous else \
+        "there is no earlier checkpoint"  # fmt: skip
+    return (f"writing the checkpoint {tmp} failed ({reason}) with {free / 2**20:,.1f} MiB free on its disk; the "
+            f"partial folder is removed and {before}: free space on {ckpt_dir}'s disk (or save less often, or keep "
+            "fewer with --ckpt.keep-last) and run the same command again to resume")  # fmt: skip
 
 
 def _step_folders(ckpt_dir: Path) -> list[Path]:
@@ -222,6 +256,7 @@ def load(engines: dict, path: str | Path) -> dict:
             # a 4-bit base (QLoRA) saves bitsandbytes' quantization state beside each weight, keys torch's loader
             # does not take back; that base is frozen and loads again from the model as it was quantized
             strict = not models.is_4bit(engine)
+            _check_tp_size(engine, path / name)
             _, state = engine.load_checkpoint(
                 str(path), tag=name, load_optimizer_states=True, load_lr_scheduler_states=True,
                 load_module_strict=strict,
@@ -236,6 +271,19 @@ def load(engines: dict, path: str | Path) -> dict:
         raise ValueError(f"{rng_file}: missing (checkpoint written with a different world size?)")
     set_rng_state(torch.load(rng_file, weights_only=False))
     return client_state
+
+
+def _check_tp_size(engine, folder: Path) -> None:
+    """Refuse to load a checkpoint saved at another `--ds.tensor-parallel-size` than `engine`'s. DeepSpeed 0.19.8 writes
+    one `[zero_pp_rank_<d>_]mp_rank_<t>_model_states.pt` per tensor-parallel rank t, holding that rank's shards, and
+    does not reshard them: a TP 2 checkpoint resumed at TP 1 ended in its `AssertionError: key ... is not found in the
+    checkpoint`."""
+    saved = {f.name.rsplit("mp_rank_", 1)[1].split("_")[0] for f in folder.glob("*mp_rank_*_model_states.pt")}
+    if saved and len(saved) != ds_engine.tp_size(engine):
+        raise ValueError(f"{folder}: saved with --ds.tensor-parallel-size {len(saved)}, resumed with "
+                         f"{ds_engine.tp_size(engine)}; --ckpt.allow-changes cannot change it (DeepSpeed does not "
+                         f"reshard an AutoTP checkpoint): resume with --ds.tensor-parallel-size {len(saved)}, or start "
+                         "over (--ckpt.no-resume or another --run-dir)")  # fmt: skip
 
 
 def _load_ema(engine, path: Path, name: str) -> None:
