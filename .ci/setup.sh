@@ -22,6 +22,14 @@ fi
 # matches torch (vLLM's Qwen2-VL needs transformers' torchvision-based processors), with a startup hook that defines
 # the two op schemas its import checks when its compiled ops do not load (core/torchvision_ops.py).
 $PIP uninstall -y -q torchaudio torchcodec >/dev/null 2>&1 || true
+# The agent frameworks and Gymnasium, so their tests run too (pyproject's extras `envs` and `frameworks`), and the
+# OpenAI Agents SDK apart from site-packages (its import name `agents` is this repo's package: docs/agents.md).
+if ! .venv/bin/python -c "import gymnasium, pydantic_ai" >/dev/null 2>&1; then
+  $PIP install -q -e ".[envs,frameworks]" 2>&1 | grep -v "^WARNING: Location" || true
+fi
+if [ ! -d .venv/openai-agents-sdk/agents ]; then
+  $PIP install -q --no-deps --target .venv/openai-agents-sdk "openai-agents==0.24.0" 2>&1 | grep -v "^WARNING: Location" || true
+fi
 SITE=$(.venv/bin/python -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
 cp core/torchvision_ops.py "$SITE/_cleanrlhf_torchvision_ops.py"
 echo "import _cleanrlhf_torchvision_ops" > "$SITE/_cleanrlhf_torchvision_ops.pth"
