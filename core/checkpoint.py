@@ -163,8 +163,7 @@ def save(engines: dict, ckpt_dir: str | Path, step: int, client_state: dict, kee
         if rank == 0:
             write_manifest(tmp)  # last: a folder with a manifest is complete
     except (OSError, RuntimeError) as e:
-        reason = _write_failure(e)
-        if reason is None:
+        if (reason := _write_failure(e)) is None:
             raise
         raise OSError(_no_room(ckpt_dir, tmp, reason)) from None
     if rank == 0:
@@ -172,7 +171,15 @@ def save(engines: dict, ckpt_dir: str | Path, step: int, client_state: dict, kee
         shutil.rmtree(final, ignore_errors=True)
         os.replace(tmp, final)
         latest_tmp = ckpt_dir / ".latest.tmp"
-        latest_tmp.write_text(tag)
+        try:
+            latest_tmp.write_text(tag)
+        except OSError as e:  # the folder is published and intact: resume takes it, as the newest intact one
+            if (reason := _write_failure(e)) is None:
+                raise
+            latest_tmp.unlink(missing_ok=True)
+            raise OSError(f"{ckpt_dir / 'latest'} could not be moved to {tag} ({reason}) with "
+                          f"{_size(shutil.disk_usage(ckpt_dir).free)} free on its disk; {final} is complete and "
+                          "intact: free space on that disk and run the same command again to resume from it") from None  # fmt: skip
         os.replace(latest_tmp, ckpt_dir / "latest")
         old = sorted(p for p in ckpt_dir.glob("step_*") if p.is_dir())[:-keep_last] if keep_last > 0 else []
         for p in old:
@@ -192,6 +199,14 @@ def _write_failure(e: BaseException) -> str | None:
     return f"torch: {lines[0].strip()}" if isinstance(e, RuntimeError) and lines else None
 
 
+def _size(n: float) -> str:
+    for unit in ("bytes", "KiB", "MiB"):
+        if n < 1024:
+            return f"{n:.0f} {unit}" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:,.1f} GiB"
+
+
 def _no_room(ckpt_dir: Path, tmp: Path, reason: str) -> str:
     """One line for a checkpoint write that failed (`_write_failure`): the folder, the free space on its disk, what
     the previous checkpoint took, and that the run resumes from it; the half-written `tmp` is removed."""
@@ -200,11 +215,11 @@ def _no_room(ckpt_dir: Path, tmp: Path, reason: str) -> str:
     shutil.rmtree(tmp, ignore_errors=True)  # never resumed from; its space is better given back at once
     previous = _step_folders(ckpt_dir) if ckpt_dir.is_dir() else []
     size = sum(f.stat().st_size for f in previous[0].rglob("*") if f.is_file()) if previous else 0
-    before = f"the previous one, {previous[0].name}, took {size / 2**20:,.1f} MiB and is intact" if previous else \
+    before = f"the previous one, {previous[0].name}, took {_size(size)} and is intact" if previous else \
         "there is no earlier checkpoint"  # fmt: skip
-    return (f"writing the checkpoint {tmp} failed ({reason}) with {free / 2**20:,.1f} MiB free on its disk; the "
-            f"partial folder is removed and {before}: free space on {ckpt_dir}'s disk (or save less often, or keep "
-            "fewer with --ckpt.keep-last) and run the same command again to resume")  # fmt: skip
+    return (f"writing the checkpoint {tmp} failed ({reason}) with {_size(free)} free on its disk; the "
+            f"partial folder is removed and {before}: free space on the disk of {ckpt_dir} (or keep fewer checkpoints, "
+            "--ckpt.keep-last) and run the same command again to resume")  # fmt: skip
 
 
 def _step_folders(ckpt_dir: Path) -> list[Path]:
