@@ -177,9 +177,10 @@ def save(engines: dict, ckpt_dir: str | Path, step: int, client_state: dict, kee
             if (reason := _write_failure(e)) is None:
                 raise
             latest_tmp.unlink(missing_ok=True)
-            raise OSError(f"{ckpt_dir / 'latest'} could not be moved to {tag} ({reason}) with "
-                          f"{_size(shutil.disk_usage(ckpt_dir).free)} free on its disk; {final} is complete and "
-                          "intact: free space on that disk and run the same command again to resume from it") from None  # fmt: skip
+            free = _size(shutil.disk_usage(ckpt_dir).free)
+            raise OSError(f"{ckpt_dir / 'latest'} could not be moved to {tag} ({reason}) with {free} free on its "
+                          f"disk; {final} is complete and intact: free space on that disk and run the same command "
+                          "again to resume from it") from None  # fmt: skip
         os.replace(latest_tmp, ckpt_dir / "latest")
         old = sorted(p for p in ckpt_dir.glob("step_*") if p.is_dir())[:-keep_last] if keep_last > 0 else []
         for p in old:
