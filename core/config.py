@@ -364,12 +364,30 @@ class EvalArgs:
     """export the model to `<run>/best` whenever this eval metric reaches a new maximum (None: off)."""
 
 
+LR_SCALE_FLOOR = 1e-3
+"""The smallest factor `actor_lr` scales `--actor.lr` by. The linear scaling rule is an observation over a limited
+range: Goyal et al. (2017) measured it from 256 to 8k images per batch, a factor of 32; 1/1000 is 30 times beyond that.
+The default `--actor.lr-ref-samples` (256) cannot get there (it would take under one sample per step), so only a
+reference far off the run's batch does, a typo or a value copied from another setup (`10**30` made the lr ~1e-31 and
+the run trained nothing, silently): the embedded model's 3e-4 would already be 3e-7 at the floor. An lr that small on
+purpose is `--actor.lr` itself, with `--actor.lr-ref-samples None`."""
+
+
 def actor_lr(actor: ActorArgs, samples_per_update: float) -> float:
     """The actor's peak learning rate for `samples_per_update` samples per optimizer step: `actor.lr` scaled by
-    samples / actor.lr_ref_samples when there are fewer (never up), else as given."""
+    samples / actor.lr_ref_samples when there are fewer (never up), else as given. A ValueError naming the flag, the
+    samples and the resulting lr when that factor is below `LR_SCALE_FLOOR`."""
     if actor.lr_ref_samples is None or samples_per_update >= actor.lr_ref_samples:
         return actor.lr
-    return actor.lr * max(samples_per_update, 1) / actor.lr_ref_samples
+    samples = max(samples_per_update, 1)
+    scale = samples / actor.lr_ref_samples
+    if scale < LR_SCALE_FLOOR:
+        raise ValueError(f"--actor.lr-ref-samples {actor.lr_ref_samples}: {samples_per_update:g} samples per optimizer "
+                         f"step would scale --actor.lr {actor.lr:g} by {samples:g}/{actor.lr_ref_samples} to "
+                         f"{actor.lr * scale:.3g}, below 1/{1 / LR_SCALE_FLOOR:.0f} of it (too small to train); give "
+                         f"the samples per step --actor.lr is set for (at most {samples / LR_SCALE_FLOOR:g} here), or "
+                         "None to keep --actor.lr as given")  # fmt: skip
+    return actor.lr * scale
 
 
 # ------------------------------------------------------------------------------------------------- flag checks
@@ -488,8 +506,18 @@ def check_args(args) -> None:
     present; and for every field, a float finite and within float32's range, a `--run-dir` that is no file. One
     ValueError lists
     every violation, each naming its flag as typed (`--rollout.batch-size 0: must be > 0`). Cross-field rules (group
-    size vs a filter, ...) stay in the scripts, next to the algorithm they protect."""
+    size vs a filter, ...) stay in the scripts, next to the algorithm they protect; the one of the plumbing, an RL
+    script's lr scale (`actor_lr`: `--actor.lr-ref-samples` against its samples per step), is checked here."""
     errors = _errors(args, ())
+    actor, rollout, train = (getattr(args, k, None) for k in ("actor", "rollout", "train"))
+    rl_script = hasattr(actor, "lr_ref_samples") and hasattr(rollout, "n_samples") and hasattr(train, "minibatches")
+    if rl_script and not errors:  # `--actor.lr-ref-samples`: the factor it scales the lr by has a floor
+        from core.rl import samples_per_update
+
+        try:
+            actor_lr(actor, samples_per_update(rollout, train))
+        except ValueError as e:
+            errors.append(str(e))
     if len(errors) == 1:
         raise ValueError(errors[0])
     if errors:

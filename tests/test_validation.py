@@ -425,3 +425,25 @@ def test_eval_every_0_runs_no_eval_not_even_the_first(name, tmp_path):
     assert json.loads((tmp_path / "run" / "summary.json").read_text())["steps"] == summary["steps"] == 1
     evals = {k: v for k, v in summary.items() if k.startswith("eval_")}
     assert evals and all(v is None for v in evals.values()), evals
+
+
+@pytest.mark.parametrize("name", sorted(RL | {"opd", "cispo", "sapo"}))
+def test_an_lr_scaled_below_the_floor_is_refused_naming_the_flag_before_loading_anything(name, nothing_loads):
+    """`--actor.lr-ref-samples 10**30` was taken and scaled the lr to ~1e-31: a run that trains nothing, silently.
+    A scale below `LR_SCALE_FLOOR` (1/1000) is refused before anything loads, naming the flag, the samples per
+    optimizer step and the lr it would give; at the floor itself the lr is scaled as before."""
+    from core.config import LR_SCALE_FLOOR, ActorArgs, actor_lr
+
+    module = script(name)
+    args = module.Args()
+    samples = args.rollout.batch_size * args.rollout.n_samples / args.train.minibatches
+    args.actor.lr_ref_samples = 10**30
+    lr = f"{args.actor.lr * samples / 10**30:.3g}"
+    with pytest.raises(ValueError, match=rf"^--actor\.lr-ref-samples {10**30}: {samples:g} samples per optimizer step "
+                                         rf"would scale --actor\.lr {args.actor.lr:g} by {samples:g}/{10**30} to {lr}, "
+                                         r"below 1/1000 of it"):  # fmt: skip
+        module.main(args)
+    at_floor = ActorArgs(lr=3e-4, lr_ref_samples=int(16 / LR_SCALE_FLOOR))  # 16 samples: lr / 1000, still taken
+    assert actor_lr(at_floor, 16) == pytest.approx(3e-7, rel=1e-12)
+    with pytest.raises(ValueError, match=r"^--actor\.lr-ref-samples 16001: 16 samples .* \(at most 16000 here\)"):
+        actor_lr(ActorArgs(lr=3e-4, lr_ref_samples=16001), 16)
