@@ -260,7 +260,8 @@ class ActorArgs:
     """the samples per optimizer step (rollout.batch-size × n-samples / train.minibatches) that `lr` is set for: a run
     with fewer scales the peak lr down in proportion (the linear scaling rule) and says so at the start. Adam's steps
     are as large on a noisy gradient as on a clean one: at 8 prompts × 4 samples the unscaled 3e-4 took the reward
-    from 0.41 to 0 in 3 steps; scaled (1.9e-5) it held. None: `lr` as given, whatever the batch."""
+    from 0.41 to 0 in 3 steps; scaled (1.9e-5) it held. A scale below 1/1000 is refused (`LR_SCALE_FLOOR`). None: `lr`
+    as given, whatever the batch."""
     warmup_steps: NonNegInt = 0
     """linear learning-rate warmup (optimizer steps), then cosine decay to min-lr-ratio · lr."""
     min_lr_ratio: Fraction = 0.1
