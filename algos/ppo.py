@@ -164,6 +164,34 @@ class Args:
 
 
 # ALGO LOGIC: PPO's advantage estimator: KL-shaped token rewards, GAE with the critic's values, whitening.
+@torch.no_grad()
+def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float):
+    """Generalized advantage estimation (Schulman et al. 2016, arXiv:1506.02438), as in OpenRLHF's PPO.
+
+    δ_t = r_t + γ·V_{t'} − V_t,   A_t = δ_t + γλ·A_{t'},   R_t = A_t + V_t (the critic's target),
+    where t' is the next *valid* position after t (V = 0, A = 0 after the last one). Masked positions are skipped,
+    not treated as steps: with right padding every sequence ends at its own last valid token, and in a multi-turn
+    episode the environment's feedback tokens (masked out, between two turns of the model) are part of the
+    transition from the last token of one turn to the first of the next. rewards, values, mask: (B, T) ->
+    (advantages, returns), both (B, T), 0 at masked positions, without gradient (they are targets). A loop over T,
+    vectorised over B.
+    """
+    mask = mask.bool()
+    dtype = torch.promote_types(rewards.dtype, values.dtype)
+    r, v = torch.where(mask, rewards, 0.0).to(dtype), torch.where(mask, values, 0.0).to(dtype)
+    advantages = torch.zeros_like(r)
+    next_adv = torch.zeros_like(r[:, 0])
+    next_value = torch.zeros_like(r[:, 0])
+    for t in reversed(range(r.shape[1])):
+        delta = r[:, t] + gamma * next_value - v[:, t]
+        adv = delta + gamma * lam * next_adv
+        advantages[:, t] = adv
+        valid = mask[:, t]
+        next_adv = torch.where(valid, adv, next_adv)  # a masked position passes both through unchanged
+        next_value = torch.where(valid, v[:, t], next_value)
+    return torch.where(mask, advantages, 0.0), torch.where(mask, advantages + v, 0.0)
+
+
 def ppo_advantages(
     rewards: torch.Tensor,
     kl: torch.Tensor,
@@ -188,7 +216,7 @@ def ppo_advantages(
                          f"{tuple(kl.shape)}, values {tuple(values.shape)}, mask {tuple(mask.shape)}")  # fmt: skip
     # the script already clipped the raw reward to ±reward.clip, so no second clip here
     per_token = rl_math.token_rewards(rewards, kl, kl_coef, mask, clip_range=None)  # (B, T)
-    advantages, returns = rl_math.gae(per_token, values, mask, gamma, lam)  # (B, T), (B, T)
+    advantages, returns = gae(per_token, values, mask, gamma, lam)  # (B, T), (B, T)
     if whiten:
         advantages = rl_math.masked_whiten(advantages, mask)
     return advantages, returns
@@ -247,7 +275,44 @@ def values_table(critic, rank: int, world: int, seqs: dict, args: Args, step: in
     return rl.forward_rows(partial(forward_values, critic), seqs, mine, world, True, args.train.sp_size)
 
 
-# ALGO LOGIC: the critic's update, ½ max((V − R)², (V_clip − R)²), one optimizer step per minibatch
+# ALGO LOGIC: the critic's loss and update, ½ max((V − R)², (V_clip − R)²), one optimizer step per minibatch
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    clip_eps: float | None = None,
+    agg: str = "token-mean",
+    **agg_kwargs: int | float | torch.Tensor | None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Critic loss with PPO-style value clipping (OpenRLHF's ValueLoss; TRL's cliprange_value).
+
+    ℓ_t = ½ · max((V_clip − R)², (V − R)²),  V_clip = V_old + clamp(V − V_old, −clip_eps, clip_eps);
+    ℓ_t = ½ · (V − R)² when clip_eps is None.  loss = aggregate_loss(ℓ, mask, agg, **agg_kwargs).
+    values: (B, T) with gradient; old_values, returns, mask: (B, T), used detached. Returns (loss, stats), stats
+    detached: clipfrac (fraction of valid tokens where V was clamped and the clipped term is the larger one),
+    values_mean.
+    """
+    mask = mask.bool()
+    values = torch.where(mask, values, 0.0)
+    old_values, returns = torch.where(mask, old_values, 0.0).detach(), torch.where(mask, returns, 0.0).detach()
+    err = (values - returns).square()
+    if clip_eps is None:
+        loss, clipped = 0.5 * err, torch.zeros_like(mask)
+    else:
+        values_clipped = old_values + (values - old_values).clamp(-clip_eps, clip_eps)
+        err_clipped = (values_clipped - returns).square()
+        # clipped only where the clamp moved V: inside the range V_clip = V_old + (V − V_old) can differ from V in the
+        # last bit, and that rounding would count as clipping (and depend on the micro-batch's BLAS blocking)
+        moved = (values - old_values).abs() > clip_eps
+        loss, clipped = 0.5 * torch.max(err_clipped, err), (err_clipped > err) & moved
+    stats = {
+        "clipfrac": rl_math.masked_mean(clipped.float(), mask).detach(),
+        "values_mean": rl_math.masked_mean(values.detach(), mask),
+    }
+    return rl_math.aggregate_loss(loss, mask, agg, **agg_kwargs), stats
+
+
 def critic_update(critic, rank: int, world: int, seqs: dict, old_values, returns, args: Args, step: int) -> dict:
     """`--train.epochs` passes of the clipped value loss over the step's minibatches (this rank's micro-batches of
     each). It needs nothing from the actor's update (the targets are fixed), so it runs before it, in the trainer
@@ -259,7 +324,7 @@ def critic_update(critic, rank: int, world: int, seqs: dict, old_values, returns
             norm = {"num_tokens": mask[minibatch].sum().item(), "num_seqs": len(minibatch), "max_len": max_len}
             for r, mb, real, last in rl.micro_batches(seqs, micro):
                 values = forward_values(critic, mb)
-                vloss, vstats = rl_math.value_loss(values, old_values[r], returns[r], mb["loss_mask"],
+                vloss, vstats = value_loss(values, old_values[r], returns[r], mb["loss_mask"],
                                                    args.critic.value_clip, args.algo.loss_agg, **norm)  # fmt: skip
                 meter.add_loss("loss/value", rl.backward(critic, vloss, step, world, real, last, "critic value loss"))
                 meter.add({"critic/clipfrac": vstats["clipfrac"]}, mb["loss_mask"].sum().item() if real else 0.0)

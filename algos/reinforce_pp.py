@@ -112,6 +112,24 @@ class Args:
 
 
 # ALGO LOGIC: REINFORCE++'s advantage estimator.
+@torch.no_grad()
+def discounted_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float) -> torch.Tensor:
+    """Reward-to-go G_t = Σ_{k≥t, k valid} γ^{n(t,k)} r_k over masked rewards (REINFORCE; REINFORCE++'s return before
+    whitening), n(t, k) the number of valid positions from t to k, k excluded: masked positions (padding, a multi-turn
+    episode's environment tokens) are skipped, neither rewarded nor discounted.
+
+    rewards, mask: (B, T) -> (B, T), 0 at masked positions, without gradient. A loop over T, vectorised over B.
+    """
+    mask = mask.bool()
+    r = torch.where(mask, rewards, 0.0)
+    returns = torch.zeros_like(r)
+    running = torch.zeros_like(r[:, 0])
+    for t in reversed(range(r.shape[1])):
+        running = torch.where(mask[:, t], r[:, t] + gamma * running, running)
+        returns[:, t] = running
+    return torch.where(mask, returns, 0.0)
+
+
 def reinforce_pp_advantages(rewards: torch.Tensor, kl: torch.Tensor, mask: torch.Tensor, kl_coef: float,
                             gamma: float = 1.0, baseline: str = "none", group_size: int = 1):  # fmt: skip
     """A = whiten_batch(Σ_{k≥t} γ^{k−t} r_k),  r_t = −kl_coef · kl_t + [t = last] · r̃,  r̃ = r (− mean_group(r)).
@@ -127,7 +145,7 @@ def reinforce_pp_advantages(rewards: torch.Tensor, kl: torch.Tensor, mask: torch
             raise ValueError(f"baseline 'group' needs group_size >= 2 dividing B = {rewards.numel()}; got {group_size}")
         rewards = rewards - rewards.view(-1, group_size).mean(dim=1).repeat_interleave(group_size)
     per_token = rl_math.token_rewards(rewards, kl, kl_coef, mask, clip_range=None)  # rewards were clipped already
-    returns = rl_math.discounted_returns(per_token, mask, gamma)  # (B, T); carried unchanged over environment tokens
+    returns = discounted_returns(per_token, mask, gamma)  # (B, T); carried unchanged over environment tokens
     return rl_math.masked_whiten(returns, mask)
 
 

@@ -91,52 +91,6 @@ def token_rewards(
     return penalty + torch.where(at_last, reward[:, None].to(penalty.dtype), 0.0)
 
 
-@torch.no_grad()
-def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float) -> tuple[Tensor, Tensor]:
-    """Generalized advantage estimation (Schulman et al. 2016, arXiv:1506.02438), as in OpenRLHF's PPO.
-
-    δ_t = r_t + γ·V_{t'} − V_t,   A_t = δ_t + γλ·A_{t'},   R_t = A_t + V_t (the critic's target),
-    where t' is the next *valid* position after t (V = 0, A = 0 after the last one). Masked positions are skipped,
-    not treated as steps: with right padding every sequence ends at its own last valid token, and in a multi-turn
-    episode the environment's feedback tokens (masked out, between two turns of the model) are part of the
-    transition from the last token of one turn to the first of the next. rewards, values, mask: (B, T) ->
-    (advantages, returns), both (B, T), 0 at masked positions, without gradient (they are targets). A loop over T,
-    vectorised over B.
-    """
-    mask = mask.bool()
-    dtype = torch.promote_types(rewards.dtype, values.dtype)
-    r, v = _keep(rewards, mask).to(dtype), _keep(values, mask).to(dtype)
-    advantages = torch.zeros_like(r)
-    next_adv = torch.zeros_like(r[:, 0])
-    next_value = torch.zeros_like(r[:, 0])
-    for t in reversed(range(r.shape[1])):
-        delta = r[:, t] + gamma * next_value - v[:, t]
-        adv = delta + gamma * lam * next_adv
-        advantages[:, t] = adv
-        valid = mask[:, t]
-        next_adv = torch.where(valid, adv, next_adv)  # a masked position passes both through unchanged
-        next_value = torch.where(valid, v[:, t], next_value)
-    return _keep(advantages, mask), _keep(advantages + v, mask)
-
-
-@torch.no_grad()
-def discounted_returns(rewards: Tensor, mask: Tensor, gamma: float) -> Tensor:
-    """Reward-to-go G_t = Σ_{k≥t, k valid} γ^{n(t,k)} r_k over masked rewards (REINFORCE; REINFORCE++'s return before
-    whitening), n(t, k) the number of valid positions from t to k, k excluded: masked positions (padding, a multi-turn
-    episode's environment tokens) are skipped, neither rewarded nor discounted.
-
-    rewards, mask: (B, T) -> (B, T), 0 at masked positions, without gradient. A loop over T, vectorised over B.
-    """
-    mask = mask.bool()
-    r = _keep(rewards, mask)
-    returns = torch.zeros_like(r)
-    running = torch.zeros_like(r[:, 0])
-    for t in reversed(range(r.shape[1])):
-        running = torch.where(mask[:, t], r[:, t] + gamma * running, running)
-        returns[:, t] = running
-    return _keep(returns, mask)
-
-
 def masked_whiten(x: Tensor, mask: Tensor, scale_by_std: bool = True, eps: float = 1e-8) -> Tensor:
     """Normalise x over the masked positions of the whole batch (OpenRLHF's advantage normalisation).
 
@@ -223,43 +177,6 @@ def is_weight(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, mode: str,
         return torch.where((w >= lo) & (w <= hi), w, 0.0)
     seq_w = torch.exp(masked_mean(log_w, mask, dim=-1))  # (B,) geometric mean of w over valid tokens
     return torch.where(((seq_w >= lo) & (seq_w <= hi))[:, None], w, 0.0)
-
-
-def value_loss(
-    values: Tensor,
-    old_values: Tensor,
-    returns: Tensor,
-    mask: Tensor,
-    clip_eps: float | None = None,
-    agg: str = "token-mean",
-    **agg_kwargs: Count | None,
-) -> tuple[Tensor, dict[str, Tensor]]:
-    """Critic loss with PPO-style value clipping (OpenRLHF's ValueLoss; TRL's cliprange_value).
-
-    ℓ_t = ½ · max((V_clip − R)², (V − R)²),  V_clip = V_old + clamp(V − V_old, −clip_eps, clip_eps);
-    ℓ_t = ½ · (V − R)² when clip_eps is None.  loss = aggregate_loss(ℓ, mask, agg, **agg_kwargs).
-    values: (B, T) with gradient; old_values, returns, mask: (B, T), used detached. Returns (loss, stats), stats
-    detached: clipfrac (fraction of valid tokens where V was clamped and the clipped term is the larger one),
-    values_mean.
-    """
-    mask = mask.bool()
-    values = _keep(values, mask)
-    old_values, returns = _keep(old_values, mask).detach(), _keep(returns, mask).detach()
-    err = (values - returns).square()
-    if clip_eps is None:
-        loss, clipped = 0.5 * err, torch.zeros_like(mask)
-    else:
-        values_clipped = old_values + (values - old_values).clamp(-clip_eps, clip_eps)
-        err_clipped = (values_clipped - returns).square()
-        # clipped only where the clamp moved V: inside the range V_clip = V_old + (V − V_old) can differ from V in the
-        # last bit, and that rounding would count as clipping (and depend on the micro-batch's BLAS blocking)
-        moved = (values - old_values).abs() > clip_eps
-        loss, clipped = 0.5 * torch.max(err_clipped, err), (err_clipped > err) & moved
-    stats = {
-        "clipfrac": masked_mean(clipped.float(), mask).detach(),
-        "values_mean": masked_mean(values.detach(), mask),
-    }
-    return aggregate_loss(loss, mask, agg, **agg_kwargs), stats
 
 
 def entropy_from_logits(logits: Tensor) -> Tensor:

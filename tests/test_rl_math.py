@@ -1,4 +1,5 @@
-"""Tests for core/rl_math.py: hand-computed cases (arithmetic in the comments), properties, loop equivalence, gradients.
+"""Tests for core/rl_math.py and the math the scripts keep to themselves (ppo.py's GAE and value loss, reinforce_pp.py's
+discounted returns): hand-computed cases (arithmetic in the comments), properties, loop equivalence, gradients.
 
 CPU only, tiny tensors, float64 wherever gradients are compared.
 """
@@ -9,21 +10,20 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from algos.ppo import gae, value_loss
+from algos.reinforce_pp import discounted_returns
 from core.rl_math import (
     AdaptiveKLController,
     FixedKLController,
     aggregate_loss,
     approx_kl,
-    discounted_returns,
     entropy_from_logits,
-    gae,
     head_logprobs,
     logprobs_from_logits,
     masked_mean,
     masked_whiten,
     overlong_penalty,
     token_rewards,
-    value_loss,
 )
 
 F64 = torch.float64

@@ -3,7 +3,7 @@ short learning run that grades an exercise (docs/course/check.py). make_exercise
 this table; tests/test_course.py checks that the pages, the functions they link and the exercises agree with it.
 
 An exercise is a copy of a real file of the project with one function's body removed: a script in algos/, the
-calculator agent, or core/rl_math.py where the math lives there (the KL estimators and GAE, which every RL script
+calculator agent, or core/rl_math.py where the math lives there (the KL estimators, which every RL script
 calls). A script exercise runs as the script it is copied from; an rl_math exercise runs inside the script named by
 `runs` (docs/course/run_with.py puts it in place of core.rl_math).
 """
@@ -55,7 +55,7 @@ LESSONS: dict[int, Lesson] = {
         Lesson(3, "ppo_clip", "The PPO clip", "algos/grpo.py", "policy_loss", run_flags=RL_RUN),
         Lesson(4, "kl", "KL regularisation and its estimators", "core/rl_math.py", "approx_kl", runs="algos/grpo.py",
                run_flags=(*RL_RUN, "--algo.kl-coef", "0.05", "--algo.kl-estimator", "k3")),
-        Lesson(5, "gae", "A critic and GAE (PPO)", "core/rl_math.py", "gae", runs="algos/ppo.py", run_flags=RL_RUN),
+        Lesson(5, "gae", "A critic and GAE (PPO)", "algos/ppo.py", "gae", run_flags=RL_RUN),
         Lesson(6, "reward_model", "Reward models (Bradley-Terry)", "algos/rm.py", "reward_loss",
                run_flags=("--train.max-steps", "60", "--eval.every", "60", "--eval.max-samples", "300")),
         Lesson(7, "dpo", "Direct preference optimisation (DPO)", "algos/dpo.py", "dpo_loss",

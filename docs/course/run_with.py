@@ -1,6 +1,6 @@
 """Run a script of the project with your copy of one of its core modules in place of the real one:
 
-    python docs/course/run_with.py core.rl_math=docs/course/exercises/05_gae.py algos/ppo.py --train.max-steps 20
+    python docs/course/run_with.py core.rl_math=docs/course/exercises/04_kl.py algos/grpo.py --train.max-steps 20
 
 Your file is loaded as `core.rl_math` before the script imports anything, so every `from core import rl_math` (the
 scripts, core/rl.py, core/samples.py) gets your functions. The script then runs as `python <script> <flags>` would.

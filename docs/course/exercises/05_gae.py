@@ -1,103 +1,176 @@
 # Course exercise, lesson 5: A critic and GAE (PPO) (docs/course/05_gae.md).
-# A copy of core/rl_math.py with the body of `gae` left for you to write; the rest is the
-# real code and runs inside algos/ppo.py. Check your function, then a short learning run with it:
+# A copy of algos/ppo.py with the body of `gae` left for you to write; the rest is the
+# real code and runs as the file it copies. Check your function, then a short learning run with it:
 #     python docs/course/check.py 5 <this file>
 # Written by docs/course/make_exercises.py from the real file; edit your own copy, not this one.
-"""RL math shared by every CleanRLHF script: masked reductions, KL estimators, GAE, IS weights, loss aggregation.
+"""PPO with a learned critic and GAE for RLHF (Ouyang et al. 2022, InstructGPT, arXiv:2203.02155; Stiennon et al.
+2020, arXiv:2009.01325), with the clipped surrogate of Schulman et al. 2017 (PPO, arXiv:1707.06347) and generalized
+advantage estimation of Schulman et al. 2016 (GAE, arXiv:1506.02438).
 
-The policy losses themselves are written out in the scripts (algos/grpo.py's `policy_loss`); these are their pieces.
+A critic V_φ (a causal LM body with a scalar head) predicts the return at every response token. The scalar reward r_i
+of response o_i becomes a per-token reward with a KL penalty against the frozen SFT policy (KL_t = log π_old(o_t|…) −
+log π_ref(o_t|…), the k1 estimate), and GAE turns rewards and values into advantages and the critic's targets:
 
-Pure functions, tensors in and tensors out, explicit scalar arguments. Shapes: B sequences, T response tokens,
-V vocabulary. `mask` is a bool or 0/1 (B, T) tensor, right-padded. Masked positions of inputs may hold garbage (even
-NaN/inf): every function selects with `torch.where` before any arithmetic, so garbage reaches neither an output nor a
-gradient. Defaults follow OpenRLHF; TRL and Dr.GRPO conventions are reachable through arguments (see each docstring).
+    r_{i,t}  = −β · KL_{i,t} + [t = |o_i|] · r_i
+    δ_{i,t}  = r_{i,t} + γ · V_old(s_{i,t+1}) − V_old(s_{i,t}),      V_old(s_{i,|o_i|+1}) = 0
+    Â_{i,t}  = Σ_{k≥t} (γλ)^{k−t} δ_{i,k},      R_{i,t} = Â_{i,t} + V_old(s_{i,t})           (the critic's target)
+    A_{i,t}  = (Â_{i,t} − μ) / σ,   μ, σ over all valid tokens of the batch                  (advantage whitening)
+
+The policy maximises the PPO clipped surrogate, ρ_{i,t} = π_θ(o_{i,t}|…) / π_old(o_{i,t}|…), and the critic minimises
+the clipped value loss (Schulman et al. 2017's code; OpenRLHF's ValueLoss):
+
+    J(θ) = E[ 1/Σ|o_i| Σ_i Σ_t min(ρ_{i,t} A_{i,t}, clip(ρ_{i,t}, 1 − ε_low, 1 + ε_high) A_{i,t}) ]
+    L(φ) = E[ 1/Σ|o_i| Σ_i Σ_t ½ · max((V_φ − R)², (V_old + clip(V_φ − V_old, −ε_v, ε_v) − R)²) ]
+
+Deviations from the papers:
+1. Token-mean loss over the whole batch (DAPO, arXiv:2503.14476; OpenRLHF's default), 2 minibatches per rollout; the
+   critic is a second DeepSpeed engine with its own optimizer, stepped on the same minibatches (no shared body and no
+   value-loss coefficient).
+2. 8 samples per prompt by default, as this repository's GRPO, RLOO and REINFORCE++, so the four scripts generate the
+   same rollouts; InstructGPT samples one response per prompt (`--rollout.n-samples 1`).
+3. No in-loss KL term and no pretraining-mix (PPO-ptx) term: the KL penalty lives only in the reward
+   (`--algo.kl-coef`, β = 0.01 here, fixed rather than adaptive); `--algo.kl-coef 0` loads no reference model.
+4. Old log-probs are recomputed by the trainer, not taken from vLLM: the engine's log-probs are kept as
+   `rollout_logp` for the optional importance-sampling correction (`--algo.is-correction`).
+5. The critic is warm-started from the policy (the SFT model) with a fresh scalar head by default, as OpenRLHF allows;
+   InstructGPT initialises it from the reward model (`--critic.name-or-path <rm folder>`).
+6. A mixture-of-experts actor's router load-balancing loss is logged (`loss/router_aux`), not trained on: J above is
+   the objective (OpenRLHF's default `--aux_loss_coef 0`); add it to `loss` in `update` to keep the routing balanced.
+
+Multi-turn episodes (`--rollout.env-file`): the environment's feedback tokens are masked out of both losses, and GAE
+skips them (V and A carried through unchanged), so the feedback is part of the transition between two model turns.
+
+Debug (embedded tiny model and task, one CPU process, in-process vLLM):
+    python algos/ppo.py --train.max-steps 5 --eval.every 5
+    python algos/ppo.py --critic.warmup-steps 5                     # critic-only updates for the first 5 steps
+    python algos/ppo.py --rollout.env-file agents/retry_env.py      # multi-turn: environment feedback between turns
+Several trainer ranks (Ray placement group, one DeepSpeed world of actor + critic engines, vLLM engine actors):
+    python algos/ppo.py --train.ranks 2 --ds.zero-stage 3
+A real model:
+    python algos/ppo.py --actor.model.name-or-path Qwen/Qwen2.5-0.5B-Instruct --data.path prompts.jsonl \\
+        --data.apply-chat-template --reward.func my_reward.py --rollout.max-new-tokens 1024 --actor.lr 1e-6 \\
+        --critic.lr 9e-6 --critic.name-or-path runs/my_rm/hf
 """
 
 from __future__ import annotations
 
+import math
+import os
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Literal
+
 import torch
-import torch.nn.functional as F
+import tyro
 
-Tensor = torch.Tensor
-Count = int | float | Tensor
-
-KL_ESTIMATORS = ("k1", "k2", "k3")
-AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
-IS_CORRECTIONS = ("tis", "icepop", "seq-mask-tis")
-
-
-def _keep(x: Tensor, mask: Tensor) -> Tensor:
-    """x where mask is true, else 0. A select, not a product: 0 * NaN would be NaN, and so would its gradient."""
-    return torch.where(mask.bool(), x, 0.0)
+from agents.make import check_episode_files, load_reward, make_executor
+from core import config, flags, models, rl, rl_math, rollout, samples, sequence_parallel
+from core import engine as ds_engine
+from core.logger import Meter, timer
+from core.placement import RayConfig, group
+from core.rollout import VLLMConfig
+from rewards.loader import RewardConfig, reward_group
 
 
-def _at_least_one(n: Count) -> Count:
-    return n.clamp(min=1) if isinstance(n, Tensor) else max(n, 1)
+@dataclass
+class CriticArgs:
+    name_or_path: flags.ModelPath | None = None  # DEVIATION(5): the SFT policy's body by default, not the reward model's
+    """critic initialisation: a causal LM (fresh scalar head) or a reward model folder from algos/rm.py (its head is
+    kept). Default: the actor's model, i.e. the SFT warm start. The dtype is the actor's."""
+    lr: flags.PosFloat = 1e-3
+    """peak learning rate of the critic (its own AdamW and warmup/cosine schedule)."""
+    lr_warmup_steps: flags.NonNegInt = 0
+    """linear learning-rate warmup of the critic's optimizer, in optimizer steps."""
+    value_clip: flags.NonNegFloat | None = 0.2
+    """ε_v: a new value may move at most this far from the rollout's value before its loss stops shrinking
+    (PPO's value clipping); None turns it off."""
+    warmup_steps: flags.NonNegInt = 0
+    """critic-only steps at the start: the first N rollouts update the critic and leave the actor (and vLLM) as
+    they are, so the policy gradient starts with a fitted baseline."""
+    ranks: flags.PosInt | None = None
+    """None: the critic lives in the trainer ranks (a second DeepSpeed engine of their world). N: a Ray group of its
+    own, N ranks forming their own DeepSpeed world (`--ds.*` settings), OpenRLHF's layout; the trainer's rank 0
+    sends it each rollout for its values and its update. A one-process run is launched through Ray for it."""
+    colocate: bool = True
+    """with `ranks`: rank i shares trainer rank i's placement bundle (at most `--train.ranks` ranks); off: bundles of
+    its own."""
+    strategy: Literal["PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD"] | None = None
+    """with `ranks` and `no-colocate`: how its own bundles are placed over the nodes (see `--ray.strategy`, the
+    default)."""
+    lora_rank: flags.NonNegInt = 0
+    """LoRA rank of the critic (its value head trains whole beside the adapters); 0 trains every parameter."""
+    load_in_4bit: bool = False
+    """QLoRA critic: its body's linears in 4-bit NF4, needs `lora-rank` > 0; ZeRO 0-2."""
 
 
-def masked_mean(x: Tensor, mask: Tensor, dim: int | None = None) -> Tensor:
-    """Mean of x over the positions where mask is true: Σ x·m / max(Σ m, 1).
-
-    x, mask: same shape, e.g. (B, T). dim=None gives a scalar; dim=-1 gives one mean per sequence, (B,).
-    An all-masked row (or tensor) gives 0, not NaN.
-    """
-    mask = mask.bool()
-    x = _keep(x, mask)
-    if dim is None:
-        return x.sum() / _at_least_one(mask.sum())
-    return x.sum(dim) / _at_least_one(mask.sum(dim))
-
-
-def approx_kl(logp: Tensor, ref_logp: Tensor, estimator: str = "k1", mask: Tensor | None = None) -> Tensor:
-    """Per-token estimate of KL(π‖π_ref) from tokens sampled from π (Schulman, "Approximating KL divergence", 2020).
-
-    Δ = logp − ref_logp;  k1 = Δ;  k2 = Δ²/2;  k3 = exp(−Δ) − 1 + Δ;  result clamped to [−10, 10] (as OpenRLHF).
-    k1 is unbiased but noisy and can be negative (OpenRLHF's default for the reward penalty); k2 is biased with low
-    variance; k3 is unbiased, ≥ 0 and low-variance (GRPO's KL loss). Swap the arguments for KL(π_ref‖π)-style uses.
-    logp, ref_logp: (B, T) log-probs of the sampled tokens -> (B, T); positions where `mask` (optional) is false are 0.
-    """
-    if estimator not in KL_ESTIMATORS:
-        raise ValueError(f"unknown KL estimator {estimator!r}; valid estimators: {', '.join(KL_ESTIMATORS)}")
-    if mask is not None:
-        logp, ref_logp = _keep(logp, mask), _keep(ref_logp, mask)
-    delta = logp - ref_logp
-    if estimator == "k1":
-        kl = delta
-    elif estimator == "k2":
-        kl = 0.5 * delta.square()
-    else:
-        # k3 is convex with k3(±20) > 19, so clamping Δ to ±20 first changes no clamped value; it only keeps exp()
-        # finite, because inf in the forward pass would make the backward pass 0 · inf = NaN.
-        delta = delta.clamp(-20.0, 20.0)
-        kl = torch.exp(-delta) - 1.0 + delta
-    return kl.clamp(-10.0, 10.0)
-
-
-def token_rewards(
-    reward: Tensor,
-    kl: Tensor,
-    kl_coef: float,
-    mask: Tensor,
-    clip_range: tuple[float, float] | None = (-10.0, 10.0),
-) -> Tensor:
-    """Per-token reward with the KL penalty folded in (Ziegler et al. 2019, arXiv:1909.08593; OpenRLHF compute_reward).
-
-    r_t = −kl_coef · kl_t on every response token, plus clip(reward, *clip_range) at the last valid token.
-    reward: (B,) sequence-level reward; kl: (B, T) per-token KL (e.g. approx_kl k1); mask: (B, T) -> (B, T), 0 at
-    masked positions. A row without a valid token gets no reward. clip_range=None disables the clip.
-    """
-    mask = mask.bool()
-    penalty = -kl_coef * _keep(kl, mask)
-    if clip_range is not None:
-        reward = reward.clamp(*clip_range)
-    positions = torch.arange(mask.shape[1], device=mask.device)
-    last = torch.where(mask, positions, -1).amax(dim=1)  # (B,) index of the last valid token, -1 for an empty row
-    at_last = positions[None, :] == last[:, None]  # (B, T), all false for an empty row
-    return penalty + torch.where(at_last, reward[:, None].to(penalty.dtype), 0.0)
+@dataclass
+class AlgoArgs:
+    gamma: flags.Fraction = 1.0
+    """discount γ of GAE over response tokens (1 in InstructGPT/OpenRLHF: the reward comes once, at the end)."""
+    lam: flags.Fraction = 0.95
+    """GAE λ (Schulman et al. 2016): 1 uses the full Monte-Carlo return, 0 the one-step TD error."""
+    whiten_advantages: bool = True
+    """normalise the advantages over every valid token of the batch (mean 0, std 1); the critic's targets are not."""
+    dynamic_filter_range: flags.OpenInterval | None = None
+    """DAPO dynamic sampling: keep only groups whose mean score lies strictly inside (LOW, HIGH) (e.g. `0 1`: not
+    all solved, not all failed) and refill the batch with more prompts; None disables."""
+    dynamic_filter_max_rounds: flags.PosInt = 3
+    """generation rounds per step at most when refilling; a batch still short after them trains on what it has."""
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "token-mean"
+    """loss aggregation of the policy and value losses (see core/rl_math.aggregate_loss)."""
+    clip_low: flags.NonNegFloat = 0.2
+    """ε_low: ratio lower clip 1 − ε_low."""
+    clip_high: flags.NonNegFloat = 0.2
+    """ε_high: ratio upper clip 1 + ε_high (DAPO's clip-higher uses 0.28)."""
+    dual_clip: flags.AboveOne | None = None
+    """dual-clip constant c > 1 (Ye et al. 2020): bounds the loss of negative-advantage tokens at c·|A|."""
+    level: Literal["token", "sequence"] = "token"
+    """importance ratio per token (PPO/GRPO) or per sequence (GSPO, Zheng et al. 2025)."""
+    entropy_coef: flags.NonNegFloat = 0.0
+    """entropy bonus coefficient (0: off, no extra memory)."""
+    kl_coef: flags.NonNegFloat = 0.01  # DEVIATION(3): the only KL term; none in the loss
+    """β of the per-token KL penalty in the reward (Ziegler et al. 2019); 0 loads no reference model."""
+    kl_target: flags.PosFloat | None = None
+    """adaptive KL (Ziegler et al. 2019): β starts at kl-coef and is moved toward this per-token KL
+    (`rl_math.AdaptiveKLController`, saved in checkpoints); None keeps β fixed."""
+    kl_horizon: flags.PosInt = 10000
+    """adaptive KL horizon in samples: β changes by at most 20 % per this many samples."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k1"
+    """KL estimator for the reward penalty (k1 = log π_old/π_ref, InstructGPT's)."""
+    is_correction: Literal["tis", "icepop", "seq-mask-tis"] | None = None
+    """importance-sampling correction for the rollout engine's log-probs (core/rl_math.is_weight)."""
+    is_threshold: flags.WeightBounds = (0.5, 5.0)
+    """[lo, hi] bounds of the IS weight."""
 
 
+@dataclass
+class Args:
+    exp_name: str = Path(__file__).stem
+    """run name prefix; defaults to this file's name, so a copied script names its own runs."""
+    actor: config.ActorArgs = field(default_factory=config.ActorArgs)
+    ref: config.RefConfig = field(default_factory=config.RefConfig)
+    critic: CriticArgs = field(default_factory=CriticArgs)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    rollout: config.RolloutArgs = field(default_factory=config.RolloutArgs)  # DEVIATION(2): G = 8 (InstructGPT: 1)
+    train: config.TrainArgs = field(default_factory=lambda: config.TrainArgs(max_steps=30))  # max-steps counts the critic warm-up
+    algo: AlgoArgs = field(default_factory=AlgoArgs)
+    eval: config.EvalArgs = field(default_factory=config.EvalArgs)
+    data: config.DataConfig = field(default_factory=config.DataConfig)
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
+    ds: config.DSConfig = field(default_factory=config.DSConfig)
+    ckpt: config.CkptConfig = field(default_factory=config.CkptConfig)
+    logger: config.LoggerConfig = field(default_factory=config.LoggerConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+    run_dir: str | None = None
+    """run folder; default `<logger.run-root>/<exp_name>__<seed>__<time>`. An existing one resumes."""
+    debug: bool = False
+    """after every weight sync, check that the engine's log-probs equal the trainer's."""
+
+
+# ALGO LOGIC: PPO's advantage estimator: KL-shaped token rewards, GAE with the critic's values, whitening.
 @torch.no_grad()
-def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float) -> tuple[Tensor, Tensor]:
+def gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float, lam: float):
     """Generalized advantage estimation (Schulman et al. 2016, arXiv:1506.02438), as in OpenRLHF's PPO.
 
     δ_t = r_t + γ·V_{t'} − V_t,   A_t = δ_t + γλ·A_{t'},   R_t = A_t + V_t (the critic's target),
@@ -112,121 +185,99 @@ def gae(rewards: Tensor, values: Tensor, mask: Tensor, gamma: float, lam: float)
     raise NotImplementedError("lesson 5: write gae")
 
 
-@torch.no_grad()
-def discounted_returns(rewards: Tensor, mask: Tensor, gamma: float) -> Tensor:
-    """Reward-to-go G_t = Σ_{k≥t, k valid} γ^{n(t,k)} r_k over masked rewards (REINFORCE; REINFORCE++'s return before
-    whitening), n(t, k) the number of valid positions from t to k, k excluded: masked positions (padding, a multi-turn
-    episode's environment tokens) are skipped, neither rewarded nor discounted.
+def ppo_advantages(
+    rewards: torch.Tensor,
+    kl: torch.Tensor,
+    values: torch.Tensor,
+    mask: torch.Tensor,
+    kl_coef: float,
+    gamma: float = 1.0,
+    lam: float = 0.95,
+    whiten: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(A, R) = gae(r, V),  r_t = −kl_coef · kl_t + [t = last] · reward;  A whitened over the batch's valid tokens.
 
-    rewards, mask: (B, T) -> (B, T), 0 at masked positions, without gradient. A loop over T, vectorised over B.
-    """
+    rewards: (B,) one scalar per response; kl: (B, T) per-token KL estimate; values: (B, T) the rollout critic's
+    V(s_t), the value of the state before token t; mask: (B, T) response mask -> advantages (B, T) (whitened when
+    `whiten`) and returns R = Â + V (B, T), the critic's targets (never whitened); both 0 at masked positions."""
+    if (
+        rewards.dim() != 1
+        or kl.dim() != 2
+        or not kl.shape == values.shape == mask.shape == (rewards.numel(), kl.shape[1])
+    ):
+        raise ValueError(f"shapes: rewards (B,), kl, values and mask (B, T); got rewards {tuple(rewards.shape)}, kl "
+                         f"{tuple(kl.shape)}, values {tuple(values.shape)}, mask {tuple(mask.shape)}")  # fmt: skip
+    # the script already clipped the raw reward to ±reward.clip, so no second clip here
+    per_token = rl_math.token_rewards(rewards, kl, kl_coef, mask, clip_range=None)  # (B, T)
+    advantages, returns = gae(per_token, values, mask, gamma, lam)  # (B, T), (B, T)
+    if whiten:
+        advantages = rl_math.masked_whiten(advantages, mask)
+    return advantages, returns
+
+
+def explained_variance(values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """1 − Var(R − V) / Var(R) over the valid tokens (population variances): 1 is a perfect critic, 0 one no better
+    than the batch mean, < 0 one worse than it. values, returns, mask: (B, T) -> scalar; NaN when Var(R) = 0 (as
+    CleanRL's ppo.py)."""
     mask = mask.bool()
-    r = _keep(rewards, mask)
-    returns = torch.zeros_like(r)
-    running = torch.zeros_like(r[:, 0])
-    for t in reversed(range(r.shape[1])):
-        running = torch.where(mask[:, t], r[:, t] + gamma * running, running)
-        returns[:, t] = running
-    return _keep(returns, mask)
+    v, r = values[mask].double(), returns[mask].double()
+    var_r = r.var(unbiased=False) if r.numel() else torch.tensor(0.0, dtype=torch.float64)
+    if var_r == 0:
+        return torch.tensor(float("nan"))
+    return (1 - (r - v).var(unbiased=False) / var_r).float()
 
 
-def masked_whiten(x: Tensor, mask: Tensor, scale_by_std: bool = True, eps: float = 1e-8) -> Tensor:
-    """Normalise x over the masked positions of the whole batch (OpenRLHF's advantage normalisation).
-
-    μ = Σ x·m / Σ m,   σ² = Σ (x − μ)²·m / Σ m (population variance),   out = (x − μ) / sqrt(σ² + eps).
-    scale_by_std=False returns x − μ only (OpenRLHF's `no_std_norm`, Dr.GRPO's advice). TRL's masked_whiten uses the
-    unbiased (Bessel) variance instead. x, mask: same shape, e.g. (B, T) or (B,) -> same shape, 0 at masked positions.
-    """
-    mask = mask.bool()
-    x = _keep(x, mask)
-    mean = masked_mean(x, mask)
-    centered = _keep(x - mean, mask)
-    if not scale_by_std:
-        return centered
-    var = masked_mean(centered.square(), mask)
-    return centered * torch.rsqrt(var + eps)
+def groups_inside(scores: torch.Tensor, group_size: int, low: float, high: float) -> torch.Tensor:
+    """DAPO dynamic sampling: which groups have a mean score strictly inside (low, high), i.e. are neither all solved
+    nor all failed (with 0-1 scores and the range (0, 1)). scores: (B,) prompt-major -> (B / group_size,) bool."""
+    mean = scores.view(-1, group_size).mean(dim=1)
+    return (mean > low) & (mean < high)
 
 
-def aggregate_loss(
-    loss: Tensor,
-    mask: Tensor,
-    mode: str,
-    num_tokens: Count | None = None,
-    num_seqs: Count | None = None,
-    max_len: int | None = None,
-) -> Tensor:
-    """Reduce a per-token loss (B, T) to a scalar; the mode decides how tokens and sequences are weighted.
-
-    token-mean               Σ ℓ·m / N,  N = num_tokens or Σ m        (OpenRLHF default; DAPO; TRL "dapo"/"bnpo")
-    seq-mean-token-mean      Σ_i (Σ_t ℓ·m / Σ_t m)_i / S over rows with ≥ 1 valid token, S = num_seqs or their
-                             count                                   (GRPO paper; TRL "grpo")
-    seq-mean-token-sum-norm  Σ ℓ·m / (S · L),  S = num_seqs or B, L = max_len or T   (Dr.GRPO; TRL "dr_grpo")
-    Micro-batches and data-parallel ranks: pass the counts of the whole optimizer step (num_tokens = valid tokens;
-    num_seqs = non-empty sequences for seq-mean-token-mean, all sequences for seq-mean-token-sum-norm) and sum the
-    returned losses: the sum is exactly the whole-batch loss, gradients included (multiply by the world size when DDP
-    averages gradients over ranks). Dr.GRPO's L is the generation budget (max new tokens): pass it as max_len so the
-    normaliser does not depend on how a batch happens to be padded; the default is the padded width T.
-    """
-    if mode not in AGG_MODES:
-        raise ValueError(f"unknown loss aggregation mode {mode!r}; valid modes: {', '.join(AGG_MODES)}")
-    mask = mask.bool()
-    loss = _keep(loss, mask)
-    if mode == "token-mean":
-        return loss.sum() / _at_least_one(mask.sum() if num_tokens is None else num_tokens)
-    if mode == "seq-mean-token-mean":
-        tokens = mask.sum(dim=-1)  # (B,)
-        seq_means = loss.sum(dim=-1) / _at_least_one(tokens)  # an empty row gives 0 and is not counted below
-        return seq_means.sum() / _at_least_one((tokens > 0).sum() if num_seqs is None else num_seqs)
-    seqs = mask.shape[0] if num_seqs is None else num_seqs
-    return loss.sum() / _at_least_one(seqs * (mask.shape[1] if max_len is None else max_len))
+def make_critic(args: Args, total_updates: int, device: torch.device):
+    """V_φ: a causal LM body + scalar head (`--critic.name-or-path`, default the actor's model) as a second DeepSpeed
+    engine with its own AdamW and warmup/cosine schedule. A fresh head is drawn from `--train.seed`, the same on
+    every rank and wherever the critic lives. models.TokenValues returns per-token values from the engine's own
+    forward (ZeRO-3 accumulation)."""
+    flag = "--critic.name-or-path" if args.critic.name_or_path else "--actor.model.name-or-path"
+    models.check_4bit_training(args.critic.load_in_4bit, args.critic.lora_rank, "--critic.")
+    with torch.random.fork_rng(devices=[]):  # the head from --train.seed alone: the same in the critic's own group
+        torch.manual_seed(args.train.seed)
+        body = models.load_scalar_model(args.critic.name_or_path or args.actor.model.name_or_path,
+                                        args.actor.model.dtype, args.actor.model.attn_implementation, flag,
+                                        args.critic.load_in_4bit, args.critic.lora_rank)  # fmt: skip
+    critic = models.TokenValues(body).to(device)
+    sequence_parallel.setup(critic, args.train.sp_size)  # --train.sp-size N: its forwards split the rows as the actor's
+    schedule = partial(lr_schedule, warmup=args.critic.lr_warmup_steps, total=total_updates, floor=0.1)  # its own
+    return ds_engine.make_engine(critic, args.ds, args.critic.lr, total_updates, hybrid=args.vllm.enable_sleep,
+                                 schedule=schedule)  # fmt: skip
 
 
-# Pieces of the policy loss that every RL script writes out in its own `policy_loss` (algos/grpo.py's).
-def importance_ratio(logp: Tensor, old_logp: Tensor, mask: Tensor, level: str = "token") -> Tensor:
-    """ρ = π_θ / π_old per token, exp(clamp(logp − old_logp, ±20)); level "sequence" (GSPO) gives every token of a
-    sequence exp(mean_t(logp − old_logp)) over its valid tokens, differentiable through the mean (each token's
-    log-prob gets 1/|y_i| of ∂ℓ/∂ log ρ_i). logp: (B, T) with gradient; old_logp, mask: (B, T) -> (B, T), 1 at masked
-    positions' log-ratio 0."""
-    if level not in ("token", "sequence"):
-        raise ValueError(f"unknown policy-loss level {level!r}; valid levels: token, sequence")
-    mask = mask.bool()
-    log_ratio = _keep(logp, mask) - _keep(old_logp, mask).detach()
-    if level == "sequence":
-        log_ratio = masked_mean(log_ratio, mask, dim=-1)[:, None].expand_as(log_ratio)
-    return torch.exp(log_ratio.clamp(-20.0, 20.0))
+def forward_values(critic, batch: dict) -> torch.Tensor:
+    """Values (B, L) aligned with forward_logp: position t holds V(x_<t), the critic's value of the state before
+    token t is generated (the scalar head on hidden state t − 1); 0 at position 0 and at padding."""
+    inputs, index = rl.model_inputs(critic, batch)  # packed padding-free, as the actor's passes
+    if sequence_parallel.sp_group(critic) is None:
+        return rl.previous_token(critic(**inputs), index)  # models.TokenValues: (R, W) -> (B, L)
+    return rl.previous_token(sequence_parallel.token_values(critic, inputs), index)  # each rank 1/N of the tokens
 
 
-def is_weight(old_logp: Tensor, rollout_logp: Tensor, mask: Tensor, mode: str,
-              threshold: tuple[float, float] = (0.5, 5.0)) -> Tensor:  # fmt: skip
-    """Importance weight (detached) correcting for the rollout engine's log-probs, w = exp(old_logp − rollout_logp),
-    (lo, hi) = threshold: "tis" clamp(w, lo, hi) (truncated IS, Yao et al. 2025); "icepop" w inside [lo, hi], 0
-    outside (IcePop, Ring-1T report); "seq-mask-tis" w, and 0 on every token of a sequence whose geometric mean
-    exp(mean_t log w) is outside [lo, hi] (as OpenRLHF). (B, T) each -> (B, T)."""
-    if mode not in IS_CORRECTIONS:
-        raise ValueError(f"unknown is_correction {mode!r}; valid: None, {', '.join(IS_CORRECTIONS)}")
-    if rollout_logp is None:
-        raise ValueError(f"is_correction={mode!r} needs rollout_logp (the inference engine's log-probs)")
-    mask = mask.bool()
-    lo, hi = threshold
-    log_w = _keep(_keep(old_logp, mask).detach() - _keep(rollout_logp, mask).detach(), mask)
-    w = torch.exp(log_w)
-    if mode == "tis":
-        return w.clamp(lo, hi)
-    if mode == "icepop":
-        return torch.where((w >= lo) & (w <= hi), w, 0.0)
-    seq_w = torch.exp(masked_mean(log_w, mask, dim=-1))  # (B,) geometric mean of w over valid tokens
-    return torch.where(((seq_w >= lo) & (seq_w <= hi))[:, None], w, 0.0)
+def values_table(critic, rank: int, world: int, seqs: dict, args: Args, step: int) -> torch.Tensor:
+    """V_old (B, L) of every row of the rollout: each rank its micro-batches, summed over the world (`rl.on_model`)."""
+    mine = [m for _, micro in rl.minibatches(seqs, args.train, step, rank, world) for m in micro]
+    return rl.forward_rows(partial(forward_values, critic), seqs, mine, world, True, args.train.sp_size)
 
 
+# ALGO LOGIC: the critic's loss and update, ½ max((V − R)², (V_clip − R)²), one optimizer step per minibatch
 def value_loss(
-    values: Tensor,
-    old_values: Tensor,
-    returns: Tensor,
-    mask: Tensor,
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
     clip_eps: float | None = None,
     agg: str = "token-mean",
-    **agg_kwargs: Count | None,
-) -> tuple[Tensor, dict[str, Tensor]]:
+    **agg_kwargs: int | float | torch.Tensor | None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Critic loss with PPO-style value clipping (OpenRLHF's ValueLoss; TRL's cliprange_value).
 
     ℓ_t = ½ · max((V_clip − R)², (V − R)²),  V_clip = V_old + clamp(V − V_old, −clip_eps, clip_eps);
@@ -236,8 +287,8 @@ def value_loss(
     values_mean.
     """
     mask = mask.bool()
-    values = _keep(values, mask)
-    old_values, returns = _keep(old_values, mask).detach(), _keep(returns, mask).detach()
+    values = torch.where(mask, values, 0.0)
+    old_values, returns = torch.where(mask, old_values, 0.0).detach(), torch.where(mask, returns, 0.0).detach()
     err = (values - returns).square()
     if clip_eps is None:
         loss, clipped = 0.5 * err, torch.zeros_like(mask)
@@ -249,167 +300,199 @@ def value_loss(
         moved = (values - old_values).abs() > clip_eps
         loss, clipped = 0.5 * torch.max(err_clipped, err), (err_clipped > err) & moved
     stats = {
-        "clipfrac": masked_mean(clipped.float(), mask).detach(),
-        "values_mean": masked_mean(values.detach(), mask),
+        "clipfrac": rl_math.masked_mean(clipped.float(), mask).detach(),
+        "values_mean": rl_math.masked_mean(values.detach(), mask),
     }
-    return aggregate_loss(loss, mask, agg, **agg_kwargs), stats
+    return rl_math.aggregate_loss(loss, mask, agg, **agg_kwargs), stats
 
 
-def entropy_from_logits(logits: Tensor) -> Tensor:
-    """Per-token entropy of softmax(logits): H = logsumexp(z) − Σ_v softmax(z)_v · z_v.
-
-    logits: (B, T, V) (any leading shape) -> (B, T), in logits' dtype (call .float() first for accurate bf16).
-    Stable for large logits (no un-shifted exp); −inf logits (top-k/top-p filtering) contribute 0, not NaN.
-    """
-    probs = torch.softmax(logits, dim=-1)
-    z = logits.masked_fill(probs == 0, 0.0)  # p = 0 terms are 0; 0 · (−inf) would be NaN
-    return torch.logsumexp(logits, dim=-1) - (probs * z).sum(dim=-1)
-
-
-def logprobs_from_logits(logits: Tensor, labels: Tensor, temperature: float = 1.0) -> Tensor:
-    """log softmax(logits / temperature) gathered at labels, without a full (B, T, V) float32 copy when avoidable.
-
-    logp_{b,t} = z_{b,t,y} − logsumexp_v z_{b,t,v},  z = logits / temperature (the sampler's temperature, so the
-    log-probs match what vLLM sampled from). logits: (B, T, V); labels: (B, T) valid token ids -> (B, T) float32
-    (float64 stays float64). fp32/fp64: gather minus logsumexp, no log_softmax tensor. bf16/fp16: one row (T, V) at
-    a time in float32. Under autograd each row's float32 activations are kept for backward; the saving is complete
-    for the no-grad passes (old and reference log-probs), which see the largest batches.
-    """
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
-    if logits.dtype in (torch.float32, torch.float64):
-        if temperature != 1.0:
-            logits = logits / temperature
-        picked = logits.gather(-1, labels.unsqueeze(-1)).squeeze(-1)
-        return picked - torch.logsumexp(logits, dim=-1)
-    rows = []
-    for row_logits, row_labels in zip(logits, labels, strict=True):  # (T, V), (T)
-        row_logp = F.log_softmax(row_logits.float() / temperature, dim=-1)
-        rows.append(row_logp.gather(-1, row_labels.unsqueeze(-1)).squeeze(-1))
-    return torch.stack(rows)
+def critic_update(critic, rank: int, world: int, seqs: dict, old_values, returns, args: Args, step: int) -> dict:
+    """`--train.epochs` passes of the clipped value loss over the step's minibatches (this rank's micro-batches of
+    each). It needs nothing from the actor's update (the targets are fixed), so it runs before it, in the trainer
+    ranks or in the critic's own group (`rl.on_model`). seqs, old_values, returns: (B, L) -> critic metrics."""
+    mask, meter = seqs["loss_mask"], Meter()
+    max_len = args.rollout.max_new_tokens if args.algo.loss_agg == "seq-mean-token-sum-norm" else mask.shape[1]
+    for _ in range(args.train.epochs):
+        for minibatch, micro in rl.minibatches(seqs, args.train, step, rank, world):
+            norm = {"num_tokens": mask[minibatch].sum().item(), "num_seqs": len(minibatch), "max_len": max_len}
+            for r, mb, real, last in rl.micro_batches(seqs, micro):
+                values = forward_values(critic, mb)
+                vloss, vstats = value_loss(values, old_values[r], returns[r], mb["loss_mask"],
+                                                   args.critic.value_clip, args.algo.loss_agg, **norm)  # fmt: skip
+                meter.add_loss("loss/value", rl.backward(critic, vloss, step, world, real, last, "critic value loss"))
+                meter.add({"critic/clipfrac": vstats["clipfrac"]}, mb["loss_mask"].sum().item() if real else 0.0)
+            meter.add_step("critic/grad_norm", ds_engine.optimizer_step(critic, step, "critic"))  # NaN/inf: raise
+    return {**meter.result(world), "critic/lr": critic.lr_scheduler.get_last_lr()[0]}
 
 
-class _HeadLogprobs(torch.autograd.Function):
-    """logp and entropy of softmax(h Wᵀ / τ) at `labels`, one chunk of tokens at a time, never holding the (N, V)
-    logits of more than one chunk; the backward recomputes each chunk's logits (what a fused LM-head + log-softmax
-    kernel does). Saved for backward: h, W, labels and the (N,) logsumexp."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, labels, temperature: float, chunk: int, with_entropy: bool):
-        n, acc = hidden.shape[0], torch.promote_types(hidden.dtype, torch.float32)  # float32, or float64 for tests
-        logp = torch.empty(n, dtype=acc, device=hidden.device)
-        ent = torch.empty(n, dtype=acc, device=hidden.device) if with_entropy else None
-        lse = torch.empty(n, dtype=acc, device=hidden.device)
-        for i in range(0, n, chunk):
-            j = min(i + chunk, n)
-            z = (hidden[i:j] @ weight.t()).to(acc).div_(temperature)  # (c, V): one of at most two such buffers
-            lse[i:j] = torch.logsumexp(z, dim=-1)
-            logp[i:j] = z.gather(-1, labels[i:j, None]).squeeze(-1) - lse[i:j]
-            if with_entropy:  # H = lse − Σ_v p_v z_v
-                p = z.sub(lse[i:j, None]).exp_()
-                ent[i:j] = lse[i:j] - torch.linalg.vecdot(p, z)
-        ctx.save_for_backward(hidden, weight, labels, lse)
-        ctx.temperature, ctx.chunk, ctx.with_entropy = temperature, chunk, with_entropy
-        return (logp, ent) if with_entropy else (logp, torch.zeros(0, device=hidden.device))
-
-    @staticmethod
-    def backward(ctx, grad_logp, grad_ent):
-        hidden, weight, labels, lse = ctx.saved_tensors
-        tau, chunk, acc = ctx.temperature, ctx.chunk, lse.dtype
-        grad_h = torch.zeros_like(hidden) if ctx.needs_input_grad[0] else None
-        grad_w = torch.zeros(weight.shape, dtype=acc, device=weight.device) if ctx.needs_input_grad[1] else None
-        entropy = ctx.with_entropy and grad_ent is not None and grad_ent.numel() > 0
-        for i in range(0, hidden.shape[0], chunk):
-            j = min(i + chunk, hidden.shape[0])
-            h = hidden[i:j]
-            z = (h @ weight.t()).to(acc).div_(tau)
-            p = z.sub(lse[i:j, None]).exp_()
-            g_logp = grad_logp[i:j, None].to(acc)
-            # ∂logp/∂z = onehot(y) − p;   ∂H/∂z = −p ⊙ (z − Σ_v p_v z_v); in place, two (c, V) buffers
-            if entropy:
-                z.sub_(torch.linalg.vecdot(p, z)[:, None]).mul_(p).mul_(-grad_ent[i:j, None].to(acc))
-                gz = z.sub_(p.mul_(g_logp))
-            else:
-                gz = p.mul_(-g_logp)
-            gz.scatter_add_(-1, labels[i:j, None], g_logp).div_(tau)  # z = h Wᵀ / τ
-            if grad_h is not None:
-                grad_h[i:j] = (gz @ weight.to(acc)).to(hidden.dtype)
-            if grad_w is not None:
-                grad_w.addmm_(gz.t(), h.to(acc))
-        return grad_h, None if grad_w is None else grad_w.to(weight.dtype), None, None, None, None
+# ALGO LOGIC: the learning-rate schedule, the multiplier of --actor.lr at each optimizer step (CleanRL anneals by hand).
+def lr_schedule(update: int, warmup: int, total: int, floor: float) -> float:
+    """Linear warm-up over `warmup` optimizer steps, then cosine decay from 1 to `floor` at update `total`."""
+    progress = min(1.0, (update - warmup) / max(1, total - warmup))  # of the decay, after the warm-up
+    return (update + 1) / warmup if update < warmup else floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
 
-def head_logprobs(hidden: Tensor, weight: Tensor, labels: Tensor, temperature: float = 1.0, chunk: int = 256,
-                  entropy: bool = False) -> tuple[Tensor, Tensor | None]:  # fmt: skip
-    """Log-probs (and entropies) of `labels` under softmax(hidden · weightᵀ / temperature), computed `chunk` tokens at
-    a time in float32, forward and backward, so the (tokens, vocab) float32 logits exist for one chunk only: at 4,096
-    tokens and a 151,936-token vocabulary the full logits alone are 2.5 GB, a 256-token chunk's 0.16 GB.
+# ALGO LOGIC: the loss of one micro-batch of (b, T) tensors, normalised by its whole minibatch's counts.
+def policy_loss(logp, old_logp, adv, mask, *, clip_low=0.2, clip_high=0.2, dual_clip=None, level="token",
+                rollout_logp=None, is_correction=None, is_threshold=(0.5, 5.0), ent=None, entropy_coef=0.0,
+                agg="token-mean", num_tokens=None, num_seqs=None, max_len=None):  # fmt: skip
+    """J = clipped surrogate (× IS weight) + entropy bonus; no KL term (DEVIATION(3): the KL penalty is in the reward).
 
-    hidden: (..., H) final hidden states (after the model's last norm); weight: (V, H) the LM head (no bias, as in
-    Llama/Qwen); labels: (...) token ids -> logp (...) float32, entropy (...) float32 or None. Equal to
-    `logprobs_from_logits(hidden @ weight.T, labels, temperature)` and `entropy_from_logits` up to float32 rounding,
-    gradients included (tests/test_rl_math.py)."""
-    if temperature <= 0 or chunk < 1:
-        raise ValueError(f"temperature must be > 0 and chunk >= 1, got {temperature}, {chunk}")
-    shape = labels.shape
-    logp, ent = _HeadLogprobs.apply(hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1), float(temperature),
-                                    int(chunk), entropy)  # fmt: skip
-    return logp.view(shape), (ent.view(shape) if entropy else None)
-
-
-class AdaptiveKLController:
-    """Adaptive KL coefficient of Ziegler et al. 2019 (arXiv:1909.08593), as in OpenRLHF and TRL.
-
-    β ← β · (1 + clip(KL / target − 1, −0.2, 0.2) · n_steps / horizon): β grows while the measured KL is above the
-    target and shrinks below it, by at most 20 % per `horizon` steps. n_steps is what OpenRLHF passes: the number of
-    samples since the last update. Only β is state; target and horizon come from the script's Args.
-    """
-
-    def __init__(self, init_kl_coef: float, target: float, horizon: float):
-        if target <= 0 or horizon <= 0:
-            raise ValueError(f"target and horizon must be > 0, got target={target}, horizon={horizon}")
-        self.value = float(init_kl_coef)
-        self.target = float(target)
-        self.horizon = float(horizon)
-
-    def update(self, current_kl: float | Tensor, n_steps: int) -> None:
-        error = min(max(float(current_kl) / self.target - 1.0, -0.2), 0.2)
-        self.value *= 1.0 + error * n_steps / self.horizon
-
-    def state_dict(self) -> dict[str, float]:
-        return {"value": self.value}
-
-    def load_state_dict(self, state: dict[str, float]) -> None:
-        self.value = float(state["value"])
+    Aggregated by `agg` with the whole minibatch's `num_tokens` / `num_seqs` / `max_len` (rl_math.aggregate_loss).
+    logp (with gradient) and every other tensor: (b, T). Returns (loss to minimise, this micro-batch's metrics, the
+    per-token tensors it computed and used: ratio, advantage, entropy, KL, for samples.jsonl)."""
+    adv = torch.where(mask.bool(), adv, 0.0)  # what lies off the mask reaches no gradient (a GSPO ratio spans it)
+    ratio = rl_math.importance_ratio(logp, old_logp, mask, level)  # ρ = π_θ / π_old (per sequence: GSPO)
+    surr, surr_clipped = ratio * adv, ratio.clamp(1 - clip_low, 1 + clip_high) * adv
+    pg = -torch.min(surr, surr_clipped)  # −min(ρA, clip(ρ, 1 − ε_low, 1 + ε_high)·A)
+    metrics = {"loss/clipfrac": rl_math.masked_mean((surr_clipped < surr).float(), mask)}
+    if dual_clip is not None:  # dual clip (Ye et al. 2020): where A < 0 the loss is at most −c·A
+        metrics["loss/dual_clipfrac"] = rl_math.masked_mean(((adv < 0) & (pg > -dual_clip * adv)).float(), mask)
+        pg = torch.where(adv < 0, torch.min(pg, -dual_clip * adv), pg)
+    if is_correction:  # DEVIATION(4): correct for the engine's own log-probs, w = π_old / π_vllm (detached)
+        w = rl_math.is_weight(old_logp, rollout_logp, mask, is_correction, is_threshold)
+        pg, metrics["loss/is_weight"] = pg * w, rl_math.masked_mean(w, mask)
+    norm = {"num_tokens": num_tokens, "num_seqs": num_seqs, "max_len": max_len}
+    loss = rl_math.aggregate_loss(pg, mask, agg, **norm)  # DEVIATION(1): token-mean
+    if ent is not None:
+        loss = loss - entropy_coef * rl_math.aggregate_loss(ent, mask, agg, **norm)
+        metrics["loss/entropy"] = rl_math.masked_mean(ent, mask)
+    used = {"ratio": ratio, "advantage": adv, "entropy": ent}  # per token, as the loss used them (samples.jsonl)
+    return loss, metrics, used
 
 
-class FixedKLController:
-    """Constant KL coefficient β = kl_coef; same interface as AdaptiveKLController, update() does nothing."""
+def update(actor, critic, ref, seqs: dict, rewards: torch.Tensor, args: Args, run: rl.Run, step: int, kl_coef: float,
+           trace: samples.Trace = samples.NO_TRACE):  # fmt: skip
+    """Both updates over one rollout: old log-probs, V_old and reference log-probs of every row first (GAE and the
+    whitening are global, so every rank gets every row), the advantages and the critic's targets, then the critic's
+    `--train.epochs` passes of `--train.minibatches` steps and, after the critic warm-up (step ≥
+    --critic.warmup-steps), the actor's; `trace` keeps what the loss saw of a few samples (samples.jsonl).
+    seqs: (B, L) batch; rewards: (B,) -> metrics."""
+    mask, temp, world = seqs["loss_mask"], args.rollout.temperature, run.world
+    batches = rl.minibatches(seqs, args.train, step, run.rank, world)
+    mine = [m for _, micro in batches for m in micro]  # this rank's rows
+    old_logp = rl.forward_rows(lambda b: rl.forward_logp(actor, b, temp)[0], seqs, mine, world, True,
+                               args.train.sp_size)  # every row on every rank  # fmt: skip
+    old_values = rl.on_model(critic, values_table, seqs, args, step, run=run)  # trainer ranks or --critic.ranks
+    ref_logp = None if ref is None else rl.on_model(ref, rl.logp_table, seqs, args.train, temp, step, run=run)
+    out, kl = {"critic/warmup": float(step < args.critic.warmup_steps)}, torch.zeros_like(old_logp)
+    if ref_logp is not None:  # KL_t of the sampling policy to the reference, on the sampled tokens
+        kl = rl_math.approx_kl(old_logp, ref_logp, args.algo.kl_estimator, mask=mask)
+        out["loss/kl"] = rl_math.masked_mean(kl, mask).item()
+    # ALGO LOGIC: KL-shaped token rewards -> GAE with the rollout critic's values -> whitened advantages
+    adv, returns = ppo_advantages(rewards.to(mask.device), kl, old_values, mask, kl_coef, args.algo.gamma,
+                                  args.algo.lam, args.algo.whiten_advantages)  # fmt: skip
+    out.update({"critic/values_mean": rl_math.masked_mean(old_values, mask).item(),
+                "critic/returns_mean": rl_math.masked_mean(returns, mask).item(),
+                "critic/explained_variance": explained_variance(old_values, returns, mask).item()})  # fmt: skip
+    out.update(rl.on_model(critic, critic_update, seqs, old_values, returns, args, step, run=run))
+    meter = Meter()
+    # Dr.GRPO's constant normaliser is the generation budget, not the padded width of the batch
+    max_len = args.rollout.max_new_tokens if args.algo.loss_agg == "seq-mean-token-sum-norm" else mask.shape[1]
+    loss_fn = partial(policy_loss, clip_low=args.algo.clip_low, clip_high=args.algo.clip_high,
+                      dual_clip=args.algo.dual_clip, level=args.algo.level, is_correction=args.algo.is_correction,
+                      is_threshold=args.algo.is_threshold, entropy_coef=args.algo.entropy_coef, agg=args.algo.loss_agg,
+                      max_len=max_len)  # fmt: skip
+    for _ in range(args.train.epochs if step >= args.critic.warmup_steps else 0):  # warm-up: the actor waits
+        for k, (minibatch, micro) in enumerate(batches):  # normalisers: the whole minibatch, every rank
+            norm = {"num_tokens": mask[minibatch].sum().item(), "num_seqs": len(minibatch)}
+            for r, mb, real, last in rl.micro_batches(seqs, micro):
+                logp, ent = rl.forward_logp(actor, mb, temp, args.algo.entropy_coef > 0)
+                loss, metrics, used = loss_fn(logp, old_logp[r], adv[r], mb["loss_mask"], rollout_logp=mb["rollout_logp"],
+                                              ent=ent, **norm)  # fmt: skip
+                trace.add(r, mb["loss_mask"], minibatch=k, logp=logp, old_logp=old_logp[r], **used, value=old_values[r],
+                          kl=None if ref is None else kl[r])  # the KL its token rewards used  # fmt: skip
+                metrics |= rl.router_aux(actor)  # DEVIATION(6): a MoE router's balancing loss, logged, not added
+                meter.add_loss("loss/policy", rl.backward(actor, loss, step, world, real, last, "actor loss"))
+                meter.add(metrics, mb["loss_mask"].sum().item() if real else 0.0)
+            meter.add_step("train/grad_norm", ds_engine.optimizer_step(actor, step, "actor"))  # NaN/inf: raise
+    return {**out, **meter.result(world), "train/tokens": float(mask.sum())}
 
-    def __init__(self, kl_coef: float):
-        self.value = float(kl_coef)
 
-    def update(self, current_kl: float | Tensor, n_steps: int) -> None:
-        pass
+def main(args: Args, engines: rollout.RolloutEngines | None = None, groups: dict | None = None) -> dict:
+    # 1. setup ------------------------------------------------------------------------------------------------
+    config.check_args(args)  # PLUMBING: generic flag rules (sizes > 0, finite floats, ...) before anything is loaded
+    if not 0 <= args.critic.warmup_steps < args.train.max_steps:  # ALGO LOGIC: the actor must train at least once
+        raise ValueError(f"--critic.warmup-steps {args.critic.warmup_steps} must be in [0, --train.max-steps "
+                         f"{args.train.max_steps}): the actor would never be trained")  # fmt: skip
+    if args.data.image_key:  # the critic's scalar-head forward (core.models.TokenValues) takes no pictures
+        raise ValueError("--data.image-key: ppo.py's critic does not see pictures; use grpo.py, rloo.py or "
+                         "reinforce_pp.py")  # fmt: skip
+    # PLUMBING: `--train.ranks 1`: this process holds the DeepSpeed actor and critic and an in-process vLLM engine.
+    # N > 1: the driver starts Ray, the engine actors and N ranks, each of which runs this function with the engines
+    # given and holds an actor and a critic engine of the same DeepSpeed world.
+    uses_ref = args.algo.kl_coef > 0  # ALGO LOGIC: the KL term needs the reference policy (DEVIATION(3))
+    # PLUMBING: the models this script places on Ray ranks of their own with `--<role>.ranks N` (core places them)
+    placed = {"ref": group(args.ref, unused=None if uses_ref else "the KL term is off: --algo.kl-coef 0"),
+              "critic": group(args.critic),
+              "reward": reward_group(args.reward)}  # fmt: skip
+    if engines is None:  # the files the episodes read (reward, agent, environment), checked before anything loads
+        check_episode_files(args.rollout, args.reward)
+        if rl.needs_launch(args.train, placed):
+            return rl.launch(main, args, placed)
+    rank, world, device = rl.init_rank(engines, args.ds, args.train.seed, args.run_dir)
+    tokenizer, train_set, eval_set = rl.load_task(args)
+    reward = load_reward(args.rollout, args.reward, (groups or {}).get("reward"))  # None: the episodes reward themselves
+    updates = args.train.minibatches * args.train.epochs  # per step, of the actor and of the critic
+    schedule = partial(lr_schedule, warmup=args.actor.warmup_steps, floor=args.actor.min_lr_ratio,
+                       total=(args.train.max_steps - args.critic.warmup_steps) * updates)  # the actor's optimizer steps
+    actor = rl.make_actor(args, device, schedule=schedule)
+    critic = rl.build_model(groups, "critic", make_critic, device, args, args.train.max_steps * updates)  # DEVIATION(5)
+    ref = rl.make_ref(args.ref, args.actor.model, device, groups, actor) if uses_ref else None  # LoRA: adapters off
+    episodes = partial(make_executor, args.rollout, reward, args.actor.model.name_or_path, args.vllm.max_model_len)
+    run = rl.start(args, {"actor": actor, "critic": critic}, engines, tokenizer, eval_set, episodes, rank, world,
+                   device, args.exp_name)  # fmt: skip
+    kl_ctl = (rl_math.AdaptiveKLController(args.algo.kl_coef, args.algo.kl_target, args.algo.kl_horizon)
+              if args.algo.kl_target else rl_math.FixedKLController(args.algo.kl_coef))  # fmt: skip
+    kl_ctl.load_state_dict(run.client.get("kl_ctl", kl_ctl.state_dict()))
+    G = args.rollout.n_samples
+    keep_groups = None  # DAPO dynamic sampling: regenerate groups that are all solved or all failed
+    if args.algo.dynamic_filter_range is not None:
+        keep_groups = partial(groups_inside, group_size=G, low=args.algo.dynamic_filter_range[0],
+                              high=args.algo.dynamic_filter_range[1])  # fmt: skip
 
-    def state_dict(self) -> dict[str, float]:
-        return {"value": self.value}
+    for step in range(run.start_step, args.train.max_steps):
+        perf: dict = {}
+        # 2. rollout: G episodes per prompt through the agent executor, token ids in, token ids + log-probs out
+        with timer(perf, "perf/gen_s"):
+            rounds = args.algo.dynamic_filter_max_rounds
+            ro = rl.collect_rollout(run, args.rollout, train_set, step, keep_groups, rounds)
+        perf["perf/tokens_per_s"] = sum(len(e.token_ids) for e in ro.episodes) / max(perf["perf/gen_s"], 1e-9)
 
-    def load_state_dict(self, state: dict[str, float]) -> None:
-        self.value = float(state["value"])
+        # 3. rewards (the advantages need the critic's values: GAE runs in `update`)
+        rw = args.reward  # shaping: a truncated response's reward, DAPO's overlong penalty, clipping
+        rewards, truncated = rl.shape_rewards(ro, rw.stop_properly_penalty, rw.overlong_buffer, rw.overlong_penalty_factor,
+                                              args.rollout.max_new_tokens, rw.clip)  # fmt: skip
+        keep = torch.ones(len(ro.episodes), dtype=torch.bool)  # no filter: PPO trains on every sample
+        stats = rl.rollout_stats(ro, rewards, truncated, keep)
+
+        # 4. critic and policy update: GAE, then minibatches of the clipped value loss and (after the warm-up) the
+        # PPO-clipped loss; the loss mask is the episodes' action mask (multi-turn feedback: 0, GAE carries through)
+        trace = samples.Trace(samples.watch(keep, G, args.logger.samples), list(range(len(keep))))
+        with timer(perf, "perf/train_s"):
+            seqs = rl.sequences(ro.episodes, tokenizer.pad_token_id, device, args.train.packing)
+            stats.update(update(actor, critic, ref, seqs, rewards, args, run, step, kl_ctl.value, trace=trace))
+        samples.log(run, step, ro, rewards, keep, trace, G)  # -> samples.jsonl, a panel every show-every steps
+        if "loss/kl" in stats:  # β for the next rollout
+            kl_ctl.update(stats["loss/kl"], len(ro.episodes))
+
+        # 5. weight sync, eval, logging, checkpoint
+        with timer(perf, "perf/sync_s"):
+            # during the critic warm-up vLLM already holds the actor's weights, unless sleep level 2 dropped them
+            changed = step >= args.critic.warmup_steps or (args.vllm.enable_sleep and args.vllm.sleep_level == 2)
+            sample = [e.prompt_ids + e.token_ids for e in ro.episodes[:4]]
+            stats.update(rl.sync_weights(run, actor, changed=changed, sample=sample))
+        stats.update({"train/lr": actor.lr_scheduler.get_last_lr()[0], "train/kl_coef": kl_ctl.value, **perf})
+        if rl.end_step(run, args.eval, args.ckpt, step, stats, state={"kl_ctl": kl_ctl.state_dict()}):
+            return rl.finish(run, actor, tokenizer, halted_at=step)
+
+    # 6. export, learning curve and summary
+    return rl.finish(run, actor, tokenizer)
 
 
-def overlong_penalty(lengths: torch.Tensor, max_new_tokens: int, buffer: int, factor: float = 1.0) -> torch.Tensor:
-    """DAPO's soft overlong punishment (Yu et al. 2025, arXiv:2503.14476, Eq. 13), added to the reward.
+if __name__ == "__main__":
+    from core.noise import quiet_libraries
 
-    With L = max_new_tokens and a buffer of B tokens:  0 for |y| ≤ L − B;  −factor · (|y| − (L − B)) / B inside the
-    buffer, reaching −factor at |y| = L, the length of a response cut at the limit.
-
-    lengths: (B,) response lengths in tokens -> (B,) penalties ≤ 0. buffer 0 disables it (all zeros)."""
-    lengths = lengths.float()
-    if buffer <= 0:
-        return torch.zeros_like(lengths)
-    if buffer > max_new_tokens:
-        raise ValueError(f"overlong buffer {buffer} > max_new_tokens {max_new_tokens}")
-    start = max_new_tokens - buffer
-    return -factor * ((lengths - start).clamp(min=0) / buffer).clamp(max=1.0)
+    quiet_libraries()  # PLUMBING: library messages to <run>/run.log (--logger.verbose: on the console)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main(tyro.cli(Args))

@@ -101,6 +101,13 @@ class EvalArgs:
 
 
 @dataclass
+class DSArgs(DSConfig):
+    tensor_parallel_size: tyro.conf.Suppress[int] = 1
+    """not a flag here: rm.py gives every rank its own pairs, where AutoTP needs the ranks of a tensor-parallel
+    group to take the same ones (sft.py, dpo.py and the RL scripts do); `main` refuses a size above 1."""
+
+
+@dataclass
 class Args:
     exp_name: str = Path(__file__).stem
     """run name prefix; defaults to this file's name, so a copied script names its own runs."""
@@ -114,7 +121,7 @@ class Args:
     data: DataConfig = field(default_factory=lambda: DataConfig(path="cleanrlhf/add2-pref"))
     train: TrainArgs = field(default_factory=TrainArgs)
     eval: EvalArgs = field(default_factory=EvalArgs)
-    ds: DSConfig = field(default_factory=DSConfig)
+    ds: DSArgs = field(default_factory=DSArgs)
     ckpt: CkptConfig = field(default_factory=CkptConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     run_dir: str | None = None
@@ -262,6 +269,9 @@ def main(args: Args) -> dict:
     # 1. setup ------------------------------------------------------------------------------------------------
     check_args(args)  # PLUMBING: generic flag rules (sizes > 0, finite floats, ...) before anything is loaded
     models.check_4bit_training(args.model.load_in_4bit, args.model.lora_rank)  # QLoRA needs adapters
+    if args.ds.tensor_parallel_size > 1:  # PLUMBING: not a flag here (DSArgs); a caller's DSConfig may still set it
+        raise ValueError(f"--ds.tensor-parallel-size {args.ds.tensor_parallel_size}: rm.py does not train with AutoTP "
+                         "(sft.py, dpo.py and the RL scripts do)")  # fmt: skip
     # PLUMBING: process group (world of one for `python algos/rm.py`), tokenizer, pairs, model, DeepSpeed engine.
     rank, world, device = ds_engine.init_distributed(args.ds.backend, args.ds.timeout_s)
     # Same seed on every rank for the data order and the head's init (each rank must build the same model);
