@@ -1,6 +1,7 @@
 """DeepSpeed AutoTP training (`--ds.tensor-parallel-size N`) on CPU (gloo, fp32): the decoder layers' linears sharded
 over N ranks compute what one rank computes, in sft.py, dpo.py (tests/test_dpo.py) and an RL actor (grpo.py, whose
-weight sync gathers the shards for the vLLM engine), and the refusals of what is not built.
+weight sync gathers the shards for the vLLM engine), halted and resumed, as 2 × 2 ranks and at ZeRO 0-3; and the
+refusals of what is not built (kto.py and rm.py, LoRA, 4-bit weights, Muon, a checkpoint at another TP size).
 
 Tolerances: two ways of computing one step add the same float32 terms in other orders (a row-parallel layer's
 all-reduce sums its halves, the data-parallel mean sums the ranks' shares), `conftest.f32_rtol`; the weights after
@@ -111,16 +112,45 @@ def test_sft_two_tensor_parallel_groups_of_2_equal_one_rank(one_rank, tmp_path):
 
 
 @pytest.mark.slow
-def test_grpo_actor_with_tensor_parallel_2_trains_like_one_process(tmp_path):
+def test_grpo_actor_with_tensor_parallel_2_halted_and_resumed_trains_like_one_process(tmp_path):
     """`--train.ranks 2 --ds.tensor-parallel-size 2`: the actor's layers sharded over both Ray ranks, each shard
     under ZeRO-3 (gathered over ZeRO's data-parallel group, then over the TP group for the weight sync), a ZeRO-3
-    reference beside it; the same first-step losses, gradient norm and KL as one process, and `--debug` checks after
-    every sync that the engine, which got the gathered shards, computes the trainer's log-probs."""
+    reference beside it, halted after the first step (a checkpoint of each rank's shards) and resumed for the second:
+    both steps' losses, gradient norm and KL are one uninterrupted process's, and `--debug` checks after every sync
+    (the resumed run's first included) that the engine, which got the gathered shards, computes the trainer's
+    log-probs."""
     from algos.grpo import Args, main
 
     def configure(args, ranks: int) -> None:
         zero3_other_reference(args, ranks)
         args.ds.tensor_parallel_size = ranks  # ranks_2_vs_1: --ds.zero-stage 3
+        if ranks == 2:  # the first step here, halted; ranks_2_vs_1's own run of the same args resumes it
+            args.train.halt_after = 1
+            assert main(args)["halted"]
+            shards = sorted(p.name for p in Path(args.run_dir).glob("checkpoints/step_*/actor/*model_states.pt"))
+            assert [n[n.index("mp_rank_") :] for n in shards] == [f"mp_rank_0{t}_model_states.pt" for t in (0, 1)]
+            args.train.halt_after = None
+
+    rows = ranks_2_vs_1(Args, main, tmp_path, configure)
+    assert_first_step_agrees(rows)
+    assert [r["step"] for r in rows[2]] == [1, 2]  # step 2 from the checkpoint, not a second run from step 0
+    for key in ("loss/policy", "train/grad_norm", "loss/clipfrac", "loss/kl"):
+        assert rows[2][1][key] == pytest.approx(rows[1][1][key], rel=max(1e-4, f32_rtol(16 * 8 * 16, updates=1)),
+                                                abs=1e-6), key  # fmt: skip
+
+
+@pytest.mark.slow
+def test_grpo_two_tensor_parallel_groups_of_2_at_zero2_train_like_one_process(tmp_path):
+    """`--train.ranks 4 --ds.tensor-parallel-size 2 --ds.zero-stage 2`: 2 data-parallel × 2 tensor-parallel Ray ranks,
+    ZeRO-2 partitioning each shard's gradients and optimizer states over the 2 data-parallel ranks, a ZeRO-3 reference
+    over the 4, give one process's first-step losses, gradient norm and KL."""
+    from algos.grpo import Args, main
+
+    def configure(args, ranks: int) -> None:
+        zero3_other_reference(args, ranks)
+        if ranks == 2:  # ranks_2_vs_1's multi-rank run, here 4 ranks
+            args.train.ranks, args.ds.tensor_parallel_size, args.ds.zero_stage = 4, 2, 2
+            args.ray.num_cpus = 6  # logical CPUs: four ranks and the engine, as ranks_2_vs_1 gives two
 
     assert_first_step_agrees(ranks_2_vs_1(Args, main, tmp_path, configure))
 
@@ -133,10 +163,21 @@ def test_the_data_split_gives_a_tensor_parallel_group_one_share():
         ds_engine.tp_data_split(DSConfig(tensor_parallel_size=2), sp_size=2)
 
 
-def test_tensor_parallel_with_lora_is_refused_naming_both_flags(tiny_path):
-    lora = models.load_causal_lm(ModelConfig(name_or_path=str(tiny_path), lora_rank=4))  # its own: PEFT wraps in place
-    with pytest.raises(ValueError, match="--ds.tensor-parallel-size 2 with LoRA or 4-bit weights"):
-        ds_engine.make_engine(lora, DSConfig(tensor_parallel_size=2), 1e-3, 10)
+WRAPPED = r"--ds.tensor-parallel-size 2 with LoRA or 4-bit weights \(--model.lora-rank / --model.load-in-4bit\)"
+
+
+@pytest.mark.parametrize("model, ds, message", [
+    ({"lora_rank": 4}, {}, WRAPPED),
+    ({"load_in_4bit": True, "lora_rank": 4}, {}, WRAPPED),  # QLoRA: a trained 4-bit body needs its adapters
+    ({}, {"optimizer": "muon"}, "--ds.tensor-parallel-size 2 with --ds.optimizer muon: Muon orthogonalises whole"),
+], ids=["lora", "qlora", "muon"])  # fmt: skip
+def test_tensor_parallel_with_lora_4bit_or_muon_is_refused_naming_the_flags(tiny_path, model, ds, message):
+    """What AutoTP cannot shard is refused by `make_engine` before DeepSpeed starts: PEFT's and bitsandbytes' wrapped
+    linears, and Muon, whose orthogonalisation needs each matrix whole."""
+    loaded = models.load_causal_lm(ModelConfig(name_or_path=str(tiny_path), **model))  # its own: PEFT wraps in place
+    assert models.is_4bit(loaded) == ("load_in_4bit" in model)
+    with pytest.raises(ValueError, match=message):
+        ds_engine.make_engine(loaded, DSConfig(tensor_parallel_size=2, **ds), 1e-3, 10)
 
 
 def test_sft_refuses_a_tensor_parallel_size_the_ranks_cannot_hold(tmp_path):
