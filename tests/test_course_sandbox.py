@@ -180,3 +180,62 @@ def test_a_lesson_page_states_the_time_limit_of_its_cases(number):
     page = LESSONS[number].page.read_text()
     exercise = page.split("## The exercise", 1)[1].split("\n## ", 1)[0]
     assert f"{check.TIME_LIMIT_S[number]} s" in exercise and "process of its own" in exercise, exercise
+
+
+def starts_background_processes(pids: Path) -> str:
+    """Code that starts three processes that outlive it, writing their pids to `pids`: one in its process group, one
+    in a session of its own (`start_new_session`) and a daemon (a double fork into a new session, its parent gone at
+    once, so that the kernel gives it to another parent). Each runs `sleep(600)` with `pids` on its command line."""
+    return f"""import os, subprocess, sys
+
+cmd = [sys.executable, "-c", "import time; time.sleep(600)", {str(pids)!r}]
+with open({str(pids)!r}, "a") as out:
+    for new_session in (False, True):
+        out.write(f"{{subprocess.Popen(cmd, start_new_session=new_session).pid}}\\n")
+    r, w = os.pipe()
+    if os.fork() == 0:
+        os.setsid()
+        pid = os.fork()
+        if pid == 0:
+            os.execv(cmd[0], cmd)
+        os.write(w, f"{{pid}}\\n".encode())
+        os._exit(0)
+    out.write(os.read(r, 64).decode())
+"""
+
+
+def running(pids: Path, wait_s: float = 0.0) -> list[int]:
+    """The pids in `pids` whose process still runs the command written there (not a zombie, not a reused pid), after
+    waiting up to `wait_s` for them to end (a SIGKILL takes effect a moment after it is sent)."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        out = []
+        for pid in map(int, pids.read_text().split()):
+            try:
+                cmdline = Path(f"/proc/{pid}/cmdline").read_bytes()
+                state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                continue
+            if str(pids).encode() in cmdline and state != "Z":
+                out.append(pid)
+        if not out or time.monotonic() > deadline:
+            return out
+        time.sleep(0.05)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="Linux's /proc and PR_SET_CHILD_SUBREAPER")
+def test_what_a_students_code_starts_in_the_background_is_gone_after_grading(tmp_path):
+    """A process the student's file starts at import and leaves running (in its group, in a session of its own, or a
+    daemon) ran on after grading: the group kill missed the two that left the group. After the cases (and after a
+    learning run that does the same) none is left, and the file is graded as usual."""
+    mine, pids, run_pids = tmp_path / "02_mine.py", tmp_path / "pids", tmp_path / "run_pids"
+    mine.write_text(starts_background_processes(pids) + GOOD)
+    try:
+        assert [why for _, why in check.run_cases(LESSONS[2], mine, limit_s=10)] == [None, None, None]
+        assert len(pids.read_text().split()) == 3  # the file did start all three
+        assert running(pids, wait_s=1) == []
+        assert check._run([sys.executable, "-c", starts_background_processes(run_pids)], tmp_path / "run.log", 30)
+        assert len(run_pids.read_text().split()) == 3 and running(run_pids, wait_s=1) == []
+    finally:
+        for pid in running(pids) + (running(run_pids) if run_pids.exists() else []):
+            os.kill(pid, 9)

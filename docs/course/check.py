@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import csv
 import importlib.util
 import json
@@ -727,12 +728,80 @@ def _read_lines(path: Path) -> list[dict]:
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
-    """End the grading process and anything it started (it leads its own process group)."""
+    """End the grading process and anything it started in its group (it leads its own process group; what left the
+    group: `_no_strays`)."""
     try:
         os.killpg(proc.pid, 9)
     except (ProcessLookupError, PermissionError):
         pass
     proc.wait()
+
+
+def _processes() -> dict[int, tuple[int, int]]:
+    """pid -> (parent pid, start time in clock ticks) of every process now, zombies included (Linux's /proc)."""
+    out = {}
+    for name in (n for n in os.listdir("/proc") if n.isdigit()):
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                stat = f.read().decode("ascii", "replace")
+        except OSError:  # not a process, or one that has just ended
+            continue
+        fields = stat[stat.rfind(")") + 2 :].split()  # after "pid (comm) ": state, ppid, ...; starttime is the 20th
+        out[int(name)] = (int(fields[1]), int(fields[19]))
+    return out
+
+
+@contextlib.contextmanager
+def _no_strays():
+    """Around a grading process (or a learning run): what it leaves running is ended when it ends. The process leads
+    a group of its own, which `_kill_group` kills; a process the student's code detaches from that group (a new
+    session, a daemon's double fork) escaped it and ran on after grading. So while inside, this process adopts the
+    orphans of what it starts (Linux's PR_SET_CHILD_SUBREAPER: the kernel gives them to it instead of init); on
+    leaving, every process that became its child meanwhile is killed with its descendants, and reaped. Elsewhere than
+    Linux: the group kill only."""
+    import ctypes
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True) if sys.platform.startswith("linux") else None
+        was = ctypes.c_int(0)
+        if libc is not None and libc.prctl(37, ctypes.byref(was), 0, 0, 0) != 0:  # PR_GET_CHILD_SUBREAPER
+            libc = None
+    except (OSError, AttributeError):
+        libc = None
+    if libc is None:
+        yield
+        return
+    if not was.value:
+        libc.prctl(36, 1, 0, 0, 0)  # PR_SET_CHILD_SUBREAPER
+    me = os.getpid()
+    before = {(pid, start) for pid, (ppid, start) in _processes().items() if ppid == me}
+    try:
+        yield
+    finally:
+        for _ in range(100):  # each round kills what is there; the orphans its kills make come back as children
+            procs = _processes()
+            strays = [pid for pid, (ppid, start) in procs.items() if ppid == me and (pid, start) not in before]
+            if not strays:
+                break
+            doomed, todo = set(strays), list(strays)
+            while todo:
+                parent = todo.pop()
+                for pid, (ppid, _) in procs.items():
+                    if ppid == parent and pid not in doomed:
+                        doomed.add(pid)
+                        todo.append(pid)
+            for pid in doomed:
+                try:
+                    os.kill(pid, 9)
+                except (ProcessLookupError, PermissionError):
+                    pass
+            for pid in strays:  # this process's children now: reaped, so that none stays a zombie
+                try:
+                    os.waitpid(pid, 0)
+                except ChildProcessError:
+                    pass
+        if not was.value:
+            libc.prctl(36, 0, 0, 0, 0)
 
 
 def _grade_cases(lesson: Lesson, path: Path, limit_s: float | None = None, in_process: bool = False) -> tuple[list, str]:
@@ -753,7 +822,7 @@ def _grade_cases(lesson: Lesson, path: Path, limit_s: float | None = None, in_pr
                str(results_path), str(limit)]  # fmt: skip
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
         timed_out = False
-        with open(log_path, "wb") as log:
+        with open(log_path, "wb") as log, _no_strays():
             proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
                                     start_new_session=True)  # fmt: skip
             start, ready_at = time.monotonic(), None
@@ -918,7 +987,7 @@ RUN_LIMIT_S = 1800
 def _run(cmd: list[str], log: Path, limit_s: float | None = None) -> bool:
     env = {**os.environ, "TOKENIZERS_PARALLELISM": "false"}
     limit_s = RUN_LIMIT_S if limit_s is None else limit_s
-    with open(log, "w") as out:
+    with open(log, "w") as out, _no_strays():
         proc, timed_out = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=env,
                                            start_new_session=True), False  # fmt: skip
         try:
