@@ -294,7 +294,8 @@ def train(args: Args, engines: rollout.RolloutEngines | None, groups: dict | Non
     if args.algo.dynamic_filter_range is not None:
         keep_groups = partial(groups_inside, group_size=G, low=args.algo.dynamic_filter_range[0],
                               high=args.algo.dynamic_filter_range[1])  # fmt: skip
-    pipeline = producer.start(run, args, train_set, keep_groups, cleanup, args.algo.dynamic_filter_max_rounds)
+    pipeline = producer.start(run, args, train_set, keep_groups, cleanup, args.algo.dynamic_filter_max_rounds,
+                              max_lag=args.train.max_lag, partial_rollout=args.train.partial_rollout)
 
     for step in range(run.start_step, args.train.max_steps):
         perf: dict = {}

@@ -325,8 +325,9 @@ def critic_update(critic, rank: int, world: int, seqs: dict, old_values, returns
             for r, mb, real, last in rl.micro_batches(seqs, micro):
                 values = forward_values(critic, mb)
                 vloss, vstats = value_loss(values, old_values[r], returns[r], mb["loss_mask"],
-                                                   args.critic.value_clip, args.algo.loss_agg, **norm)  # fmt: skip
-                meter.add_loss("loss/value", rl.backward(critic, vloss, step, world, real, last, "critic value loss"))
+                                           args.critic.value_clip, args.algo.loss_agg, **norm)  # fmt: skip
+                meter.add_loss("loss/value", rl.backward(critic, vloss, step, world, real, last, "critic value loss"),
+                               "critic/grad_norm")
                 meter.add({"critic/clipfrac": vstats["clipfrac"]}, mb["loss_mask"].sum().item() if real else 0.0)
             meter.add_step("critic/grad_norm", ds_engine.optimizer_step(critic, step, "critic"))  # NaN/inf: raise
     return {**meter.result(world), "critic/lr": critic.lr_scheduler.get_last_lr()[0]}

@@ -524,21 +524,24 @@ def timer(out: dict, key: str):
 class Meter:
     """A step's update metrics, merged over micro-batches, optimizer steps and ranks, one meaning per name in every
     script: `add(m, tokens)` for per-token means (loss/clipfrac, loss/kl, loss/entropy: token-weighted over every
-    trained token of the step); `add_loss(name, value)` for a micro-batch's share of its minibatch's loss (summed
-    over a minibatch's micro-batches and ranks, averaged over the optimizer steps); `add_step(name, value)` for one
-    value per optimizer step (gradient norms, the same on every rank), averaged."""
+    trained token of the step); `add_loss(name, value, steps)` for a micro-batch's share of its minibatch's loss
+    (summed over a minibatch's micro-batches and ranks, averaged over the optimizer steps, which the per-step metric
+    named `steps` counts: the actor's `train/grad_norm` by default, a second model's own grad norm for its loss);
+    `add_step(name, value)` for one value per optimizer step (gradient norms, the same on every rank), averaged."""
 
     def __init__(self):
         self.sums, self.weights = defaultdict(float), defaultdict(float)
         self.losses, self.per_step = defaultdict(float), defaultdict(list)
+        self.steps_of = {}  # loss name -> the per-step metric counting its optimizer steps
 
     def add(self, metrics: dict, tokens: float) -> None:
         for k, v in metrics.items():
             self.sums[k] += float(v.detach() if isinstance(v, torch.Tensor) else v) * tokens
             self.weights[k] += tokens
 
-    def add_loss(self, name: str, value: float) -> None:
+    def add_loss(self, name: str, value: float, steps: str = "train/grad_norm") -> None:
         self.losses[name] += value
+        self.steps_of[name] = steps
 
     def add_step(self, name: str, value: float) -> None:
         self.per_step[name].append(float(value))
@@ -552,12 +555,7 @@ class Meter:
             torch.distributed.all_reduce(flat)
         out = {k: flat[i].item() / max(flat[len(keys) + i].item(), 1e-12) for i, k in enumerate(keys)}
         for i, k in enumerate(loss_keys):
-            out[k] = flat[2 * len(keys) + i].item() / max(1, len(self.per_step.get(_steps_key(k), [1])))
+            out[k] = flat[2 * len(keys) + i].item() / max(1, len(self.per_step.get(self.steps_of[k], [1])))
         out.update({k: float(np.mean(v)) for k, v in self.per_step.items()})
         return out
 
-
-def _steps_key(loss_name: str) -> str:
-    """The per-step metric that counts a loss's optimizer steps: the actor's grad norm for loss/policy, the critic's
-    for loss/value."""
-    return "critic/grad_norm" if loss_name == "loss/value" else "train/grad_norm"

@@ -1,7 +1,7 @@
 """Generation running ahead of training (algos/grpo_async.py): rank 0's producer thread asks the vLLM engines (Ray
 actors, their own processes) for step t+1's rollout while the training loop trains on step t's.
 
-    pipeline = producer.start(run, args, train_set, keep, cleanup, max_rounds)  # the thread starts; `cleanup` stops it
+    pipeline = producer.start(run, args, train_set, keep, cleanup, max_rounds, max_lag=1, partial_rollout=None)
     for step in ...:
         ro = pipeline.take(step)                  # step t's rollout, sampled by the weights of update t − L
         ... update ...
@@ -246,16 +246,19 @@ def version_stats(ro: Rollout, step: int) -> dict:
             "rollout/stale_token_frac": stale}  # fmt: skip
 
 
-def start(run: rl.Run, args, train_set: list[dict], keep, cleanup: contextlib.ExitStack, max_rounds: int = 1) -> Pipeline:
+def start(run: rl.Run, args, train_set: list[dict], keep, cleanup: contextlib.ExitStack, max_rounds: int = 1, *,
+          max_lag: int, partial_rollout: int | None) -> Pipeline:
     """Start the producer thread on rank 0: step t's rollout is `rl.collect_rollout` of the whole batch (DAPO refills
-    by `keep` in up to `max_rounds` rounds, as in grpo.py), begun once the engines hold the weights of update t − `--train.max-lag`, with
-    `rollout/lag` (updates between those weights and the trained ones) and `perf/gen_s` in its logs. The rollouts a
-    resumed checkpoint carried (`ahead`) come first. The thread stops with `cleanup`.
+    by `keep` in up to `max_rounds` rounds, as in grpo.py), begun once the engines hold the weights of update
+    t − `max_lag` (the script's `--train.max-lag`), with `rollout/lag` (updates between those weights and the trained
+    ones) and `perf/gen_s` in its logs. The rollouts a resumed checkpoint carried (`ahead`) come first. The thread
+    stops with `cleanup`. The script passes its own knobs as values: core reads none of its fields.
 
-    `--train.partial-rollout N` (lag ≥ 1): from step first + lag on, each step is an `interrupted_rollout`, with the
-    sync of the next weights inside it; every episode is a `TaggedEpisode` and the logs add `version_stats`."""
+    `partial_rollout` N (the script's `--train.partial-rollout`, lag ≥ 1): from step first + lag on, each step is an
+    `interrupted_rollout`, with the sync of the next weights inside it; every episode is a `TaggedEpisode` and the
+    logs add `version_stats`."""
     whole = dataclasses.replace(run, world=1)  # rank 0 generates every prompt; the other ranks get the rollout from it
-    cut, lag = args.train.partial_rollout, args.train.max_lag
+    cut, lag = partial_rollout, max_lag
     if cut is not None and cut < 1:
         raise ValueError(f"--train.partial-rollout {cut}: the first segment must hold at least 1 token")
     if cut is not None and (args.rollout.env_file or args.rollout.agent_file):
@@ -281,5 +284,5 @@ def start(run: rl.Run, args, train_set: list[dict], keep, cleanup: contextlib.Ex
     if run.rank == 0:
         pipeline.thread.start()
     cleanup.callback(pipeline.stop)
-    run.logger.print(f"[{run.name}] generation runs up to {args.train.max_lag} step(s) ahead of training")
+    run.logger.print(f"[{run.name}] generation runs up to {lag} step(s) ahead of training")
     return pipeline

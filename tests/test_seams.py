@@ -52,6 +52,40 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
     return None
 
 
+def _fields(paths, skip=()) -> dict[str, set[str]]:
+    """Dataclass-style fields declared in `paths` (annotated class attributes), by name -> {"file:Class"}."""
+    out: dict[str, set[str]] = {}
+    for path in paths:
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ClassDef) and node.name not in skip:
+                for item in node.body:
+                    if isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+                        out.setdefault(item.target.id, set()).add(f"{path.name}:{node.name}")
+    return out
+
+
+def _script_only_reads(core_files) -> list[str]:
+    """Where `core_files` read a field that only a script declares (in its `AlgoArgs`, its own section subclass such
+    as grpo_async's `--train.max-lag`, its critic section, ...): `x.field` not called as a method. A script's knob
+    reaches core as a value the script passes, so a fork that renames or drops it cannot break core."""
+    shared = _fields([p for pkg in PACKAGES for p in (ROOT / pkg).glob("*.py")])
+    owned = {f: w for f, w in _fields(sorted((ROOT / "algos").glob("*.py")), skip=("Args",)).items() if f not in shared}
+    found = []
+    for path in core_files:
+        tree = ast.parse(path.read_text())
+        called = {id(n.func) for n in ast.walk(tree) if isinstance(n, ast.Call)}
+        found += [f"{path.name}:{n.lineno} reads .{n.attr} ({', '.join(sorted(owned[n.attr]))})" for n in ast.walk(tree)
+                  if isinstance(n, ast.Attribute) and n.attr in owned and id(n) not in called]  # fmt: skip
+    return found
+
+
+def test_core_reads_no_field_only_a_script_declares(tmp_path):
+    assert not _script_only_reads(sorted((ROOT / "core").glob("*.py")))
+    leak = tmp_path / "leak.py"  # the check itself: a core file reading grpo_async's own --train.max-lag is found
+    leak.write_text("def start(args):\n    return args.train.max_lag, args.rollout.generate()\n")
+    assert _script_only_reads([leak]) == ["leak.py:2 reads .max_lag (grpo_async.py:TrainArgs)"]
+
+
 def test_the_cycle_finder_finds_a_cycle():
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) is not None
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
