@@ -17,7 +17,7 @@ def model_receiver(model_dir: str, inbox, outbox) -> None:
     from transformers import AutoModelForCausalLM
 
     from core.packing import collate_padded, token_logprobs
-    from core.rollout import open_bucket_ipc
+    from core.weight_sync import open_bucket_ipc
 
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).cuda().eval()
     params = dict(model.named_parameters())
@@ -43,9 +43,9 @@ def model_receiver(model_dir: str, inbox, outbox) -> None:
 def buffer_receiver(spec: list[tuple[str, str, tuple[int, ...]]], inbox, outbox) -> None:
     """Pre-allocated destination tensors of `spec` (name, dtype, shape) on cuda:0, like an engine's weights. Messages:
     ("ipc", meta, handles) -> copy a bucket from CUDA IPC; ("gloo", meta, addr, port) -> join a 2-rank gloo group
-    and receive buckets as `core.rollout.receive_bucket` until told to stop; ("checksum",) -> the float64 sum of
+    and receive buckets as `core.weight_sync.receive_bucket` until told to stop; ("checksum",) -> the float64 sum of
     every destination tensor; None -> stop. Answers "ok" after each bucket."""
-    from core.rollout import open_bucket_ipc
+    from core.weight_sync import open_bucket_ipc
 
     dest = {n: torch.zeros(shape, dtype=getattr(torch, d), device="cuda") for n, d, shape in spec}
     outbox.put("ready")
@@ -57,7 +57,7 @@ def buffer_receiver(spec: list[tuple[str, str, tuple[int, ...]]], inbox, outbox)
                 torch.cuda.synchronize()
                 outbox.put("ok")
             elif msg[0] == "group":  # (kind, backend, addr, port, device): join, then receive bucket metas by queue
-                from core.rollout import init_weight_group, receive_bucket
+                from core.weight_sync import init_weight_group, receive_bucket
 
                 _, backend, addr, port, device = msg
                 group = init_weight_group(backend, addr, port, 1, 2, 120)

@@ -279,7 +279,7 @@ def test_cuda_ipc_sync_round_trip_between_two_processes(tiny_path):
     from transformers import AutoModelForCausalLM
 
     from core import packing
-    from core.rollout import bucket_named_tensors, share_bucket_ipc
+    from core.weight_sync import bucket_named_tensors, share_bucket_ipc
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(tiny_path, dtype=torch.float32).cuda()
@@ -331,7 +331,7 @@ def test_nccl_broadcast_moves_buckets_between_two_gpus():
     from gpu_workers import buffer_receiver
 
     from core.engine import free_port
-    from core.rollout import bucket_named_tensors, flatten_bucket, init_weight_group, send_bucket
+    from core.weight_sync import bucket_named_tensors, flatten_bucket, init_weight_group, send_bucket
 
     named = [(f"model.layers.{i}.w", torch.randn(256, 256, device="cuda:0", dtype=torch.bfloat16)) for i in range(8)]
     spec = [(n, "bfloat16", tuple(t.shape)) for n, t in named]

@@ -1,4 +1,4 @@
-"""`--vllm.engine hf` (core.rollout.HFEngine): one transformers `generate` call for a whole batch of prompts, each
+"""`--vllm.engine hf` (core.hf_engine.HFEngine): one transformers `generate` call for a whole batch of prompts, each
 prompt's samples drawn from its own seeded generator (`RowSampler`), with the log-probs of the distribution sampled
 from. The picture path is tests/test_vlm.py's; a GRPO run through this engine is tests/test_bench_grpo.py's."""
 
@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from core import models, rollout
+from core import hf_engine, models, rollout
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
@@ -16,7 +16,7 @@ TEXTS = ["1+2=", "13+45=", "7+70=", "99+1=", "5+55="]
 
 @pytest.fixture(scope="module")
 def hf(tiny_path, tokenizer):
-    engine = rollout.HFEngine(str(tiny_path), rollout.VLLMConfig(engine="hf"), seed=3)
+    engine = hf_engine.HFEngine(str(tiny_path), rollout.VLLMConfig(engine="hf"), seed=3)
     calls = []
     generate = engine.model.generate
     engine.model.generate = lambda *a, **k: calls.append(k["input_ids"].shape) or generate(*a, **k)

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from core import engine as ds_engine
-from core import models, placement, rollout
+from core import models, placement, rollout, vllm_engine
 from core.config import DSConfig, ModelConfig
 
 PROBES = [[1, 5, 6, 14, 7, 8, 15, 5, 6, 9, 2], [1, 9, 9, 14, 9, 15, 1, 8, 8, 2]]
@@ -179,9 +179,10 @@ def test_adapter_sync_refuses_an_engine_without_lora(tiny_path):
             placement.sync_weights(engines, zero0(lora_model(tiny_path)), 0)
     finally:
         engines.shutdown()
-    assert rollout.vllm_lora_rank(8) == 8 and rollout.vllm_lora_rank(4) == 8 and rollout.vllm_lora_rank(12) == 16
+    assert vllm_engine.vllm_lora_rank(8) == 8 and vllm_engine.vllm_lora_rank(4) == 8
+    assert vllm_engine.vllm_lora_rank(12) == 16
     with pytest.raises(ValueError, match="lora-sync merged"):
-        rollout.vllm_lora_rank(1024)
+        vllm_engine.vllm_lora_rank(1024)
 
 
 def _capture_actor(monkeypatch):

@@ -153,7 +153,7 @@ def test_engine_matches_the_trainer_after_syncing_moe_weights(monkeypatch):
     with weights in the wrong layout and the check fails."""
     from conftest import in_process_engines
 
-    from core import rollout
+    from core import rollout, vllm_engine
 
     gen = in_process_engines(embedded.resolve_model(MOE), "float32")
     engines = next(gen)
@@ -168,7 +168,7 @@ def test_engine_matches_the_trainer_after_syncing_moe_weights(monkeypatch):
             stats = engines.update_weights(model.named_parameters())
             assert stats["sync/buckets"] == 1.0
             assert rollout.check_weights(engines, model, PROBE) < 1e-4
-        monkeypatch.setattr(rollout, "_prepack_cpu_experts", lambda model, named: None)
+        monkeypatch.setattr(vllm_engine, "_prepack_cpu_experts", lambda model, named: None)
         engines.update_weights(model.named_parameters())  # the same weights, loaded without the prepack
         with pytest.raises(rollout.EngineError, match="disagrees with the trainer"):
             rollout.check_weights(engines, model, PROBE)

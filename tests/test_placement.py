@@ -18,7 +18,7 @@ import time
 import pytest
 import torch
 
-from core import placement, rollout
+from core import placement, rollout, weight_sync
 from core.placement import GroupError, ModelGroup, PlacementError, Worker
 
 ATOL = 1e-4  # fp32 engine vs fp32 trainer on CPU: max |diff| measured ~1e-6 (see tests/test_rollout.py)
@@ -148,7 +148,7 @@ def _sync_gathered(worker) -> dict:
 
 
 class _StandInEngine:
-    """Receives what a vLLM engine's workers receive, with the same function (`rollout.receive_partitions`), and keeps
+    """Receives what a vLLM engine's workers receive, with the same function (`weight_sync.receive_partitions`), and keeps
     the tensors instead of loading them: the direct comparison with the trainer. `tp` workers (threads here, processes
     in vLLM) join the weight group as ranks rank..rank+tp-1, as `WorkerExtension` does, and each receives everything."""
 
@@ -165,12 +165,12 @@ class _StandInEngine:
             return list(pool.map(fn, range(self.tp)))
 
     def init_weight_group(self, backend, addr, port, rank, world, timeout_s) -> None:
-        self.groups = self._each_worker(lambda j: rollout.init_weight_group(backend, addr, port, rank + j, world,
+        self.groups = self._each_worker(lambda j: weight_sync.init_weight_group(backend, addr, port, rank + j, world,
                                                                             timeout_s))  # fmt: skip
 
     def receive_partitions(self, meta, senders, tag, timeout_s) -> int:
         def receive(j: int):
-            return rollout.receive_partitions(self.groups[j], meta, senders, tag, torch.device("cpu"), timeout_s)
+            return weight_sync.receive_partitions(self.groups[j], meta, senders, tag, torch.device("cpu"), timeout_s)
 
         got = self._each_worker(receive)
         for mine, named in zip(self.got, got):

@@ -16,7 +16,7 @@ import pytest
 import torch
 from conftest import in_process_engines, ray_log_tail, ray_nodes
 
-from core import rollout
+from core import rollout, vllm_engine, weight_sync
 from core.rl_math import logprobs_from_logits
 
 ATOL = 1e-4  # fp32 engine vs fp32 HF on CPU: max |diff| measured ~1e-6 (tied-embedding lm_head included)
@@ -41,7 +41,7 @@ def _fake_named(layers: int = 3, width: int = 16) -> list[tuple[str, torch.Tenso
 @pytest.mark.parametrize("bucket_mb", [1e-6, 0.003, 0.01, 1000])
 def test_buckets_keep_order_limit_and_whole_layers(bucket_mb):
     named = _fake_named()
-    buckets = list(rollout.bucket_named_tensors(iter(named), bucket_mb))  # a generator in: streaming
+    buckets = list(weight_sync.bucket_named_tensors(iter(named), bucket_mb))  # a generator in: streaming
     assert [n for b in buckets for n, _ in b] == [n for n, _ in named]  # everything, once, in order
     layer_of = {n: n.split(".")[2] for n, _ in named if ".layers." in n}
     for i, b in enumerate(buckets):
@@ -93,20 +93,22 @@ def test_partitions_sent_by_every_rank_come_back_as_the_full_tensors(senders, bu
     g = torch.Generator().manual_seed(senders)
     named = [(n, torch.randn(t.shape, generator=g).to(torch.bfloat16)) for n, t in _fake_named(width=7)]
     named += [("model.odd.weight", torch.randn(1, generator=g)), ("model.count", torch.arange(5))]  # numel < senders
-    want = list(rollout.bucket_named_tensors(named, bucket_mb))
+    want = list(weight_sync.bucket_named_tensors(named, bucket_mb))
     per_rank = [[(n, (_partition(t, r, senders), t.shape)) for n, t in named] for r in range(senders)]
     queues, metas = {}, {}
     for r, items in enumerate(per_rank):
         full_size = lambda v: v[1].numel() * v[0].element_size()  # noqa: E731  (partition, full shape) by full size
-        buckets = list(rollout.bucket_named_tensors(items, bucket_mb, nbytes=full_size))
+        buckets = list(weight_sync.bucket_named_tensors(items, bucket_mb, nbytes=full_size))
         assert [[n for n, _ in b] for b in buckets] == [[n for n, _ in b] for b in want]  # same layers per bucket
         for tag, b in enumerate(buckets):
-            metas.setdefault(tag, rollout.partitions_meta(b, torch.float32))
-            assert rollout.partitions_meta(b, torch.float32) == metas[tag]  # full shapes: the same on every rank
-            sent = rollout.send_partitions(_Mailbox(queues, r), b, torch.float32, torch.device("cpu"), [9], tag, 1.0)
+            metas.setdefault(tag, weight_sync.partitions_meta(b, torch.float32))
+            assert weight_sync.partitions_meta(b, torch.float32) == metas[tag]  # full shapes: the same on every rank
+            sent = weight_sync.send_partitions(
+                _Mailbox(queues, r), b, torch.float32, torch.device("cpu"), [9], tag, 1.0
+            )
             assert sent == sum(p.numel() * (4 if p.is_floating_point() else 8) for _, (p, _) in b)
     for tag, b in enumerate(want):
-        got = rollout.receive_partitions(_Mailbox(queues), metas[tag], senders, tag, torch.device("cpu"), 1.0)
+        got = weight_sync.receive_partitions(_Mailbox(queues), metas[tag], senders, tag, torch.device("cpu"), 1.0)
         assert [n for n, _ in got] == [n for n, _ in b]
         for (_, t), (_, full) in zip(got, b):
             assert t.shape == full.shape and torch.equal(t, full.float() if full.is_floating_point() else full)
@@ -195,18 +197,19 @@ def test_cpu_kv_cache_default_holds_a_full_batch_of_full_length_sequences(tmp_pa
 
     tiny = config(num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, hidden_size=128,
                   max_position_embeddings=512)  # fmt: skip
-    assert rollout.cpu_kv_cache_bytes(tiny, "float32") == 2 * 4 * 4 * 32 * 4 * 256 * 512 == 512 * 2**20
-    assert rollout.cpu_kv_cache_bytes(tiny, "bfloat16") == rollout.cpu_kv_cache_bytes(tiny, "float32", tp=2) == 2**28
-    assert rollout.cpu_kv_cache_bytes(tiny, "float32", max_model_len=64) == 64 * 2**20
+    assert vllm_engine.cpu_kv_cache_bytes(tiny, "float32") == 2 * 4 * 4 * 32 * 4 * 256 * 512 == 512 * 2**20
+    assert vllm_engine.cpu_kv_cache_bytes(tiny, "bfloat16") == 2**28
+    assert vllm_engine.cpu_kv_cache_bytes(tiny, "float32", tp=2) == 2**28
+    assert vllm_engine.cpu_kv_cache_bytes(tiny, "float32", max_model_len=64) == 64 * 2**20
     # grouped-query attention with an explicit head_dim, a vision-language model's decoder under text_config
     gqa = config(text_config=dict(num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, head_dim=16,
                                   hidden_size=64, max_position_embeddings=256))  # fmt: skip
-    assert rollout.cpu_kv_cache_bytes(gqa, "float32") == 2 * 2 * 2 * 16 * 4 * 256 * 256
+    assert vllm_engine.cpu_kv_cache_bytes(gqa, "float32") == 2 * 2 * 2 * 16 * 4 * 256 * 256
     big = config(num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2, hidden_size=896,
                  max_position_embeddings=32768)  # fmt: skip
-    assert rollout.cpu_kv_cache_bytes(big, "bfloat16") == rollout.CPU_KV_CACHE_CAP == 2**30
-    assert rollout.cpu_kv_cache_bytes(config(model_type="mamba"), "float32") == 2**30
-    assert rollout.cpu_kv_cache_bytes(str(tmp_path / "missing"), "float32") == 2**30
+    assert vllm_engine.cpu_kv_cache_bytes(big, "bfloat16") == vllm_engine.CPU_KV_CACHE_CAP == 2**30
+    assert vllm_engine.cpu_kv_cache_bytes(config(model_type="mamba"), "float32") == 2**30
+    assert vllm_engine.cpu_kv_cache_bytes(str(tmp_path / "missing"), "float32") == 2**30
 
 
 def test_an_engine_without_kv_cache_gib_gets_the_default_blocks(base_dir):
@@ -215,7 +218,7 @@ def test_an_engine_without_kv_cache_gib_gets_the_default_blocks(base_dir):
     engines = rollout.create_engines(base_dir, rollout.VLLMConfig(in_process=True, dtype="float32", timeout_s=120))
     try:
         cache = engines.engines[0].llm.llm_engine.vllm_config.cache_config
-        assert cache.kv_cache_memory_bytes == rollout.cpu_kv_cache_bytes(base_dir, "float32") == 512 * 2**20
+        assert cache.kv_cache_memory_bytes == vllm_engine.cpu_kv_cache_bytes(base_dir, "float32") == 512 * 2**20
         assert cache.num_gpu_blocks * cache.block_size * 4096 == 512 * 2**20
     finally:
         engines.shutdown()

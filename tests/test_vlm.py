@@ -16,7 +16,7 @@ import pytest
 import torch
 from conftest import short_rl_run
 
-from core import data, embedded, models, packing, rl, rollout, vision
+from core import data, embedded, hf_engine, models, packing, rl, rollout, vision
 from core.config import DataConfig, ModelConfig
 from rewards import shapes
 
@@ -370,7 +370,7 @@ def sampled_accuracy(model_dir: str, n: int = 4) -> float:
     cfg = DataConfig(path=SHAPES, image_key="image")
     make = vision.with_image(lambda r: data.prompt_example(r, tokenizer, cfg), cfg, tokenizer, processor)
     prompts = [make(r) for r in data.load_sources(SHAPES, "test")[0].rows]
-    engine = rollout.HFEngine(model_dir, rollout.VLLMConfig(engine="hf"))
+    engine = hf_engine.HFEngine(model_dir, rollout.VLLMConfig(engine="hf"))
     groups = engine.generate([p["prompt_ids"] for p in prompts], n=n, max_new_tokens=3, temperature=1.0, seed=4242,
                              images=[p["images"] for p in prompts])  # fmt: skip
     scores = [shapes.score(tokenizer.decode(s.token_ids, skip_special_tokens=True), p["label"])
@@ -415,7 +415,7 @@ def second_turn_accuracy(model_dir: str, n: int = 4) -> float:
                 scores.append(reward / 0.5)
             return feedback, reward, done
 
-    engine = rollout.HFEngine(model_dir, rollout.VLLMConfig(engine="hf"))
+    engine = hf_engine.HFEngine(model_dir, rollout.VLLMConfig(engine="hf"))
     executor = MultiTurnExecutor(engine, tokenizer, Recorded, max_new_tokens=3, max_turns=2, max_total_tokens=256,
                                  model_path=model_dir)  # fmt: skip
     executor.run(prompts, n=n, seed=4242, step=0)

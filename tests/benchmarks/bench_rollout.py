@@ -82,7 +82,7 @@ def main() -> None:
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    from core import embedded, rollout
+    from core import embedded, rollout, vllm_engine
 
     torch.set_num_threads(args.threads)
     path = (
@@ -98,7 +98,7 @@ def main() -> None:
 
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         ray.init(num_cpus=2, include_dashboard=False, object_store_memory=300 * 2**20, log_to_driver=False)
-        raw_llm = rollout.VLLMEngine(path, rollout.VLLMConfig(dtype=args.dtype, kv_cache_gib=1.0)).llm
+        raw_llm = vllm_engine.VLLMEngine(path, rollout.VLLMConfig(dtype=args.dtype, kv_cache_gib=1.0)).llm
     t0 = time.perf_counter()
     engines = rollout.create_engines(path, cfg, seed=0)
     start_s = time.perf_counter() - t0

@@ -6,7 +6,7 @@ The payload is a Qwen2-0.5B-shaped set of bf16 tensors (24 decoder layers, hidde
 parameters, 942 MB) on cuda:0; the receiver (tests/gpu_workers.py) is a second process on the same GPU holding
 pre-allocated tensors of the same shapes, as a colocated vLLM engine holds its weights, and copies every bucket into
 them. Rows, each timed over the whole payload after one warm-up sync, with the receiver's checksum checked:
-- `cuda_ipc`: `core.rollout.share_bucket_ipc` -> handles through a queue -> `open_bucket_ipc` (`--vllm.sync-backend
+- `cuda_ipc`: `core.weight_sync.share_bucket_ipc` -> handles through a queue -> `open_bucket_ipc` (`--vllm.sync-backend
   cuda_ipc`, the colocated path);
 - `gloo_host`: each bucket copied to host memory, broadcast over gloo, copied back to the GPU (the CPU path used on a
   GPU: what `broadcast` would cost colocated if NCCL cannot be used);
@@ -53,7 +53,7 @@ def main() -> None:
     from gpu_workers import buffer_receiver
 
     from core.engine import free_port
-    from core.rollout import bucket_named_tensors, flatten_bucket, init_weight_group, send_bucket, share_bucket_ipc
+    from core.weight_sync import bucket_named_tensors, flatten_bucket, init_weight_group, send_bucket, share_bucket_ipc
 
     torch.manual_seed(0)
     named = [(n, torch.randn(s, device="cuda", dtype=torch.bfloat16)) for n, s in qwen2_05b_shapes()]

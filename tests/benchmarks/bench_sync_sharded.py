@@ -71,7 +71,7 @@ def _trainer(rank: int, ports: dict, layers: int, reps: int, out) -> None:
     from transformers import Qwen2ForCausalLM
 
     from core import engine as ds_engine
-    from core import rollout
+    from core import weight_sync
     from core.config import DSConfig
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(ports["world"]), RANK=str(rank), WORLD_SIZE="2",
@@ -81,23 +81,23 @@ def _trainer(rank: int, ports: dict, layers: int, reps: int, out) -> None:
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(_config(layers)).to(torch.bfloat16)
     engine = ds_engine.make_engine(model, DSConfig(zero_stage=3), lr=1e-6, total_steps=10)
-    one = rollout.init_weight_group("gloo", "127.0.0.1", ports["one"], 0, 2, TIMEOUT_S) if rank == 0 else None
-    many = rollout.init_weight_group("gloo", "127.0.0.1", ports["many"], rank, 3, TIMEOUT_S)
+    one = weight_sync.init_weight_group("gloo", "127.0.0.1", ports["one"], 0, 2, TIMEOUT_S) if rank == 0 else None
+    many = weight_sync.init_weight_group("gloo", "127.0.0.1", ports["many"], rank, 3, TIMEOUT_S)
     cpu, dtype = torch.device("cpu"), torch.bfloat16
 
     def gather() -> None:
         named = ds_engine.full_named_parameters(engine)
-        for bucket in rollout.bucket_named_tensors(named, BUCKET_MB):
+        for bucket in weight_sync.bucket_named_tensors(named, BUCKET_MB):
             if rank == 0:
-                _, flats = rollout.flatten_bucket(bucket, dtype, cpu)
-                rollout.send_bucket(one, flats, TIMEOUT_S)
+                _, flats = weight_sync.flatten_bucket(bucket, dtype, cpu)
+                weight_sync.send_bucket(one, flats, TIMEOUT_S)
 
     def buckets():
         parts, why = ds_engine.zero3_partitions(engine)
         assert parts is not None, why
         items = [(n, (p, shape)) for n, p, shape in parts]
         size = lambda v: v[1].numel() * v[0].element_size()  # noqa: E731
-        return enumerate(rollout.bucket_named_tensors(items, BUCKET_MB, nbytes=size))
+        return enumerate(weight_sync.bucket_named_tensors(items, BUCKET_MB, nbytes=size))
 
     def flat() -> None:
         for tag, bucket in buckets():
@@ -105,7 +105,7 @@ def _trainer(rank: int, ports: dict, layers: int, reps: int, out) -> None:
 
     def partitions() -> None:
         for tag, bucket in buckets():
-            rollout.send_partitions(many, bucket, dtype, cpu, [2], tag, TIMEOUT_S)
+            weight_sync.send_partitions(many, bucket, dtype, cpu, [2], tag, TIMEOUT_S)
 
     ways = {"gather": gather, "flat": flat, "partitions": partitions}
     times: dict[str, list[float]] = {k: [] for k in ways}
@@ -129,15 +129,17 @@ def _receiver(ports: dict, layers: int, reps: int, out) -> None:
     import torch
     from transformers import Qwen2ForCausalLM
 
-    from core import rollout
+    from core import weight_sync
 
     torch.set_num_threads(1)
     with torch.device("meta"):
         model = Qwen2ForCausalLM(_config(layers)).to(torch.bfloat16)
     named = list(model.named_parameters())  # shapes only; tied lm_head is not among them
-    metas = [[(n, "bfloat16", tuple(t.shape)) for n, t in b] for b in rollout.bucket_named_tensors(named, BUCKET_MB)]
-    one = rollout.init_weight_group("gloo", "127.0.0.1", ports["one"], 1, 2, TIMEOUT_S)
-    many = rollout.init_weight_group("gloo", "127.0.0.1", ports["many"], 2, 3, TIMEOUT_S)
+    metas = [
+        [(n, "bfloat16", tuple(t.shape)) for n, t in b] for b in weight_sync.bucket_named_tensors(named, BUCKET_MB)
+    ]
+    one = weight_sync.init_weight_group("gloo", "127.0.0.1", ports["one"], 1, 2, TIMEOUT_S)
+    many = weight_sync.init_weight_group("gloo", "127.0.0.1", ports["many"], 2, 3, TIMEOUT_S)
     cpu = torch.device("cpu")
     first: dict[str, list] = {}
     for rep in range(reps + 1):
@@ -146,11 +148,11 @@ def _receiver(ports: dict, layers: int, reps: int, out) -> None:
             got = []
             for tag, meta in enumerate(metas):
                 if way == "gather":
-                    got += rollout.receive_bucket(one, meta, cpu, TIMEOUT_S)
+                    got += weight_sync.receive_bucket(one, meta, cpu, TIMEOUT_S)
                 elif way == "flat":
                     got += _receive_flat(many, meta, 2, tag)
                 else:
-                    got += rollout.receive_partitions(many, meta, 2, tag, cpu, TIMEOUT_S)
+                    got += weight_sync.receive_partitions(many, meta, 2, tag, cpu, TIMEOUT_S)
             many.barrier().wait()
             if not rep:
                 first[way] = got
