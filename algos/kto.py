@@ -97,13 +97,6 @@ class EvalArgs:
 
 
 @dataclass
-class DSArgs(DSConfig):
-    tensor_parallel_size: tyro.conf.Suppress[int] = 1
-    """not a flag here: kto.py gives every rank its own examples, where AutoTP needs the ranks of a tensor-parallel
-    group to take the same ones (sft.py, dpo.py and the RL scripts do); `main` refuses a size above 1."""
-
-
-@dataclass
 class Args:
     exp_name: str = Path(__file__).stem
     """run name prefix; defaults to this file's name, so a copied script names its own runs."""
@@ -115,7 +108,7 @@ class Args:
     data: DataConfig = field(default_factory=lambda: DataConfig(path="cleanrlhf/add2-kto"))
     train: TrainArgs = field(default_factory=TrainArgs)
     eval: EvalArgs = field(default_factory=EvalArgs)
-    ds: DSArgs = field(default_factory=DSArgs)
+    ds: DSConfig = field(default_factory=DSConfig)
     ckpt: CkptConfig = field(default_factory=CkptConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     run_dir: str | None = None
@@ -188,8 +181,9 @@ def micro_batches(idx: list[int], examples: list[dict], max_tokens: int) -> list
 
 @torch.no_grad()
 def all_seq_logps(model, seqs: list[dict], chunk: int, rank: int, world: int, device) -> torch.Tensor:
-    """(S,) summed log-probs of every sequence, in eval mode. Each rank computes an equal-sized slice (padded with
-    repeats, so ZeRO-3's collective forwards stay in step) and a sum over ranks assembles it."""
+    """(S,) summed log-probs of every sequence, in eval mode. Each data-parallel rank `rank` of `world` (the ranks of a
+    TP group share one) computes an equal-sized slice (padded with repeats, so ZeRO-3's collective forwards stay in
+    step) and a sum over ranks assembles it."""
     was_training = model.training
     model.eval()
     n = len(seqs)
@@ -201,8 +195,9 @@ def all_seq_logps(model, seqs: list[dict], chunk: int, rank: int, world: int, de
             lp = seq_logps(model, [seqs[i % n] for i in idx], device).double()
         keep = torch.tensor([i < n for i in idx], device=device)
         out[torch.tensor([i % n for i in idx], device=device)[keep]] = lp[keep]
-    if world > 1:
+    if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(out)
+        out /= dist.get_world_size() // world  # the ranks that computed each slice
     model.train(was_training)
     return out.float().cpu()
 
@@ -235,9 +230,6 @@ def main(args: Args) -> dict:
     if args.data.image_key:  # PLUMBING: pictures are read by sft.py, dpo.py and the RL scripts
         raise ValueError(f"--data.image-key {args.data.image_key!r}: kto.py reads no pictures (sft.py, dpo.py and the "
                          "RL scripts do)")  # fmt: skip
-    if args.ds.tensor_parallel_size > 1:  # PLUMBING: not a flag here (DSArgs); a caller's DSConfig may still set it
-        raise ValueError(f"--ds.tensor-parallel-size {args.ds.tensor_parallel_size}: kto.py does not train with "
-                         "AutoTP (sft.py, dpo.py and the RL scripts do)")  # fmt: skip
     # PLUMBING: process group (world of one for `python algos/kto.py`), tokenizer, examples, policy, engine.
     rank, world, device = ds_engine.init_distributed(args.ds.backend, args.ds.timeout_s)
     # Same seed on every rank for the data order (each rank slices the same global batch); per-rank offset for
@@ -262,6 +254,11 @@ def main(args: Args) -> dict:
     order = torch.randperm(len(train_set), generator=torch.Generator().manual_seed(args.train.seed)).tolist()
     partner = {order[k]: order[(k + 1) % len(order)] for k in range(len(order))}
     model = models.load_causal_lm(args.model).to(device)
+    # PLUMBING: --ds.tensor-parallel-size N (each linear layer split over N ranks): groups of N ranks share each
+    # example, and the data is split over the groups (dp_rank, dp_world; without it: rank, world). `copies`: the ranks
+    # that hold each example
+    dp_rank, dp_world = ds_engine.tp_data_split(args.ds)
+    copies = world // dp_world
     schedule = partial(lr_schedule, warmup=args.train.warmup_steps, total=args.train.max_steps,
                        floor=args.train.min_lr_ratio)  # per optimizer step
     engine = ds_engine.make_engine(model, args.ds, args.train.lr, args.train.max_steps,
@@ -288,23 +285,25 @@ def main(args: Args) -> dict:
         if "eval_ref" in client:
             train_ref, eval_ref = client["train_ref"], client["eval_ref"]
         else:
-            eval_ref = all_seq_logps(engine.module, eval_set, chunk, rank, world, device)
+            eval_ref = all_seq_logps(engine.module, eval_set, chunk, dp_rank, dp_world, device)
             steps = range(args.train.max_steps)  # only the examples this run's batches use (pure function of seed)
             used = sorted({i for s in steps for i in data.batch_indices(len(train_set), args.train.batch_size, s,
                                                                         args.train.seed)})  # fmt: skip
             seqs = [train_set[i] for i in used] + [mismatched(train_set[i], train_set[partner[i]]) for i in used]
             train_ref = torch.full((len(train_set), 2), float("nan"))  # [completion, mismatched]; NaN: never used
-            train_ref[used] = all_seq_logps(engine.module, seqs, chunk, rank, world, device).view(2, -1).T
+            train_ref[used] = all_seq_logps(engine.module, seqs, chunk, dp_rank, dp_world, device).view(2, -1).T
     first_eval = {}  # --eval.every 0: no eval at all, the first one included
     if args.eval.every:
-        first_eval = client.get("first_eval") or evaluate(engine.module, eval_set, eval_ref, args, rank, world, device)
+        first_eval = client.get("first_eval") or evaluate(engine.module, eval_set, eval_ref, args, dp_rank, dp_world,
+                                                          device)  # fmt: skip
     if start_step == 0:  # a resumed run logged it when it started
         logger.log({**first_eval, **perf}, 0)
     tokens_seen, t_train, step = 0.0, 0.0, start_step - 1
 
     for step in range(start_step, args.train.max_steps):
-        # 3. batch: the global batch is a pure function of (seed, step); each rank takes every world-th example
-        idx = data.batch_indices(len(train_set), args.train.batch_size, step, args.train.seed)[rank::world]
+        # 3. batch: the global batch is a pure function of (seed, step); each TP group (each rank, without it) takes
+        # every dp_world-th example; sums over ranks count an example once per rank of its group: / copies
+        idx = data.batch_indices(len(train_set), args.train.batch_size, step, args.train.seed)[dp_rank::dp_world]
         groups = micro_batches(idx, train_set, args.train.max_tokens_per_micro)
         n_micro = int(ds_engine.all_reduce(len(groups), op="max"))  # ranks must run the same number of passes
         t0 = time.perf_counter()
@@ -316,7 +315,7 @@ def main(args: Args) -> dict:
                 g, weight = (groups[i], 1.0) if i < len(groups) else (groups[0], 0.0)  # weight 0: a pad pass
                 kl_logps = seq_logps(engine, [mismatched(train_set[j], train_set[partner[j]]) for j in g], device)
                 log_ratio_sum += weight * (kl_logps.cpu() - train_ref[g, 1]).sum().item()
-        kl_estimate = ds_engine.all_reduce(log_ratio_sum) / args.train.batch_size
+        kl_estimate = ds_engine.all_reduce(log_ratio_sum) / copies / args.train.batch_size
         z_ref = max(0.0, kl_estimate)
 
         # 5. policy update: forward / backward over micro-batches, one optimizer step
@@ -330,9 +329,10 @@ def main(args: Args) -> dict:
             loss, rewards = kto_loss(logps, train_ref[g, 0].to(device), good, z_ref, t.beta, t.desirable_weight,
                                      t.undesirable_weight)  # fmt: skip
             ds_engine.check_finite(loss, step)  # PLUMBING: a NaN/inf loss or gradient stops the run before the step
-            # mean over the global batch; DeepSpeed averages gradients over ranks, so scale by world.
+            # mean over the global batch; DeepSpeed averages gradients over its data-parallel ranks
+            # (engine.dp_world_size: the world, or the world over --ds.tensor-parallel-size), so scale by their number.
             engine.set_gradient_accumulation_boundary(i == n_micro - 1)
-            engine.backward(loss * len(g) / t.batch_size * world * weight)
+            engine.backward(loss * len(g) / t.batch_size * engine.dp_world_size * weight)
             n_tok = sum(len(ex["input_ids"]) for ex in examples)
             stats += weight * torch.tensor([loss.item() * len(g), rewards[good].sum().item(), good.sum().item(),
                                             rewards[~good].sum().item(), (~good).sum().item(), n_tok])  # fmt: skip
@@ -340,7 +340,7 @@ def main(args: Args) -> dict:
         t_train += time.perf_counter() - t0
 
         # 6. logging, eval, checkpoint
-        s = [ds_engine.all_reduce(x) for x in stats.tolist()]
+        s = [ds_engine.all_reduce(x) / copies for x in stats.tolist()]
         tokens_seen += s[5]
         metrics = {
             "loss/kto": s[0] / t.batch_size,
@@ -358,7 +358,7 @@ def main(args: Args) -> dict:
         last = step == t.max_steps - 1
         if args.eval.every and ((step + 1) % args.eval.every == 0 or last):
             with timer(metrics, "perf/eval_s"):
-                metrics.update(evaluate(engine.module, eval_set, eval_ref, args, rank, world, device))
+                metrics.update(evaluate(engine.module, eval_set, eval_ref, args, dp_rank, dp_world, device))
         logger.log(metrics, step + 1, shown=("loss/kto", "train/kl", "eval/logp_gap"))
         halted = t.halt_after is not None and step + 1 - start_step >= t.halt_after and not last
         if halted or (args.ckpt.every and ((step + 1) % args.ckpt.every == 0 or last)):

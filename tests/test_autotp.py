@@ -188,27 +188,32 @@ def test_sft_refuses_a_tensor_parallel_size_the_ranks_cannot_hold(tmp_path):
     assert "--ds.tensor-parallel-size 2: must divide the number of ranks (1)" in out.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["kto", "rm"])
-def test_kto_and_rm_hide_and_refuse_tensor_parallel_before_loading(name, nothing_loads, capsys):
-    """kto.py and rm.py give every rank its own examples, which AutoTP's groups cannot take: `--help` leaves the flag
-    out (sft.py's shows it), the command line refuses it by name, and a caller's `DSConfig` with it stops `main` before
-    any model, tokenizer or process group is set up."""
-    import importlib
+def test_kto_and_rm_with_tensor_parallel_2_log_and_export_what_one_rank_does(name, tmp_path):
+    """kto.py and rm.py under torchrun with 2 ranks as one AutoTP group (both ranks take every example, each holds
+    half of every layer): the reference log-probs, the KL reference point, the losses, gradient norms and held-out
+    metrics of one process at every step, and an export of the whole (gathered) weights."""
+    from safetensors.torch import load_file
 
-    import tyro
-
-    def parse(module: str, *argv: str) -> str:
-        with pytest.raises(SystemExit):
-            tyro.cli(importlib.import_module(f"algos.{module}").Args, args=list(argv))
-        out = capsys.readouterr()
-        return out.out + out.err
-
-    assert "--ds.tensor-parallel-size" in parse("sft", "--help")
-    shown = parse(name, "--help")
-    assert "--ds.zero-stage" in shown and "--ds.tensor-parallel-size" not in shown
-    assert "Unrecognized options: --ds.tensor-parallel-size" in parse(name, "--ds.tensor-parallel-size", "2")
-    script = importlib.import_module(f"algos.{name}")
-    args = script.Args()
-    args.ds = DSConfig(tensor_parallel_size=2)
-    with pytest.raises(ValueError, match=f"--ds.tensor-parallel-size 2: {name}.py does not train with AutoTP"):
-        script.main(args)
+    common = ["--train.max-steps", "2", "--train.batch-size", "16", "--train.warmup-steps", "0", "--eval.every", "2",
+              "--eval.max-samples", "50", "--logger.quiet", "--logger.no-tensorboard"]  # fmt: skip
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+                "--master_port", str(free_port())]  # fmt: skip
+    script = str(REPO / "algos" / f"{name}.py")
+    runs = {"one": [sys.executable, script], "tp": [*torchrun, script, "--ds.zero-stage", "1",
+                                                     "--ds.tensor-parallel-size", "2"]}  # fmt: skip
+    env = {**child_env(), "OMP_NUM_THREADS": "1"}
+    for run, cmd in runs.items():
+        out = subprocess.run([*cmd, *common, "--run-dir", str(tmp_path / run)], env=env, capture_output=True, text=True,
+                             timeout=600)  # fmt: skip
+        assert out.returncode == 0, out.stderr[-3000:]
+    one, tp = rows(tmp_path / "one"), rows(tmp_path / "tp")
+    assert sorted(one) == sorted(tp) == [0, 1, 2]
+    for step in one:
+        keys = [k for k in one[step] if k.split("/")[0] in ("loss", "train", "eval")]
+        assert keys and sorted(keys) == sorted(k for k in tp[step] if k.split("/")[0] in ("loss", "train", "eval"))
+        for key in keys:
+            assert tp[step][key] == pytest.approx(one[step][key], rel=1e-4, abs=1e-6), (key, step)
+    wa, wb = (load_file(tmp_path / run / "hf" / "model.safetensors") for run in runs)
+    assert wa.keys() == wb.keys() and all(wa[k].shape == wb[k].shape for k in wa)  # whole tensors, not shards
