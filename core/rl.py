@@ -45,7 +45,7 @@ import os
 import random
 import sys
 import time
-from dataclasses import dataclass, fields, is_dataclass
+from dataclasses import dataclass, fields, is_dataclass, replace
 from functools import partial
 from pathlib import Path
 
@@ -91,9 +91,10 @@ def launch(main, args, placed: dict[str, Group] | None = None) -> dict:
     pg, share, engine_options = placement.place_rl(n, args.vllm.num_engines, args.vllm.tensor_parallel_size,
                                                    args.train.colocate, args.ray.strategy, args.ray.timeout_s,
                                                    sum(g.colocate for g in layout.values()))  # fmt: skip
-    _resolve_model_names(args)
-    args.run_dir = str(Path(args.run_dir or Path(args.logger.run_root) / run_name(args.exp_name, args.train.seed)))
-    args.vllm.in_process = False
+    # the ranks' copy of the script's Args: the embedded models built, one run folder, engine actors (core writes
+    # nothing into the script's own Args)
+    args = replace(with_model_names(args), vllm=replace(args.vllm, in_process=False),
+                   run_dir=str(Path(args.run_dir or Path(args.logger.run_root) / run_name(args.exp_name, args.train.seed))))  # fmt: skip
     engines = rollout.create_engines(args.actor.model.name_or_path, args.vllm, seed=args.train.seed,
                                      actor_options=engine_options, init_broadcast=False,
                                      tokenizer=args.actor.model.tokenizer,
@@ -212,14 +213,17 @@ def _run_rank(worker, main, args, engines, groups: dict, cwd: str, routed: bool 
     return main(args, engines, groups)
 
 
-def _resolve_model_names(cfg) -> None:
-    """Every `name_or_path` field of the nested `Args` that names an embedded model -> its built local folder."""
+def with_model_names(cfg):
+    """A copy of the nested `Args` `cfg` whose `name_or_path` fields that name an embedded model hold its built local
+    folder (built here); `cfg` itself unchanged (sections without such a name are shared, not copied)."""
+    changes = {}
     for f in fields(cfg):
         value = getattr(cfg, f.name)
-        if is_dataclass(value):
-            _resolve_model_names(value)
-        elif f.name == "name_or_path" and isinstance(value, str):
-            setattr(cfg, f.name, embedded.resolve_model(value))
+        if is_dataclass(value) and (new := with_model_names(value)) is not value:
+            changes[f.name] = new
+        elif f.name == "name_or_path" and isinstance(value, str) and (local := embedded.resolve_model(value)) != value:
+            changes[f.name] = local
+    return replace(cfg, **changes) if changes else cfg
 
 
 def check_files(run_dir: str | None) -> None:
@@ -266,16 +270,16 @@ def load_task(args) -> tuple[object, list[dict], list[dict]]:
     limits = {"max_position_embeddings of --actor.model.name-or-path":
               models.max_positions(actor_path, "--actor.model.name-or-path"),
               "--vllm.max-model-len": args.vllm.max_model_len}  # fmt: skip
-    args.data.max_len = data.resolve_max_len(args.data.max_len, limits, reserve, reserve_flag)
+    cfg = replace(args.data, max_len=data.resolve_max_len(args.data.max_len, limits, reserve, reserve_flag))
     tokenizer = models.load_tokenizer(args.actor.model.tokenizer or actor_path,
                                       "--actor.model.name-or-path / --actor.model.tokenizer")  # fmt: skip
-    make = partial(data.prompt_example, tokenizer=tokenizer, cfg=args.data, reserve=reserve)
-    if args.data.image_key:  # vision-language: each row's picture joins its prompt (core/vision.py)
-        make = vision.with_image(make, args.data, tokenizer, vision.load_image_processor(actor_path))
-    train_set = data.mix(data.build_examples(data.load_sources(args.data.path, args.data.split, args.data.max_samples),
-                                             make, args.data), args.data.probs, args.train.seed)  # fmt: skip
-    eval_sources = data.load_sources(args.data.eval_path or args.data.path, args.data.eval_split, args.eval.max_samples)
-    eval_set = [e for g in data.build_examples(eval_sources, make, args.data) for e in g]
+    make = partial(data.prompt_example, tokenizer=tokenizer, cfg=cfg, reserve=reserve)
+    if cfg.image_key:  # vision-language: each row's picture joins its prompt (core/vision.py)
+        make = vision.with_image(make, cfg, tokenizer, vision.load_image_processor(actor_path))
+    train_set = data.mix(data.build_examples(data.load_sources(cfg.path, cfg.split, cfg.max_samples), make, cfg),
+                         cfg.probs, args.train.seed)  # fmt: skip
+    eval_sources = data.load_sources(cfg.eval_path or cfg.path, cfg.eval_split, args.eval.max_samples)
+    eval_set = [e for g in data.build_examples(eval_sources, make, cfg) for e in g]
     return tokenizer, train_set, eval_set
 
 

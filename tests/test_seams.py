@@ -86,6 +86,43 @@ def test_core_reads_no_field_only_a_script_declares(tmp_path):
     assert _script_only_reads([leak]) == ["leak.py:2 reads .max_lag (grpo_async.py:TrainArgs)"]
 
 
+def _writes_into_args(path: Path) -> list[str]:
+    """Assignments in `path` to an attribute of a name `args` or `cfg` (`args.run_dir = ...`, `args.data.max_len =
+    ...`, `setattr(cfg, ...)`): core returns what it resolves (a copy, a value) instead."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        targets = node.targets if isinstance(node, ast.Assign) else [node.target] if isinstance(node, ast.AugAssign) else []
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "setattr" and node.args:
+            targets = [ast.Attribute(value=node.args[0], attr="?")]
+        for t in targets:
+            root = t
+            while isinstance(root, ast.Attribute):
+                root = root.value
+            if t is not root and isinstance(root, ast.Name) and root.id in ("args", "cfg"):
+                found.append(f"{path.name}:{node.lineno}")
+    return found
+
+
+def test_core_writes_nothing_into_the_scripts_args(tiny_path, tmp_path):
+    """Statically: no core module assigns into a script's `Args` (the run folder, the engines' mode, the resolved
+    --data.max-len, the built embedded models' folders: the ranks get a copy); and `rl.load_task` leaves `args` as
+    it was while it resolves --data.max-len from the model."""
+    import copy
+
+    from algos.grpo import Args
+    from core import rl
+
+    assert not [w for p in sorted((ROOT / "core").glob("*.py")) for w in _writes_into_args(p)]
+    leak = tmp_path / "leak.py"
+    leak.write_text("def f(args):\n    args.vllm.in_process = False\n    setattr(args, 'run_dir', 'x')\n")
+    assert _writes_into_args(leak) == ["leak.py:2", "leak.py:3"]
+    args = Args()
+    args.actor.model.name_or_path, args.eval.max_samples = str(tiny_path), 8
+    before = copy.deepcopy(args)
+    rl.load_task(args)
+    assert args == before and args.data.max_len is None
+
+
 def test_the_cycle_finder_finds_a_cycle():
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) is not None
     assert _cycle({"a": {"b"}, "b": {"c"}, "c": set()}) is None
