@@ -374,6 +374,11 @@ the run trained nothing, silently): the embedded model's 3e-4 would already be 3
 purpose is `--actor.lr` itself, with `--actor.lr-ref-samples None`."""
 
 
+def samples_per_update(ro_cfg, train) -> float:
+    """Samples per optimizer step: prompts x samples per prompt / minibatches (the `--rollout.*`, `--train.*` sections)."""
+    return ro_cfg.batch_size * ro_cfg.n_samples / train.minibatches
+
+
 def actor_lr(actor: ActorArgs, samples_per_update: float) -> float:
     """The actor's peak learning rate for `samples_per_update` samples per optimizer step: `actor.lr` scaled by
     samples / actor.lr_ref_samples when there are fewer (never up), else as given. A ValueError naming the flag, the
@@ -513,8 +518,6 @@ def check_args(args) -> None:
     actor, rollout, train = (getattr(args, k, None) for k in ("actor", "rollout", "train"))
     rl_script = hasattr(actor, "lr_ref_samples") and hasattr(rollout, "n_samples") and hasattr(train, "minibatches")
     if rl_script and not errors:  # `--actor.lr-ref-samples`: the factor it scales the lr by has a floor
-        from core.rl import samples_per_update
-
         try:
             actor_lr(actor, samples_per_update(rollout, train))
         except ValueError as e:

@@ -66,7 +66,7 @@ from core import (
     vision,
 )
 from core import engine as ds_engine
-from core.config import ModelConfig, actor_lr
+from core.config import ModelConfig, actor_lr, samples_per_update
 from core.episode import Episode, Rollout
 from core.logger import RunLogger, check_run_dir, lock_run_dir, run_name
 from core.placement import Group, all_ranks, shard_minibatch
@@ -306,11 +306,6 @@ def scaled_lr(actor, ro_cfg, train) -> float:
     by samples / `--actor.lr-ref-samples` for a smaller minibatch); the `--actor.*`, `--rollout.*` and `--train.*`
     sections."""
     return actor_lr(actor, samples_per_update(ro_cfg, train))
-
-
-def samples_per_update(ro_cfg, train) -> float:
-    """Samples per optimizer step: prompts x samples per prompt / minibatches."""
-    return ro_cfg.batch_size * ro_cfg.n_samples / train.minibatches
 
 
 def make_ref(cfg, model: ModelConfig, device: torch.device, groups: dict | None = None, actor=None):
