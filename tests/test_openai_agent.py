@@ -19,7 +19,9 @@ import torch
 from conftest import assert_first_step_agrees, in_process_engines, ranks_2_vs_1
 
 from agents.openai_agent import AgentError, OpenAIAgentExecutor, load_agent
-from agents.openai_server import Call, OpenAIServer, build_trajectory, render_chat
+from agents.openai_server import OpenAIServer
+from agents.records import Call, build_trajectory
+from agents.tool_calls import render_chat
 from core import embedded, models
 from core.rollout import Sample
 

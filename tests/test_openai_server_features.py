@@ -22,15 +22,11 @@ import openai
 import pytest
 from conftest import in_process_engines
 
+from agents import request_checks
 from agents.openai_agent import LoopWatch, OpenAIAgentExecutor, _AgentLoop, _Restart, load_agent
-from agents.openai_server import (
-    SEED_STRIDE,
-    OpenAIServer,
-    ToolParseError,
-    build_trajectory,
-    parse_hermes_tool_calls,
-    template_renders_tools,
-)
+from agents.openai_server import SEED_STRIDE, OpenAIServer
+from agents.records import build_trajectory
+from agents.tool_calls import ToolParseError, parse_hermes_tool_calls, template_renders_tools
 from core import embedded, models
 from core.rollout import Sample
 
@@ -266,7 +262,7 @@ def test_prompts_tokenized_by_pieces_are_the_whole_prompts_ids_and_the_tools_tur
     tools = [{"type": "function", "function": {"name": "calculator", "description": "adds",
                                                "parameters": {"type": "object", "properties": {}}}}]  # fmt: skip
     log = server.episodes[server.open_episode(1.0, 0)]
-    p = server._params({"model": "chat", "tools": tools}, chat_request=True)
+    p = request_checks.check_params({"model": "chat", "tools": tools}, True, server.model_name, server.max_new_tokens)
     before = server._piece_ids.cache_info()
     prompts = [server.chat_prompt(log, {"messages": [{"role": "user", "content": f"{a}+{a}="}]}, p) for a in (1, 2, 3)]
     after = server._piece_ids.cache_info()

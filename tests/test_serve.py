@@ -129,7 +129,7 @@ def test_the_agent_server_flags_are_listed_by_the_rl_scripts():
     assert out.returncode == 0, out.stderr
     for flag in ("--rollout.agent-tool-parser", "--rollout.agent-max-request-bytes"):
         assert flag in out.stdout, flag
-    from agents.openai_server import MAX_REQUEST_BYTES
+    from agents.request_checks import MAX_REQUEST_BYTES
     from core.config import RolloutArgs
 
     assert RolloutArgs().agent_tool_parser == "hermes" and RolloutArgs().agent_max_request_bytes == MAX_REQUEST_BYTES

@@ -26,8 +26,9 @@ import openai
 import pytest
 from conftest import in_process_engines
 
+from agents.batcher import Batcher
 from agents.openai_agent import OpenAIAgentExecutor
-from agents.openai_server import SEED_STRIDE, OpenAIServer, _Batcher
+from agents.openai_server import SEED_STRIDE, OpenAIServer
 from core import embedded, models
 from core.rollout import Sample
 
@@ -137,7 +138,7 @@ def test_the_engine_failing_on_one_batched_request_fails_only_that_request():
     """Three requests in one batch, one of which the engine raises on: the batch is tried request by request, the
     bad one gets the error, the other two their samples; the batcher goes on serving."""
     engine = Scripted(bad_seeds={13})
-    batcher = _Batcher(engine, open_episodes=lambda: 3)
+    batcher = Batcher(engine, open_episodes=lambda: 3)
     try:
         futures = [batcher.submit([1, 2], 4, 1.0, 1.0, s) for s in (1, 13, 2)]
         results = [f.exception(timeout=10) or f.result() for f in futures]

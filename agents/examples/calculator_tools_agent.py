@@ -37,7 +37,7 @@ import re
 from pathlib import Path
 
 from agents.examples.calculator_agent import task_rows, write_jsonl
-from agents.openai_server import hermes_call_text, hermes_tools_prompt, render_chat
+from agents.tool_calls import hermes_call_text, hermes_tools_prompt, render_chat
 from rewards.arithmetic import score
 
 CALCULATOR = {"type": "function", "function": {
