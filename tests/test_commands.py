@@ -124,6 +124,30 @@ def test_lora_grpo_command_with_a_judge_as_the_reward(tmp_path):
     assert not torch.equal(out["model.layers.0.self_attn.q_proj.weight"], base["model.layers.0.self_attn.q_proj.weight"])
 
 
+def test_4bit_reward_model_on_its_own_ray_group_scores_the_rollouts(tmp_path):
+    """`--reward.model <rm export> --reward.load-in-4bit --reward.ranks 1`: the reward model's replica on a Ray rank of
+    its own loads its body in NF4 (its score head whole): every reward of the step is what that 4-bit model scores
+    for the sample's text in this process (within samples.jsonl's rounding), not what the full-precision one does."""
+    from rewards.remote import ModelReward
+
+    from core import models
+
+    rm, warm = tmp_path / "rm", embedded.resolve_model("cleanrlhf/tiny-sft")
+    torch.manual_seed(0)  # a reward model with a fixed random head, saved as rm.py exports one
+    models.load_scalar_model(warm, "fp32").save_pretrained(rm)
+    models.load_tokenizer(warm).save_pretrained(rm)
+    run = tmp_path / "run"
+    trained_step(command("grpo", run, "--reward.model", str(rm), "--reward.load-in-4bit", "--reward.ranks", "1",
+                         "--rollout.batch-size", "4", "--rollout.n-samples", "4", "--logger.samples", "16"))  # fmt: skip
+    rows = [s for s in samples(run) if s["kind"] == "train"]
+    assert len(rows) == 16
+    texts, logged = [s["prompt"] + s["response"] for s in rows], torch.tensor([s["reward"] for s in rows])
+    four = ModelReward(str(rm), load_in_4bit=True)(texts, [], [])["rewards"]
+    full = ModelReward(str(rm))(texts, [], [])["rewards"]
+    assert torch.allclose(logged, four, rtol=0, atol=2e-6), (logged, four)
+    assert (logged - full).abs().max() > 1e-4  # NF4's rounding: measured 4e-3
+
+
 # ------------------------------------------------------------------------------------------ MoE and agents
 
 
