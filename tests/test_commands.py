@@ -205,8 +205,10 @@ def two_pictures(tmp_path_factory) -> str:
     return str(folder)
 
 
-# Every RL script that reads pictures, but grpo.py (tests/test_vlm.py): rloo.py on two pictures per row.
+# Every RL script that reads pictures, but grpo.py (tests/test_vlm.py): rloo.py on two pictures per row, cispo.py and
+# sapo.py with the LoRA flags their pages show (`--actor.model.lora-rank 8 --actor.lr 1e-3`).
 PICTURE_SCRIPTS = ["grpo_async", "rloo", "reinforce_pp", "cispo", "sapo", "opd"]
+LORA = {"cispo", "sapo"}
 
 
 @pytest.mark.parametrize("script", PICTURE_SCRIPTS)
@@ -218,11 +220,14 @@ def test_rl_script_command_on_pictures(script, tmp_path, alternating_reward, two
     `core.vision.model_kwargs`), so the trained samples' log-probs before the update (samples.jsonl `old_logp`) within
     0.02 of the engine's show the pictures in both. (They differ by up to 3e-3: the engine samples from the
     vocabulary without the image token, whose probability in the random tiny-vl is about 1/V.) opd.py's teacher is the same tiny-vl: its log-probs
-    equal the student's, the reverse KL 0, only if it too reads the pictures."""
+    equal the student's, the reverse KL 0, only if it too reads the pictures. cispo.py and sapo.py train LoRA adapters
+    only (their pages' command)."""
     per_row = 2 if script == "rloo" else 1
     data = (["--data.path", two_pictures, "--data.max-images-per-prompt", "2"] if per_row == 2
             else ["--data.path", "cleanrlhf/shapes", "--data.max-samples", "16"])  # fmt: skip
     extra = ["--teacher.model", "cleanrlhf/tiny-vl"] if script == "opd" else []
+    if script in LORA:
+        extra = ["--actor.model.lora-rank", "8", "--actor.lr", "1e-3"]
     run = tmp_path / "run"
     rows = command(script, run, "--actor.model.name-or-path", "cleanrlhf/tiny-vl", "--data.image-key", "image", *data,
                    "--eval.max-samples", "4", "--reward.func", alternating_reward, "--rollout.max-new-tokens", "3",
@@ -237,3 +242,8 @@ def test_rl_script_command_on_pictures(script, tmp_path, alternating_reward, two
     assert kept and all(s["prompt"].count(PAD) == per_row for s in kept), kept
     for s in kept:  # the trainer's log-probs before the update are the engine's: the trainer saw the pictures too
         assert s["tokens"]["old_logp"] == pytest.approx(s["tokens"]["engine_logp"], abs=0.02), s
+    if script in LORA:  # adapters only: merged into the export's linears, the embedding and norms untouched
+        base, out = weights(embedded.resolve_model("cleanrlhf/tiny-vl")), weights(run / "hf")
+        frozen = [k for k in out if "embed_tokens" in k or "norm" in k]
+        assert frozen and all(torch.equal(out[k], base[k]) for k in frozen)
+        assert any(not torch.equal(out[k], base[k]) for k in out if k.endswith("q_proj.weight"))
