@@ -1,5 +1,5 @@
-"""The user's commands: each feature row of the README and the guide (LoRA, QLoRA, pictures, mixture-of-experts,
-agents, a judge) run as a user runs it, `python algos/<x>.py` from the repository with the flags on the command line,
+"""The user's commands: each feature row of the README and the guide (LoRA, QLoRA and a 4-bit reward model on a Ray
+group, pictures, mixture-of-experts, agents, a judge) run as a user runs it, `python algos/<x>.py` from the repository with the flags on the command line,
 in a process of its own. The learning tests call a script's `main` in the test process; these runs are the path they
 skip: interpreter start, the environment, tyro's parsing of the flags, `core.noise` and the other process-wide
 settings. Each is one step on a tiny batch, `--eval.every 0`, `--debug` (after the step's weight sync the engine's
@@ -153,8 +153,8 @@ def test_4bit_reward_model_on_its_own_ray_group_scores_the_rollouts(tmp_path):
 
 @pytest.fixture(scope="module")
 def alternating_reward(tmp_path_factory) -> str:
-    """A reward file giving every other sample 1: each prompt's group (its samples are consecutive) has a spread of
-    rewards whatever a random model writes, so the step trains."""
+    """A reward file giving every other query of a call 1: the prompts' groups get a spread of rewards whatever a random
+    model writes (every group kept in these runs), so the step trains."""
     path = tmp_path_factory.mktemp("reward") / "alternating.py"
     path.write_text("def reward_func(queries, prompts, labels):\n    return [float(i % 2) for i in range(len(queries))]\n")
     return str(path)
