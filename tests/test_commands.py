@@ -1,9 +1,10 @@
 """The user's commands: each feature row of the README and the guide (LoRA, QLoRA and a 4-bit reward model on a Ray
-group, pictures, mixture-of-experts, agents, a judge) run as a user runs it, `python algos/<x>.py` from the repository with the flags on the command line,
-in a process of its own. The learning tests call a script's `main` in the test process; these runs are the path they
-skip: interpreter start, the environment, tyro's parsing of the flags, `core.noise` and the other process-wide
-settings. Each is one step on a tiny batch, `--eval.every 0`, `--debug` (after the step's weight sync the engine's
-log-probs must equal the trainer's, or the run stops), and asserts what shows the feature was in effect.
+group, pictures, mixture-of-experts, agents, a judge) run as a user runs it, `python algos/<x>.py` from the repository
+with the flags on the command line, in a process of its own. The learning tests call a script's `main` in the test
+process; these runs are the path they skip: interpreter start, the environment, tyro's parsing of the flags,
+`core.noise` and the other process-wide settings. Each is one step on a tiny batch, `--eval.every 0`, `--debug` (after
+the step's weight sync the engine's log-probs must equal the trainer's, or the run stops), and asserts what shows the
+feature was in effect.
 
 The other rows have command-line runs elsewhere: AutoTP (tests/test_autotp.py `sft_run`, tests/test_dpo.py: torchrun
 with `--ds.tensor-parallel-size 2`) and sequence parallelism (tests/test_sequence_parallel.py
@@ -12,7 +13,6 @@ with `--ds.tensor-parallel-size 2`) and sequence parallelism (tests/test_sequenc
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -121,16 +121,17 @@ def test_lora_grpo_command_with_a_judge_as_the_reward(tmp_path):
     base, out = weights(embedded.resolve_model("cleanrlhf/tiny-sft")), weights(run / "hf")
     frozen = [k for k in out if "embed_tokens" in k or "norm" in k]
     assert frozen and all(torch.equal(out[k], base[k]) for k in frozen)
-    assert not torch.equal(out["model.layers.0.self_attn.q_proj.weight"], base["model.layers.0.self_attn.q_proj.weight"])
+    assert not torch.equal(
+        out["model.layers.0.self_attn.q_proj.weight"], base["model.layers.0.self_attn.q_proj.weight"]
+    )
 
 
 def test_4bit_reward_model_on_its_own_ray_group_scores_the_rollouts(tmp_path):
     """`--reward.model <rm export> --reward.load-in-4bit --reward.ranks 1`: the reward model's replica on a Ray rank of
     its own loads its body in NF4 (its score head whole): every reward of the step is what that 4-bit model scores
     for the sample's text in this process (within samples.jsonl's rounding), not what the full-precision one does."""
-    from rewards.remote import ModelReward
-
     from core import models
+    from rewards.remote import ModelReward
 
     rm, warm = tmp_path / "rm", embedded.resolve_model("cleanrlhf/tiny-sft")
     torch.manual_seed(0)  # a reward model with a fixed random head, saved as rm.py exports one
@@ -156,7 +157,9 @@ def alternating_reward(tmp_path_factory) -> str:
     """A reward file giving every other query of a call 1: the prompts' groups get a spread of rewards whatever a random
     model writes (every group kept in these runs), so the step trains."""
     path = tmp_path_factory.mktemp("reward") / "alternating.py"
-    path.write_text("def reward_func(queries, prompts, labels):\n    return [float(i % 2) for i in range(len(queries))]\n")
+    path.write_text(
+        "def reward_func(queries, prompts, labels):\n    return [float(i % 2) for i in range(len(queries))]\n"
+    )
     return str(path)
 
 
