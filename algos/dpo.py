@@ -299,9 +299,8 @@ def main(args: Args) -> dict:
     copies = world // dp_world
     schedule = partial(lr_schedule, warmup=args.train.warmup_steps, total=args.train.max_steps,
                        floor=args.train.min_lr_ratio)  # per optimizer step
-    engine = ds_engine.make_engine(model, args.ds, args.train.lr, args.train.max_steps,
-                                   weight_decay=args.train.weight_decay, betas=args.train.adam_betas,
-                                   schedule=schedule)  # fmt: skip
+    engine = ds_engine.make_engine(model, args.ds, args.train.lr, schedule, weight_decay=args.train.weight_decay,
+                                   betas=args.train.adam_betas)  # fmt: skip
     ref_model = None
     if args.train.live_ref and args.model.lora_rank == 0:  # DEVIATION(1): a frozen full replica per rank
         ref_model = models.load_causal_lm(replace(args.model, gradient_checkpointing=False)).to(device).eval()

@@ -118,16 +118,22 @@ class TeacherArgs:
     memory; the distillation signal then carries NF4's rounding. Zero-stage 0 only."""
 
 
+# RECIPE: OPD's setting on the embedded task (~1 M parameters), its `--help` defaults; a fork changes it here
+ACTOR = dict(lr=3e-4, lr_ref_samples=256, warmup_steps=0, min_lr_ratio=0.1, weight_decay=0.0, adam_betas=(0.9, 0.95))
+ROLLOUT = dict(batch_size=64, n_samples=8)  # prompts per step, G samples per prompt (the group)
+TRAIN = dict(max_steps=30, minibatches=2, epochs=1)  # RL steps, optimizer steps per rollout, passes over it
+
+
 @dataclass
 class Args:
     exp_name: str = Path(__file__).stem
     """run name prefix; defaults to this file's name, so a copied script names its own runs."""
-    actor: config.ActorArgs = field(default_factory=config.ActorArgs)
+    actor: config.ActorArgs = field(default_factory=lambda: config.ActorArgs(**ACTOR))
     teacher: TeacherArgs = field(default_factory=TeacherArgs)
     ref: config.RefConfig = field(default_factory=config.RefConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
-    rollout: config.RolloutArgs = field(default_factory=config.RolloutArgs)
-    train: config.TrainArgs = field(default_factory=lambda: config.TrainArgs(max_steps=30))
+    rollout: config.RolloutArgs = field(default_factory=lambda: config.RolloutArgs(**ROLLOUT))
+    train: config.TrainArgs = field(default_factory=lambda: config.TrainArgs(**TRAIN))
     algo: AlgoArgs = field(default_factory=AlgoArgs)
     eval: config.EvalArgs = field(default_factory=config.EvalArgs)
     data: config.DataConfig = field(default_factory=config.DataConfig)
@@ -279,8 +285,7 @@ def main(args: Args, engines: rollout.RolloutEngines | None = None, groups: dict
         raise ValueError(f"--algo.reward-coef {args.algo.reward_coef}: a negative weight trains the student to fail "
                          "the task reward; add --algo.negative-reward-coef if that is meant")  # fmt: skip
     check_teacher(args)  # ALGO LOGIC: the teacher must read the student's token ids (builds an embedded teacher once)
-    # PLUMBING: `--train.ranks 1`: this process holds the DeepSpeed actor and an in-process vLLM engine. N > 1: the
-    # driver starts Ray, the engine actors and N ranks, each of which runs this function with the engines given.
+    # PLUMBING: --train.ranks 1: this process trains, beside an in-process engine; N: Ray ranks run this, engines given
     uses_ref = args.algo.kl_coef > 0  # ALGO LOGIC: the KL term needs the reference policy (DEVIATION(3))
     # PLUMBING: the models this script places on Ray ranks of their own with `--<role>.ranks N` (core places them)
     placed = {"ref": group(args.ref, unused=None if uses_ref else "the KL term is off: --algo.kl-coef 0"),
@@ -295,7 +300,7 @@ def main(args: Args, engines: rollout.RolloutEngines | None = None, groups: dict
     reward = load_reward(args.rollout, args.reward, (groups or {}).get("reward"))  # None: the episodes reward themselves
     schedule = partial(lr_schedule, warmup=args.actor.warmup_steps, floor=args.actor.min_lr_ratio,
                        total=args.train.max_steps * args.train.minibatches * args.train.epochs)  # optimizer steps
-    actor = rl.make_actor(args, device, schedule=schedule)
+    actor = rl.make_actor(args, device, rl.scaled_lr(args.actor, args.rollout, args.train), schedule)
     ref = rl.make_ref(args.ref, args.actor.model, device, groups, actor) if uses_ref else None  # LoRA: adapters off
     teacher = rl.build_model(groups, "teacher", load_teacher, device, args)  # PLUMBING: here, or its --teacher.ranks
     episodes = partial(make_executor, args.rollout, reward, args.actor.model.name_or_path, args.vllm.max_model_len)

@@ -306,9 +306,8 @@ def main(args: Args) -> dict:
     copies = world // dp_world
     schedule = partial(lr_schedule, warmup=args.train.warmup_steps, total=args.train.max_steps,
                        floor=args.train.min_lr_ratio)  # per optimizer step
-    engine = ds_engine.make_engine(models.TokenValues(model), args.ds, args.train.lr, args.train.max_steps,
-                                   weight_decay=args.train.weight_decay, betas=args.train.adam_betas,
-                                   schedule=schedule)  # fmt: skip
+    engine = ds_engine.make_engine(models.TokenValues(model), args.ds, args.train.lr, schedule,
+                                   weight_decay=args.train.weight_decay, betas=args.train.adam_betas)  # fmt: skip
     pad_id = tokenizer.pad_token_id
 
     run_dir = Path(args.run_dir or Path(args.logger.run_root) / run_name(args.exp_name, args.train.seed))

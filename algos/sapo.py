@@ -92,15 +92,22 @@ class AlgoArgs:
     """[lo, hi] bounds of the IS weight."""
 
 
+# RECIPE: SAPO's setting on the embedded task (~1 M parameters), its `--help` defaults; a fork changes it here
+# (the lr: 1e-4 where GRPO takes 3e-4, DEVIATION(7))
+ACTOR = dict(lr=1e-4, lr_ref_samples=256, warmup_steps=0, min_lr_ratio=0.1, weight_decay=0.0, adam_betas=(0.9, 0.95))
+ROLLOUT = dict(batch_size=64, n_samples=8)  # prompts per step, G samples per prompt (the group)
+TRAIN = dict(max_steps=80, minibatches=2, epochs=1)  # RL steps, optimizer steps per rollout, passes over it
+
+
 @dataclass
 class Args:
     exp_name: str = Path(__file__).stem
     """run name prefix; defaults to this file's name, so a copied script names its own runs."""
-    actor: config.ActorArgs = field(default_factory=lambda: config.ActorArgs(lr=1e-4))  # DEVIATION(7)
+    actor: config.ActorArgs = field(default_factory=lambda: config.ActorArgs(**ACTOR))
     ref: config.RefConfig = field(default_factory=config.RefConfig)
     reward: RewardConfig = field(default_factory=RewardConfig)
-    rollout: config.RolloutArgs = field(default_factory=config.RolloutArgs)
-    train: config.TrainArgs = field(default_factory=config.TrainArgs)
+    rollout: config.RolloutArgs = field(default_factory=lambda: config.RolloutArgs(**ROLLOUT))
+    train: config.TrainArgs = field(default_factory=lambda: config.TrainArgs(**TRAIN))
     algo: AlgoArgs = field(default_factory=AlgoArgs)
     eval: config.EvalArgs = field(default_factory=config.EvalArgs)
     data: config.DataConfig = field(default_factory=config.DataConfig)
@@ -184,8 +191,7 @@ def update(actor, ref, seqs: dict, adv: torch.Tensor, args: Args, run: rl.Run, s
     adv_tok = adv[:, None].expand_as(mask).float()
     batches = rl.minibatches(seqs, args.train, step, run.rank, world)
     mine = [m for _, micro in batches for m in micro]  # this rank's rows
-    # one optimizer step per rollout: the policy is still the sampling policy when the loss is taken, so the old
-    # log-probs are the live ones detached (ratio 1) and their extra forward pass is skipped
+    # one optimizer step per rollout: the old log-probs are the live ones detached (ratio 1), no extra forward pass
     on_policy = args.train.minibatches == 1 and args.train.epochs == 1
     old_logp = None if on_policy else rl.forward_rows(lambda b: rl.forward_logp(actor, b, temp)[0], seqs, mine, world, False)
     ref_logp = None if ref is None else rl.on_model(ref, rl.logp_table, seqs, args.train, temp, step, run=run)
@@ -220,8 +226,7 @@ def main(args: Args, engines: rollout.RolloutEngines | None = None, groups: dict
                          "2 samples per prompt (with --algo.filter-zero-variance every group of 1 is dropped)")  # fmt: skip
     if not 0 < args.algo.tau_pos <= args.algo.tau_neg:
         raise ValueError(f"--algo.tau-pos {args.algo.tau_pos} / --algo.tau-neg {args.algo.tau_neg}: need 0 < τ_pos <= τ_neg")
-    # PLUMBING: `--train.ranks 1`: this process holds the DeepSpeed actor and an in-process vLLM engine. N > 1: the
-    # driver starts Ray, the engine actors and N ranks, each of which runs this function with the engines given.
+    # PLUMBING: --train.ranks 1: this process trains, beside an in-process engine; N: Ray ranks run this, engines given
     uses_ref = args.algo.kl_coef > 0  # ALGO LOGIC: the KL term needs the reference policy (DEVIATION(3))
     # PLUMBING: the models this script places on Ray ranks of their own with `--<role>.ranks N` (core places them)
     placed = {"ref": group(args.ref, unused=None if uses_ref else "the KL term is off: --algo.kl-coef 0"),
@@ -237,7 +242,7 @@ def main(args: Args, engines: rollout.RolloutEngines | None = None, groups: dict
     reward = load_reward(args.rollout, args.reward, (groups or {}).get("reward"))  # None: the episodes reward themselves
     schedule = partial(lr_schedule, warmup=args.actor.warmup_steps, floor=args.actor.min_lr_ratio,
                        total=args.train.max_steps * args.train.minibatches * args.train.epochs)  # optimizer steps
-    actor = rl.make_actor(args, device, schedule=schedule)
+    actor = rl.make_actor(args, device, rl.scaled_lr(args.actor, args.rollout, args.train), schedule)
     ref = rl.make_ref(args.ref, args.actor.model, device, groups, actor) if uses_ref else None  # LoRA: adapters off
     episodes = partial(make_executor, args.rollout, reward, args.actor.model.name_or_path, args.vllm.max_model_len)
     run = rl.start(args, {"actor": actor}, engines, tokenizer, eval_set, episodes, rank, world, device, args.exp_name)
@@ -245,10 +250,8 @@ def main(args: Args, engines: rollout.RolloutEngines | None = None, groups: dict
               if args.algo.kl_target else rl_math.FixedKLController(args.algo.kl_coef))  # fmt: skip
     kl_ctl.load_state_dict(run.client.get("kl_ctl", kl_ctl.state_dict()))
     G = args.rollout.n_samples
-    keep_groups = None  # DAPO dynamic sampling: regenerate groups that are all solved or all failed
-    if args.algo.dynamic_filter_range is not None:
-        keep_groups = partial(groups_inside, group_size=G, low=args.algo.dynamic_filter_range[0],
-                              high=args.algo.dynamic_filter_range[1])  # fmt: skip
+    bounds = args.algo.dynamic_filter_range  # DAPO dynamic sampling: regenerate groups all solved or all failed
+    keep_groups = None if bounds is None else partial(groups_inside, group_size=G, low=bounds[0], high=bounds[1])
 
     for step in range(run.start_step, args.train.max_steps):
         perf: dict = {}

@@ -246,30 +246,33 @@ class LoggerConfig:
 
 
 # ------------------------------------------------------------------------------------ RL sections (algos/grpo.py ...)
-# The four sections every RL script nests: `--actor.*`, `--rollout.*`, `--train.*`, `--eval.*`. A script that needs
-# another default passes it (`TrainArgs(max_steps=30)`); one that needs another knob subclasses the section.
+# The four sections every RL script nests: `--actor.*`, `--rollout.*`, `--train.*`, `--eval.*`. The fields that make
+# an algorithm's setting (the learning rate and its schedule, Adam's betas, prompts per step, the group size, steps,
+# minibatches, epochs: the recipe) have no default here: each script states them in its own `Args`, where a reader
+# and `--help` see them (grpo.py: `config.TrainArgs(max_steps=80, minibatches=2, epochs=1)`). Defaults here are
+# plumbing only. A script that needs another knob subclasses the section.
 
 
 @dataclass
 class ActorArgs:
-    model: ModelConfig = dataclasses.field(default_factory=lambda: ModelConfig(name_or_path="cleanrlhf/tiny-sft"))
-    lr: PosFloat = 3e-4
-    """peak learning rate for `lr-ref-samples` samples per optimizer step (3e-4 suits the ~1 M embedded model; ~1e-6
-    for real models)."""
-    lr_ref_samples: PosInt | None = 256
+    lr: PosFloat
+    """peak learning rate for `lr-ref-samples` samples per optimizer step (~1e-6 for real models)."""
+    lr_ref_samples: PosInt | None
     """the samples per optimizer step (rollout.batch-size × n-samples / train.minibatches) that `lr` is set for: a run
     with fewer scales the peak lr down in proportion (the linear scaling rule) and says so at the start. Adam's steps
     are as large on a noisy gradient as on a clean one: at 8 prompts × 4 samples the unscaled 3e-4 took the reward
     from 0.41 to 0 in 3 steps; scaled (1.9e-5) it held. A scale below 1/1000 is refused (`LR_SCALE_FLOOR`). None: `lr`
     as given, whatever the batch."""
-    warmup_steps: NonNegInt = 0
-    """linear learning-rate warmup (optimizer steps), then cosine decay to min-lr-ratio · lr."""
-    min_lr_ratio: Fraction = 0.1
+    warmup_steps: NonNegInt
+    """linear learning-rate warmup (optimizer steps), then cosine decay to min-lr-ratio · lr (the script's
+    `lr_schedule`)."""
+    min_lr_ratio: Fraction
     """the cosine schedule ends at lr · min_lr_ratio."""
-    weight_decay: NonNegFloat = 0.0
+    weight_decay: NonNegFloat
     """AdamW weight decay."""
-    adam_betas: tuple[float, float] = (0.9, 0.95)
+    adam_betas: tuple[float, float]
     """AdamW (β1, β2)."""
+    model: ModelConfig = dataclasses.field(default_factory=lambda: ModelConfig(name_or_path="cleanrlhf/tiny-sft"))
     ema_beta: Fraction = 0.0
     """β of an exponential moving average of the policy's weights, ema ← β·ema + (1 − β)·θ after every optimizer
     step, starting from the initial weights; exported beside the final model to `<run>/hf_ema/` and carried in
@@ -278,9 +281,9 @@ class ActorArgs:
 
 @dataclass
 class RolloutArgs:
-    batch_size: PosInt = 64
+    batch_size: PosInt
     """prompts per step."""
-    n_samples: PosInt = 8
+    n_samples: PosInt
     """G: responses sampled per prompt (the group of the group-relative estimators)."""
     max_new_tokens: PosInt = 8
     """response length limit."""
@@ -318,11 +321,11 @@ class RolloutArgs:
 
 @dataclass
 class TrainArgs:
-    max_steps: PosInt = 80
+    max_steps: PosInt
     """RL steps (one rollout + update each); 80 GRPO steps take ~2.5 min on 2 CPU cores with the embedded default."""
-    minibatches: PosInt = 2
+    minibatches: PosInt
     """optimizer steps per rollout: the batch is split into this many minibatches."""
-    epochs: PosInt = 1
+    epochs: PosInt
     """passes over each rollout."""
     micro_batch_size: PosInt = 128
     """sequences per forward/backward (gradient accumulation covers the minibatch)."""

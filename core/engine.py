@@ -1,4 +1,4 @@
-"""DeepSpeed plumbing: process group, ZeRO config, engine with AdamW + warmup/cosine schedule, HF export.
+"""DeepSpeed plumbing: process group, ZeRO config, engine with AdamW and the caller's lr schedule, HF export.
 
 Tested with deepspeed 0.19.8 and torch 2.13 (gloo on CPU; nccl on CUDA). One process (`python algos/x.py`), several
 with `torchrun --nproc_per_node N algos/x.py` or the `deepspeed` launcher, or inside Ray actors that set
@@ -273,18 +273,6 @@ def _tp_clip_and_keep_norm(engine, max_norm: float) -> torch.Tensor:
     return norm
 
 
-def lr_lambda(warmup_steps: int, total_steps: int, min_lr_ratio: float):
-    """Linear warmup to 1, then cosine decay to `min_lr_ratio` at `total_steps` (multiplier of the peak lr)."""
-
-    def f(step: int) -> float:
-        if step < warmup_steps:
-            return (step + 1) / warmup_steps
-        progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
-        return min_lr_ratio + (1 - min_lr_ratio) * 0.5 * (1 + math.cos(math.pi * progress))
-
-    return f
-
-
 def fused_adam(params, lr: float, betas: tuple[float, float], weight_decay: float):
     """DeepSpeed's FusedAdam in AdamW mode on CUDA, or None (with the reason printed) where it cannot be built. It is
     JIT-built on first use by ninja + nvcc (cached under ~/.cache/torch_extensions) and is the only optimizer whose
@@ -358,14 +346,13 @@ def cpp_compiler() -> str | None:
     return shutil.which(os.environ.get("CXX", "g++"))
 
 
-def make_engine(model, ds: DSConfig, lr: float, total_steps: int, warmup_steps: int = 0, min_lr_ratio: float = 0.1,
+def make_engine(model, ds: DSConfig, lr: float, schedule: Callable[[int], float] | None = None, *,
                 weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.95), hybrid: bool = False,
-                ema_beta: float = 0.0, schedule: Callable[[int], float] | None = None):  # fmt: skip
+                ema_beta: float = 0.0):  # fmt: skip
     """Wrap `model` in a DeepSpeed engine with AdamW over its trainable parameters (DeepSpeed's FusedAdam on CUDA,
-    torch's on CPU; `--ds.optimizer muon`: `muon_optimizer`) and a learning-rate schedule: `schedule(update)`, the
-    peak lr's multiplier at each optimizer step, when the caller gives one (every training script passes its own
-    `lr_schedule`), else a warmup/cosine one (`lr_lambda(warmup_steps, total_steps, min_lr_ratio)`, for tests and
-    benchmarks). `hybrid`: the engine's
+    torch's on CPU; `--ds.optimizer muon`: `muon_optimizer`) at peak lr `lr`, and the caller's learning-rate schedule:
+    `schedule(update)`, the peak lr's multiplier at each optimizer step (every training script passes its own
+    `lr_schedule`; None: a constant lr, for tests and benchmarks). `hybrid`: the engine's
     states will be moved off the GPU while vLLM generates (`core.placement.offload_states`). `ema_beta` > 0: keep an
     EMA of the weights (`ema_init`). Returns the engine; `engine.module` is the model, `engine.lr_scheduler` the
     schedule."""
@@ -406,7 +393,7 @@ def make_engine(model, ds: DSConfig, lr: float, total_steps: int, warmup_steps: 
     if optimizer is None:  # CPU: torch AdamW (no 2-4 min CPUAdam compile; the models that train on CPU are small),
         # fused: one kernel over all tensors, 0.8 ms against 5-7 ms per step for the 1 M tiny model
         optimizer = torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay, fused=True)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule or lr_lambda(warmup_steps, total_steps, min_lr_ratio))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule or (lambda update: 1.0))
     engine, *_ = deepspeed.initialize(
         model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config(ds, dtype, stage)
     )

@@ -283,11 +283,11 @@ def load_task(args) -> tuple[object, list[dict], list[dict]]:
     return tokenizer, train_set, eval_set
 
 
-def make_actor(args, device: torch.device, total_updates: int = 0, schedule=None):
-    """The trained policy: `--actor.model.*` as a DeepSpeed engine with AdamW (`--actor.lr`, `--actor.adam-betas`,
-    `--actor.weight-decay`) and the script's learning-rate schedule (`schedule(update)`: the peak lr's multiplier at
-    each optimizer step; the RL scripts write theirs, `lr_schedule`). Without one: a linear warmup
-    (`--actor.warmup-steps`) then cosine schedule to `--actor.min-lr-ratio` · lr over `total_updates` steps."""
+def make_actor(args, device: torch.device, lr: float, schedule=None):
+    """The trained policy: `--actor.model.*` as a DeepSpeed engine with AdamW at peak lr `lr` (the script's choice:
+    `--actor.lr`, or `scaled_lr` of it), `--actor.adam-betas` and `--actor.weight-decay`, and the script's
+    learning-rate schedule (`schedule(update)`: the peak lr's multiplier at each optimizer step, the script's
+    `lr_schedule`; None: constant)."""
     model = models.load_causal_lm(args.actor.model, "--actor.model.name-or-path").to(device)
     if args.train.sp_size > 1:  # --train.sp-size: the actor's forwards split each row's tokens over an SP group
         if not args.train.packing or args.data.image_key:  # (models on ranks of their own: refused by `launch`)
@@ -295,16 +295,15 @@ def make_actor(args, device: torch.device, total_updates: int = 0, schedule=None
                              "padded forwards)")  # fmt: skip
         sequence_parallel.setup(model, args.train.sp_size)
     ds_engine.tp_data_split(args.ds, args.train.sp_size)  # --ds.tensor-parallel-size: refused with SP or a bad size
-    a, lr = args.actor, scaled_lr(args.actor, args.rollout, args.train)
-    return ds_engine.make_engine(model, args.ds, lr, total_updates, a.warmup_steps, a.min_lr_ratio,
-                                 a.weight_decay, a.adam_betas, hybrid=args.vllm.enable_sleep, ema_beta=a.ema_beta,
-                                 schedule=schedule)  # fmt: skip
+    a = args.actor
+    return ds_engine.make_engine(model, args.ds, lr, schedule, weight_decay=a.weight_decay, betas=a.adam_betas,
+                                 hybrid=args.vllm.enable_sleep, ema_beta=a.ema_beta)  # fmt: skip
 
 
 def scaled_lr(actor, ro_cfg, train) -> float:
     """The actor's peak lr for this run's samples per optimizer step (`core.config.actor_lr`: `--actor.lr` scaled down
-    by samples / `--actor.lr-ref-samples` for a smaller minibatch); the `--actor.*`, `--rollout.*` and `--train.*`
-    sections."""
+    by samples / `--actor.lr-ref-samples` for a smaller minibatch, the linear scaling rule); the `--actor.*`,
+    `--rollout.*` and `--train.*` sections. The RL scripts call it for the lr they give `make_actor`."""
     return actor_lr(actor, samples_per_update(ro_cfg, train))
 
 
@@ -400,7 +399,7 @@ def start(args, engine_models: dict, engines, tokenizer, eval_set: list[dict], e
         if start_step == 0:  # a resumed run logged it when it started
             logger.log(run.first_eval, 0, shown=("eval/pass@1",))
     first = run.first_eval.get("eval/pass@1")
-    lr = scaled_lr(args.actor, args.rollout, args.train)
+    lr = engine_models["actor"].lr_scheduler.base_lrs[0]  # the peak lr the script gave its actor
     if lr != args.actor.lr:
         samples = samples_per_update(args.rollout, args.train)
         logger.print(f"[{name}] --actor.lr {args.actor.lr:g} scaled to {lr:.3g} for {samples:g} samples "

@@ -34,10 +34,8 @@ def rollout(vocab: int, n: int = 12) -> list[Episode]:
 def engines(path: str, seed: int = 0):
     ds = DSConfig(zero_stage=3)
     torch.manual_seed(seed)
-    actor = ds_engine.make_engine(models.load_causal_lm(ModelConfig(name_or_path=path, dtype="fp32")), ds, lr=1e-3,
-                                  total_steps=10)  # fmt: skip
-    critic = ds_engine.make_engine(models.TokenValues(models.load_scalar_model(path, "fp32")), ds, lr=1e-3,
-                                   total_steps=10)  # fmt: skip
+    actor = ds_engine.make_engine(models.load_causal_lm(ModelConfig(name_or_path=path, dtype="fp32")), ds, lr=1e-3)
+    critic = ds_engine.make_engine(models.TokenValues(models.load_scalar_model(path, "fp32")), ds, lr=1e-3)
     ref = ds_engine.make_frozen(models.load_causal_lm(ModelConfig(name_or_path=path, dtype="fp32")),
                                 RefConfig(zero_stage=3), torch.device("cpu"))  # fmt: skip
     return actor, critic, ref

@@ -42,7 +42,7 @@ def main(out: str) -> None:
         args.actor.model = ModelConfig(name_or_path=path, dtype="fp32", attn_implementation="sdpa")
         args.ds = DSConfig(zero_stage=3)
         torch.manual_seed(0)
-        actor = rl.make_actor(args, device, total_updates=10)  # the SP setup happens here
+        actor = rl.make_actor(args, device, args.actor.lr)  # the SP setup happens here
         ref = ds_engine.make_frozen(models.load_causal_lm(ModelConfig(name_or_path=path, dtype="fp32")),
                                     RefConfig(zero_stage=3), device)  # fmt: skip
         seqs = rl.sequences(episodes, tokenizer.pad_token_id, device)

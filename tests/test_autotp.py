@@ -177,7 +177,7 @@ def test_tensor_parallel_with_lora_4bit_or_muon_is_refused_naming_the_flags(tiny
     loaded = models.load_causal_lm(ModelConfig(name_or_path=str(tiny_path), **model))  # its own: PEFT wraps in place
     assert models.is_4bit(loaded) == ("load_in_4bit" in model)
     with pytest.raises(ValueError, match=message):
-        ds_engine.make_engine(loaded, DSConfig(tensor_parallel_size=2, **ds), 1e-3, 10)
+        ds_engine.make_engine(loaded, DSConfig(tensor_parallel_size=2, **ds), 1e-3)
 
 
 def test_sft_refuses_a_tensor_parallel_size_the_ranks_cannot_hold(tmp_path):

@@ -21,7 +21,7 @@ def tiny_engine(stage: int = 0):
     ds_engine.init_distributed("gloo")
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 16), torch.nn.Tanh(), torch.nn.Linear(16, 2))
-    return ds_engine.make_engine(model, DSConfig(zero_stage=stage), 1e-2, 10)
+    return ds_engine.make_engine(model, DSConfig(zero_stage=stage), 1e-2)
 
 
 def train_step(engine) -> None:

@@ -41,7 +41,7 @@ def test_one_step_ema_is_the_closed_form_and_exports(tiny_path, tokenizer, tmp_p
     it), and the engine's trained weights are untouched by the export."""
     ds_engine.init_distributed("gloo")
     beta = 0.9
-    engine = ds_engine.make_engine(tiny(), DSConfig(zero_stage=0), 1e-2, 10, ema_beta=beta)
+    engine = ds_engine.make_engine(tiny(), DSConfig(zero_stage=0), 1e-2, ema_beta=beta)
     init = weights(engine)
     train(engine, 1)
     after = weights(engine)
@@ -57,7 +57,7 @@ def test_one_step_ema_is_the_closed_form_and_exports(tiny_path, tokenizer, tmp_p
 def test_ema_after_a_few_steps_differs_from_initial_and_final(tiny_path, tokenizer, tmp_path):
     ds_engine.init_distributed("gloo")
     beta = 0.5
-    engine = ds_engine.make_engine(tiny(), DSConfig(zero_stage=0), 1e-2, 10, ema_beta=beta)
+    engine = ds_engine.make_engine(tiny(), DSConfig(zero_stage=0), 1e-2, ema_beta=beta)
     expected = weights(engine)
     init = dict(expected)
     for step in range(3):
@@ -76,7 +76,7 @@ def test_zero3_ema_holds_this_ranks_partition_and_exports_like_zero0(tiny_path, 
     ds_engine.init_distributed("gloo")
     out = {}
     for stage in (0, 3):
-        engine = ds_engine.make_engine(tiny(), DSConfig(zero_stage=stage), 1e-2, 10, ema_beta=0.7)
+        engine = ds_engine.make_engine(tiny(), DSConfig(zero_stage=stage), 1e-2, ema_beta=0.7)
         train(engine, 2)
         if stage == 3:  # flat partitions of the size each rank holds, not full copies
             for name, p in engine.module.named_parameters():
@@ -91,16 +91,16 @@ def test_zero3_ema_holds_this_ranks_partition_and_exports_like_zero0(tiny_path, 
 def test_ema_survives_a_checkpoint(tiny_path, tmp_path, stage):
     """Save after 2 steps, train 2 more; a fresh engine loading the checkpoint ends with the same EMA, bit for bit."""
     ds_engine.init_distributed("gloo")
-    a = ds_engine.make_engine(tiny(), DSConfig(zero_stage=stage), 1e-2, 10, ema_beta=0.8)
+    a = ds_engine.make_engine(tiny(), DSConfig(zero_stage=stage), 1e-2, ema_beta=0.8)
     train(a, 2)
     checkpoint.save({"model": a}, tmp_path, 1, {"step": 1})
     train(a, 2, 2)
-    b = ds_engine.make_engine(tiny(), DSConfig(zero_stage=stage), 1e-2, 10, ema_beta=0.8)
+    b = ds_engine.make_engine(tiny(), DSConfig(zero_stage=stage), 1e-2, ema_beta=0.8)
     checkpoint.load({"model": b}, tmp_path / "step_00000001")
     train(b, 2, 2)
     assert a.ema.keys() == b.ema.keys() and all(torch.equal(a.ema[k], b.ema[k]) for k in a.ema)
     # a checkpoint saved without an EMA: the EMA starts at the restored weights
-    c = ds_engine.make_engine(tiny(), DSConfig(zero_stage=stage), 1e-2, 10, ema_beta=0.8)
+    c = ds_engine.make_engine(tiny(), DSConfig(zero_stage=stage), 1e-2, ema_beta=0.8)
     for f in (tmp_path / "step_00000001").glob("ema_*"):
         f.unlink()
     checkpoint.write_manifest(tmp_path / "step_00000001")

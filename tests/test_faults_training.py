@@ -28,7 +28,7 @@ def tiny_engine(tiny_path, stage: int, lr: float = 1e-2):
     ds_engine.init_distributed("gloo")
     torch.manual_seed(0)
     model = models.load_causal_lm(ModelConfig(name_or_path=str(tiny_path)))
-    return ds_engine.make_engine(model, DSConfig(zero_stage=stage), lr, 10)
+    return ds_engine.make_engine(model, DSConfig(zero_stage=stage), lr)
 
 
 def weights(engine) -> dict[str, torch.Tensor]:
@@ -235,9 +235,9 @@ def test_ppo_update_names_the_engine_whose_gradient_is_non_finite(tiny_path, tok
 
     ds_engine.init_distributed("gloo")
     torch.manual_seed(0)
-    actor = ds_engine.make_engine(models.load_causal_lm(ModelConfig(name_or_path=str(tiny_path))), DSConfig(), 1e-2, 10)
+    actor = ds_engine.make_engine(models.load_causal_lm(ModelConfig(name_or_path=str(tiny_path))), DSConfig(), 1e-2)
     critic = ds_engine.make_engine(models.TokenValues(models.load_scalar_model(str(tiny_path), "fp32")), DSConfig(),
-                                   1e-2, 10)  # fmt: skip
+                                   1e-2)  # fmt: skip
     prompts = [tokenizer.encode(p) for p in ("12+34=", "5+6=")]
     responses = [tokenizer.encode(a) for a in ("46", "11")]
     episodes = [Episode({}, p, r, [0.0] * len(r), [1] * len(r), False) for p, r in zip(prompts, responses)]
@@ -267,7 +267,7 @@ for stage in (0, 2, 3):
     for poison in (False, True):
         torch.manual_seed(0)
         engine = ds_engine.make_engine(models.load_causal_lm(ModelConfig(name_or_path=sys.argv[2])),
-                                       DSConfig(zero_stage=stage), 1e-2, 10)
+                                       DSConfig(zero_stage=stage), 1e-2)
         if poison and rank == 1:  # one rank's gradient only; under ZeRO-2/3 the NaN lands in both ranks' shards
             p = dict(engine.module.named_parameters())["model.layers.0.mlp.up_proj.weight"]
             p.register_hook(lambda g: g.index_fill(0, torch.tensor([0]), float("nan")))

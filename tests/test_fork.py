@@ -1,12 +1,14 @@
-"""What you fork is what trains: every algorithm choice of an RL script lives in the script. Core reads none of a
-script's `--algo.*` fields (a copy with every `AlgoArgs` field renamed still runs), the scripts log the same names for
-what they share, and a step whose filter dropped every sample says so instead of passing silently."""
+"""What you fork is what trains: every algorithm choice of an RL script lives in the script. Core reads none of the
+fields a script declares (a copy with every one renamed still runs: `AlgoArgs`, a critic's or teacher's section, its
+own `--train.*` knobs), the recipe is the script's (a copy's changed recipe is what its run uses), the scripts log the
+same names for what they share, and a step whose filter dropped every sample says so instead of passing silently."""
 
 from __future__ import annotations
 
 import ast
 import importlib.util
 import json
+import math
 import os
 import re
 import sys
@@ -31,20 +33,34 @@ def test_core_reads_no_field_a_script_owns():
     assert not found, found
 
 
-def renamed_copy(script: str, folder: Path) -> tuple[object, dict[str, str]]:
-    """`algos/<script>.py` copied with every `AlgoArgs` field renamed `x_<field>` (its declaration and every
-    `args.algo.<field>`), imported. Returns the module and {old: new}."""
+def renamed_copy(script: str, folder: Path, recipe: dict[str, str] | None = None) -> tuple[object, dict[str, str]]:
+    """`algos/<script>.py` copied with every field the script owns renamed `x_<field>` (its declaration and every
+    `args.<section>.<field>`): the fields of the section classes it declares itself (`AlgoArgs` under `algo`, ppo.py's
+    `CriticArgs` under `critic`, grpo_async.py's own `TrainArgs` knobs) that no core, rewards or agents class
+    declares too (`ranks`, `zero_stage`, ... are the interface core's `group` reads of any model's section), and the
+    recipe lines named in `recipe` ({"ACTOR": "dict(...)"}) replaced; imported. Returns the module and {old: new}."""
+    from test_seams import PACKAGES, _fields
+
+    shared = _fields([p for pkg in PACKAGES for p in (ROOT / pkg).glob("*.py")])
     text = (ROOT / "algos" / f"{script}.py").read_text()
-    (cls,) = [n for n in ast.parse(text).body if isinstance(n, ast.ClassDef) and n.name == "AlgoArgs"]
-    fields = [n.target.id for n in cls.body if isinstance(n, ast.AnnAssign)]
-    lines = text.splitlines(keepends=True)
-    for n in cls.body:  # the declarations
-        if isinstance(n, ast.AnnAssign):
-            i = n.lineno - 1
-            lines[i] = lines[i].replace(f"{n.target.id}:", f"x_{n.target.id}:", 1)
+    tree = ast.parse(text)
+    classes = {n.name: n for n in tree.body if isinstance(n, ast.ClassDef) and n.name != "Args"}
+    (args_cls,) = [n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "Args"]
+    sections = {ast.unparse(n.annotation): n.target.id for n in args_cls.body if isinstance(n, ast.AnnAssign)}
+    lines, renames = text.splitlines(keepends=True), []
+    for name, cls in classes.items():
+        for n in cls.body:  # the declarations
+            if isinstance(n, ast.AnnAssign) and name in sections and n.target.id not in shared:
+                i = n.lineno - 1
+                lines[i] = lines[i].replace(f"{n.target.id}:", f"x_{n.target.id}:", 1)
+                renames.append((sections[name], n.target.id))
     text = "".join(lines)
-    for f in fields:
-        text = re.sub(rf"\bargs\.algo\.{f}\b", f"args.algo.x_{f}", text)
+    for section, f in renames:
+        text = re.sub(rf"\bargs\.{section}\.{f}\b", f"args.{section}.x_{f}", text)
+    for name, value in (recipe or {}).items():
+        text, n = re.subn(rf"^{name} = .*$", f"{name} = {value}", text, count=1, flags=re.M)
+        assert n == 1, name
+    fields = [f for _, f in renames]
     path = folder / f"{script}_renamed.py"
     path.write_text(text)
     spec = importlib.util.spec_from_file_location(path.stem, path)
@@ -59,12 +75,18 @@ def test_copies_with_renamed_algo_fields_run_and_log_the_same_names(tmp_path, on
     """Each RL script, copied with its `AlgoArgs` fields renamed, runs one step with the KL term and the entropy bonus
     on (core would fail on a field it reads by name), and every script logs the shared names."""
     names = {}
+    # the copy's recipe: one step of 8 prompts x 4 samples at a constant lr of 2e-4 set for its 16 samples per step
+    recipe = {"ACTOR": "dict(lr=2e-4, lr_ref_samples=16, warmup_steps=0, min_lr_ratio=1.0, weight_decay=0.0, "
+                       "adam_betas=(0.9, 0.95))",
+              "ROLLOUT": "dict(batch_size=8, n_samples=4)", "TRAIN": "dict(max_steps=1, minibatches=2, epochs=1)"}  # fmt: skip
     for script in RL_SCRIPTS:
-        module, renamed = renamed_copy(script, tmp_path)
+        module, renamed = renamed_copy(script, tmp_path, recipe)
         assert len(renamed) >= 5, renamed
+        if script in ("grpo_async", "ppo"):  # their own knobs beyond --algo.*: renamed too
+            assert {"grpo_async": "max_lag", "ppo": "value_clip"}[script] in renamed, renamed
         args = module.Args()
         assert args.exp_name == f"{script}_renamed"  # a copy names its own runs
-        args.train.max_steps, args.rollout.batch_size, args.rollout.n_samples = 1, 8, 4
+        assert (args.train.max_steps, args.rollout.batch_size, args.actor.lr) == (1, 8, 2e-4)  # the copy's recipe
         args.eval.every, args.eval.max_samples = 0, 8
         args.algo.x_entropy_coef = 0.01  # the entropy bonus and the KL term, under their renamed fields
         args.algo.x_kl_coef = 0.05
@@ -78,6 +100,7 @@ def test_copies_with_renamed_algo_fields_run_and_log_the_same_names(tmp_path, on
         assert summary["steps"] == 1 and summary["steps_without_update"] == 0, summary
         (row,) = [json.loads(line) for line in open(tmp_path / script / "metrics.jsonl") if '"step": 1' in line]
         names[script] = set(row)
+        assert row["train/lr"] == pytest.approx(2e-4, rel=1e-6), (script, row["train/lr"])  # the recipe's, unscaled
         # every script keeps its samples with what the loss saw of each token (the KL where the loss has it)
         kept = [r for r in map(json.loads, open(tmp_path / script / "samples.jsonl")) if r["kind"] == "train"]
         assert len(kept) == 8 and all(r["kept"] for r in kept), (script, len(kept))
@@ -181,29 +204,34 @@ def test_a_fork_adds_a_model_group_of_its_own_without_touching_core(tmp_path, on
 
 def test_the_learning_rate_schedule_is_the_scripts(tiny_path):
     """Each training script writes its learning-rate schedule (`lr_schedule`: warm-up, then cosine to a floor) and
-    hands it to core (`rl.make_actor(..., schedule=...)`, `make_engine(..., schedule=...)`; PPO's critic too), which
-    the optimizer then follows step by step; the scripts' schedule gives the multipliers core's default gives, so a
-    run trains as it did."""
+    hands it to core (`rl.make_actor(args, device, lr, schedule)`, `make_engine(model, ds, lr, schedule)`; PPO's critic
+    too), which the optimizer then follows step by step; core has no schedule of its own (a constant lr without
+    one). The scripts' schedules are the formula written here."""
     from core import engine as ds_engine
     from core import models
     from core.config import DSConfig, ModelConfig
 
+    def warmup_cosine(u: int, warmup: int, total: int, floor: float) -> float:
+        if u < warmup:
+            return (u + 1) / warmup
+        return floor + (1 - floor) * (1 + math.cos(math.pi * min(1.0, (u - warmup) / max(1, total - warmup)))) / 2
+
     for script in [*RL_SCRIPTS, "sft", "dpo", "kto", "rm"]:
         module = importlib.import_module(f"algos.{script}")
         text = Path(module.__file__).read_text()
-        assert ("rl.make_actor(args, device, schedule=schedule)" if script in RL_SCRIPTS else "schedule=schedule)") in text
+        assert ("rl.make_actor(args, device, rl.scaled_lr(args.actor, args.rollout, args.train), schedule)"
+                if script in RL_SCRIPTS else ", schedule,") in text, script
         if script == "ppo":  # the critic's optimizer follows the script's schedule too
-            assert "make_engine(critic, args.ds, args.critic.lr, total_updates, hybrid=args.vllm.enable_sleep,\n" \
-                   "                                 schedule=schedule)" in text  # fmt: skip
+            assert "make_engine(critic, args.ds, args.critic.lr, schedule, hybrid=args.vllm.enable_sleep)" in text
         for warmup, total, floor in ((0, 80, 0.1), (3, 12, 0.2)):
-            default = ds_engine.lr_lambda(warmup, total, floor)
-            assert [module.lr_schedule(u, warmup, total, floor) for u in range(total + 3)] == [
-                default(u) for u in range(total + 3)], script  # fmt: skip
+            assert [module.lr_schedule(u, warmup, total, floor) for u in range(total + 3)] == pytest.approx(
+                [warmup_cosine(u, warmup, total, floor) for u in range(total + 3)], rel=1e-12), script  # fmt: skip
+    assert not hasattr(ds_engine, "lr_lambda")
     ds_engine.init_distributed("gloo")
     torch.manual_seed(0)
     model = models.load_causal_lm(ModelConfig(name_or_path=str(tiny_path), dtype="fp32"))
     steps = lambda u: 1.0 / (u + 1)  # noqa: E731  a fork's own schedule: 1, 1/2, 1/3, ...
-    engine = ds_engine.make_engine(model, DSConfig(zero_stage=0), 1e-2, 10, schedule=steps)
+    engine = ds_engine.make_engine(model, DSConfig(zero_stage=0), 1e-2, steps)
     ids = torch.randint(3, 20, (4, 8), generator=torch.Generator().manual_seed(1))
     lrs = []
     for step in range(3):

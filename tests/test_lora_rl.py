@@ -93,7 +93,7 @@ def test_lora_reference_is_the_actor_with_adapters_off(tiny_path, tiny_model, mo
     from core import rl
 
     ds_engine.init_distributed("gloo")
-    actor = ds_engine.make_engine(lora_model(tiny_path), DSConfig(zero_stage=0), 1e-3, 10)
+    actor = ds_engine.make_engine(lora_model(tiny_path), DSConfig(zero_stage=0), 1e-3)
     args = _grpo_args(tiny_path)
 
     def no_second_model(*a, **k):

@@ -212,7 +212,7 @@ def test_stage0_engine_reports_the_gradient_norm_of_zero2(tiny_path, grad_clip):
     for stage in (0, 2):
         torch.manual_seed(0)
         model = models.load_causal_lm(ModelConfig(name_or_path=str(tiny_path)))
-        engine = ds_engine.make_engine(model, DSConfig(zero_stage=stage, grad_clip=grad_clip), 1e-2, 10)
+        engine = ds_engine.make_engine(model, DSConfig(zero_stage=stage, grad_clip=grad_clip), 1e-2)
         engine.backward(engine(input_ids=ids, labels=ids).loss * 50)  # × 50: a norm well above the clip
         engine.step()
         out[stage] = (float(engine.get_global_grad_norm()), [p.detach().clone() for p in engine.module.parameters()])
@@ -236,7 +236,7 @@ def test_scalar_head_engine_accumulates_micro_batches_like_one_batch(tiny_path, 
     def grad_norm(parts):
         torch.manual_seed(0)
         model = models.TokenValues(models.load_scalar_model(str(tiny_path), "fp32"))
-        engine = ds_engine.make_engine(model, DSConfig(zero_stage=stage), 1e-3, 10)
+        engine = ds_engine.make_engine(model, DSConfig(zero_stage=stage), 1e-3)
         assert engine.zero_optimization_stage() == (stage or 0)  # None: the default for one process
         for j, rows in enumerate(parts):
             b = collate_padded([{"input_ids": seqs[i], "loss_mask": [1] * len(seqs[i])} for i in rows], pad_id=0)
@@ -264,7 +264,7 @@ def test_hf_export_draws_no_progress_bar_and_restores_the_setting(tiny_path, tok
 
     ds_engine.init_distributed("gloo")
     engine = ds_engine.make_engine(
-        models.load_causal_lm(ModelConfig(name_or_path=str(tiny_path))), DSConfig(), 1e-3, 10
+        models.load_causal_lm(ModelConfig(name_or_path=str(tiny_path))), DSConfig(), 1e-3
     )
     capsys.readouterr()
     for shown in (True, False):

@@ -50,7 +50,7 @@ def test_muon_gets_every_hidden_matrix_and_adamw_the_rest(tiny_path):
     layers = model.config.num_hidden_layers
     assert len(muon) == 7 * layers  # q, k, v, o, gate, up, down per layer
 
-    engine = ds_engine.make_engine(model, DSConfig(optimizer="muon", zero_stage=0), lr=1e-3, total_steps=10)
+    engine = ds_engine.make_engine(model, DSConfig(optimizer="muon", zero_stage=0), lr=1e-3)
     groups = engine.optimizer.param_groups if hasattr(engine.optimizer, "param_groups") else None
     by_flag = {g["use_muon"]: {id(p) for p in g["params"]} for g in groups}
     assert by_flag[True] == {id(p) for _, p in muon} and by_flag[False] == {id(p) for _, p in adamw}
@@ -67,9 +67,9 @@ def test_zero_stages_take_the_same_muon_steps_as_zero0(tiny_path, stage):
     """ZeRO-2/3 partition the matrices; DeepSpeed gathers each whole before orthogonalising it, so the weights after
     three steps equal the unpartitioned run's (within float rounding)."""
     ds_engine.init_distributed("gloo")
-    ref = ds_engine.make_engine(tiny(), DSConfig(optimizer="muon", zero_stage=0, grad_clip=0.0), 1e-3, 10)
+    ref = ds_engine.make_engine(tiny(), DSConfig(optimizer="muon", zero_stage=0, grad_clip=0.0), 1e-3)
     losses_ref = train(ref)
-    other = ds_engine.make_engine(tiny(), DSConfig(optimizer="muon", zero_stage=stage, grad_clip=0.0), 1e-3, 10)
+    other = ds_engine.make_engine(tiny(), DSConfig(optimizer="muon", zero_stage=stage, grad_clip=0.0), 1e-3)
     losses = train(other)
     assert losses == pytest.approx(losses_ref, rel=1e-4)
     assert losses[-1] < losses[0] - 0.5
@@ -81,10 +81,10 @@ def test_zero_stages_take_the_same_muon_steps_as_zero0(tiny_path, stage):
 def test_muon_refuses_grad_clip_at_zero2_and_lora(tiny_path):
     ds_engine.init_distributed("gloo")
     with pytest.raises(ValueError, match=r"--ds.optimizer muon at ZeRO-2 with --ds.grad-clip 1.0.*--ds.grad-clip 0"):
-        ds_engine.make_engine(tiny(), DSConfig(optimizer="muon", zero_stage=2), 1e-3, 10)
+        ds_engine.make_engine(tiny(), DSConfig(optimizer="muon", zero_stage=2), 1e-3)
     lora = models.load_causal_lm(ModelConfig(name_or_path="cleanrlhf/tiny", lora_rank=4))
     with pytest.raises(ValueError, match="LoRA"):
-        ds_engine.make_engine(lora, DSConfig(optimizer="muon", zero_stage=0), 1e-3, 10)
+        ds_engine.make_engine(lora, DSConfig(optimizer="muon", zero_stage=0), 1e-3)
 
 
 def sft_args(run_dir: Path, optimizer: str, steps: int, **ds):
@@ -155,11 +155,11 @@ def test_muon_state_survives_a_checkpoint(tiny_path, tmp_path, stage):
     """Save after 2 steps, train 2 more; a fresh engine loading the checkpoint takes the same 2 steps exactly."""
     ds_engine.init_distributed("gloo")
     ds = DSConfig(optimizer="muon", zero_stage=stage, grad_clip=0.0)
-    a = ds_engine.make_engine(tiny(), ds, 1e-3, 10)
+    a = ds_engine.make_engine(tiny(), ds, 1e-3)
     train(a, 2)
     checkpoint.save({"model": a}, tmp_path, 1, {"step": 1})
     after = train(a, 2)
-    b = ds_engine.make_engine(tiny(), ds, 1e-3, 10)
+    b = ds_engine.make_engine(tiny(), ds, 1e-3)
     checkpoint.load({"model": b}, tmp_path / "step_00000001")
     assert train(b, 2) == after
     sa, sb = ds_engine.gathered_state_dict(a), ds_engine.gathered_state_dict(b)

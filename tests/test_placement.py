@@ -107,7 +107,7 @@ def _build_zero3(worker, path: str) -> None:
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    worker.engine = make_engine(model, DSConfig(zero_stage=3), lr=1e-3, total_steps=10)
+    worker.engine = make_engine(model, DSConfig(zero_stage=3), lr=1e-3)
 
 
 def _gathered(worker) -> dict | None:

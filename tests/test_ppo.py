@@ -100,9 +100,9 @@ def engines_and_batch(tiny_path, tokenizer):
     ds_engine.init_distributed("gloo")
     torch.manual_seed(0)
     actor = ds_engine.make_engine(models.load_causal_lm(ModelConfig(name_or_path=str(tiny_path), dtype="fp32")),
-                                  DSConfig(), lr=1e-2, total_steps=100)  # fmt: skip
+                                  DSConfig(), lr=1e-2)  # fmt: skip
     critic = ds_engine.make_engine(models.TokenValues(models.load_scalar_model(str(tiny_path), "fp32")), DSConfig(),
-                                   lr=1e-2, total_steps=100)  # fmt: skip
+                                   lr=1e-2)  # fmt: skip
     prompts = [tokenizer.encode(p) for p in ("12+34=", "5+6=", "70+8=", "1+1=")]
     responses = [tokenizer.encode(a) for a in ("46", "11", "78", "3")]
     episodes = [Episode({}, p, r, [0.0] * len(r), [1] * len(r), False) for p, r in zip(prompts, responses)]

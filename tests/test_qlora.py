@@ -132,7 +132,7 @@ def test_rm_trains_adapters_and_its_head_and_exports_a_plain_scalar_model(four_b
 def test_4bit_with_zero3_is_refused_naming_the_flags(tiny_path):
     model = qlora(str(tiny_path))
     with pytest.raises(ValueError, match=r"--model\.load-in-4bit with ZeRO-3 \(--ds\.zero-stage 3"):
-        ds_engine.make_engine(model, DSConfig(zero_stage=3), 1e-3, 10)
+        ds_engine.make_engine(model, DSConfig(zero_stage=3), 1e-3)
 
 
 def test_the_engines_get_what_the_4bit_trainer_computes(tiny_path):

@@ -178,7 +178,7 @@ def test_scripts_refuse_what_sequence_parallelism_does_not_support(tmp_path):
         ppo.main(args)  # refused by the launch, before Ray starts
     args.critic.ranks, args.train.packing = None, False
     with pytest.raises(ValueError, match="--train.sp-size needs --train.packing"):
-        rl.make_actor(args, torch.device("cpu"), 1)
+        rl.make_actor(args, torch.device("cpu"), args.actor.lr)
 
 
 @pytest.mark.slow

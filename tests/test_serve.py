@@ -132,7 +132,8 @@ def test_the_agent_server_flags_are_listed_by_the_rl_scripts():
     from agents.request_checks import MAX_REQUEST_BYTES
     from core.config import RolloutArgs
 
-    assert RolloutArgs().agent_tool_parser == "hermes" and RolloutArgs().agent_max_request_bytes == MAX_REQUEST_BYTES
+    defaults = RolloutArgs(batch_size=1, n_samples=1)  # the recipe fields have no default in core
+    assert defaults.agent_tool_parser == "hermes" and defaults.agent_max_request_bytes == MAX_REQUEST_BYTES
 
 
 @pytest.mark.parametrize("engine", [pytest.param("vllm", marks=pytest.mark.slow), "hf"])  # vllm: ~13 s

@@ -9,14 +9,15 @@ import importlib
 import pytest
 from conftest import short_rl_run
 
+from algos.grpo import ACTOR
 from core.config import ActorArgs, actor_lr
 
 
 def test_the_lr_scales_down_with_fewer_samples_per_optimizer_step_and_never_up():
-    actor = ActorArgs(lr=3e-4, lr_ref_samples=256)
+    actor = ActorArgs(**{**ACTOR, "lr": 3e-4, "lr_ref_samples": 256})
     assert actor_lr(actor, 256) == 3e-4 and actor_lr(actor, 4096) == 3e-4  # the reference batch and larger: as given
     assert actor_lr(actor, 16) == pytest.approx(3e-4 * 16 / 256, rel=1e-12)  # 8 prompts × 4 samples / 2 minibatches
-    assert actor_lr(ActorArgs(lr=3e-4, lr_ref_samples=None), 16) == 3e-4  # None: the lr as given
+    assert actor_lr(ActorArgs(**{**ACTOR, "lr": 3e-4, "lr_ref_samples": None}), 16) == 3e-4  # None: the lr as given
 
 
 def test_grpo_defaults_train_at_the_given_lr_and_a_small_batch_at_a_scaled_one():
@@ -32,7 +33,7 @@ def test_grpo_defaults_train_at_the_given_lr_and_a_small_batch_at_a_scaled_one()
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("name", ["grpo"])  # rloo.py's lr comes from the same core.rl.make_actor
+@pytest.mark.parametrize("name", ["grpo"])  # rloo.py scales its lr with the same core.rl.scaled_lr
 def test_eight_prompts_by_four_samples_for_12_steps_do_not_collapse(name, tmp_path):
     """12 steps of the script's defaults at 8 × 4 (in-process vLLM, --debug after every sync). Measured on grpo.py
     (2026-11-28, 2-core Xeon, warm start at 0.522): unscaled, rollout reward 0.41 -> 0.125 -> 0.0 and eval pass@1

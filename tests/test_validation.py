@@ -443,7 +443,7 @@ def test_an_lr_scaled_below_the_floor_is_refused_naming_the_flag_before_loading_
                                          rf"would scale --actor\.lr {args.actor.lr:g} by {samples:g}/{10**30} to {lr}, "
                                          r"below 1/1000 of it"):  # fmt: skip
         module.main(args)
-    at_floor = ActorArgs(lr=3e-4, lr_ref_samples=int(16 / LR_SCALE_FLOOR))  # 16 samples: lr / 1000, still taken
+    at_floor = ActorArgs(**{**module.ACTOR, "lr": 3e-4, "lr_ref_samples": int(16 / LR_SCALE_FLOOR)})  # lr / 1000: taken
     assert actor_lr(at_floor, 16) == pytest.approx(3e-7, rel=1e-12)
     with pytest.raises(ValueError, match=r"^--actor\.lr-ref-samples 16001: 16 samples .* \(at most 16000 here\)"):
-        actor_lr(ActorArgs(lr=3e-4, lr_ref_samples=16001), 16)
+        actor_lr(ActorArgs(**{**module.ACTOR, "lr": 3e-4, "lr_ref_samples": 16001}), 16)

@@ -62,7 +62,7 @@ def run_side(side: str, path: str, rank: int, steps: int) -> dict:
 
     lora = 0 if side == "full" else rank
     model = models.load_causal_lm(ModelConfig(name_or_path=path, dtype="fp32", lora_rank=lora))
-    actor = ds_engine.make_engine(model, DSConfig(zero_stage=0), 1e-3, 10)
+    actor = ds_engine.make_engine(model, DSConfig(zero_stage=0), 1e-3)
     cfg = rollout.VLLMConfig(in_process=True, dtype="float32", kv_cache_gib=0.25, timeout_s=600,
                              lora_sync="adapter" if side == "adapter" else "merged")  # fmt: skip
     engines = rollout.create_engines(path, cfg, seed=0, max_lora_rank=lora if side == "adapter" else 0)

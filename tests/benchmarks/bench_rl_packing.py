@@ -101,7 +101,7 @@ def main() -> None:
         torch.manual_seed(0)
         model = models.load_causal_lm(ModelConfig(name_or_path=path, dtype="fp32")).to(run.device)
         attn = model.config._attn_implementation
-        engine = ds_engine.make_engine(model, DSConfig(), lr=1e-6, total_steps=100)
+        engine = ds_engine.make_engine(model, DSConfig(), lr=1e-6)
         computed = []
         model.register_forward_pre_hook(partial(count_positions, computed), with_kwargs=True)
         args = grpo.Args()

@@ -80,7 +80,7 @@ def _trainer(rank: int, ports: dict, layers: int, reps: int, out) -> None:
     ds_engine.init_distributed("gloo")
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(_config(layers)).to(torch.bfloat16)
-    engine = ds_engine.make_engine(model, DSConfig(zero_stage=3), lr=1e-6, total_steps=10)
+    engine = ds_engine.make_engine(model, DSConfig(zero_stage=3), lr=1e-6)
     one = weight_sync.init_weight_group("gloo", "127.0.0.1", ports["one"], 0, 2, TIMEOUT_S) if rank == 0 else None
     many = weight_sync.init_weight_group("gloo", "127.0.0.1", ports["many"], rank, 3, TIMEOUT_S)
     cpu, dtype = torch.device("cpu"), torch.bfloat16

@@ -55,7 +55,7 @@ def run_side(side: str, model_path: str, steps: int) -> list[float]:
         os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(ds_engine.free_port()), RANK="0", WORLD_SIZE="1",
                           LOCAL_RANK="0")  # fmt: skip
         ds_engine.init_distributed("gloo", 600)
-        engine = ds_engine.make_engine(model, DSConfig(), 1e-6, 10)
+        engine = ds_engine.make_engine(model, DSConfig(), 1e-6)
 
         def step():
             logp, _ = rl.forward_logp(engine, batch, 1.0)

@@ -48,7 +48,7 @@ def _rank(rank: int, port: int, layers: int, reps: int, out) -> None:
                          num_attention_heads=14, num_key_value_heads=2, tie_word_embeddings=True)  # fmt: skip
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(config).to(torch.bfloat16)
-    engine = ds_engine.make_engine(model, DSConfig(zero_stage=3), lr=1e-6, total_steps=10)
+    engine = ds_engine.make_engine(model, DSConfig(zero_stage=3), lr=1e-6)
     ways = {"per parameter": per_parameter, "per decoder layer": ds_engine.full_named_parameters}
     times: dict[str, list[float]] = {k: [] for k in ways}
     first: dict[str, list] = {}

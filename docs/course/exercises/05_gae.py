@@ -144,16 +144,22 @@ class AlgoArgs:
     """[lo, hi] bounds of the IS weight."""
 
 
+# RECIPE: PPO's setting on the embedded task (~1 M parameters), its `--help` defaults; a fork changes it here
+ACTOR = dict(lr=3e-4, lr_ref_samples=256, warmup_steps=0, min_lr_ratio=0.1, weight_decay=0.0, adam_betas=(0.9, 0.95))
+ROLLOUT = dict(batch_size=64, n_samples=8)  # prompts per step, G samples per prompt (the group)
+TRAIN = dict(max_steps=30, minibatches=2, epochs=1)  # RL steps, optimizer steps per rollout, passes over it
+
+
 @dataclass
 class Args:
     exp_name: str = Path(__file__).stem
     """run name prefix; defaults to this file's name, so a copied script names its own runs."""
-    actor: config.ActorArgs = field(default_factory=config.ActorArgs)
+    actor: config.ActorArgs = field(default_factory=lambda: config.ActorArgs(**ACTOR))
     ref: config.RefConfig = field(default_factory=config.RefConfig)
     critic: CriticArgs = field(default_factory=CriticArgs)
     reward: RewardConfig = field(default_factory=RewardConfig)
-    rollout: config.RolloutArgs = field(default_factory=config.RolloutArgs)  # DEVIATION(2): G = 8 (InstructGPT: 1)
-    train: config.TrainArgs = field(default_factory=lambda: config.TrainArgs(max_steps=30))  # max-steps counts the critic warm-up
+    rollout: config.RolloutArgs = field(default_factory=lambda: config.RolloutArgs(**ROLLOUT))  # DEVIATION(2): G = 8 (InstructGPT: 1)
+    train: config.TrainArgs = field(default_factory=lambda: config.TrainArgs(**TRAIN))  # max-steps counts the critic warm-up
     algo: AlgoArgs = field(default_factory=AlgoArgs)
     eval: config.EvalArgs = field(default_factory=config.EvalArgs)
     data: config.DataConfig = field(default_factory=config.DataConfig)
@@ -249,8 +255,7 @@ def make_critic(args: Args, total_updates: int, device: torch.device):
     critic = models.TokenValues(body).to(device)
     sequence_parallel.setup(critic, args.train.sp_size)  # --train.sp-size N: its forwards split the rows as the actor's
     schedule = partial(lr_schedule, warmup=args.critic.lr_warmup_steps, total=total_updates, floor=0.1)  # its own
-    return ds_engine.make_engine(critic, args.ds, args.critic.lr, total_updates, hybrid=args.vllm.enable_sleep,
-                                 schedule=schedule)  # fmt: skip
+    return ds_engine.make_engine(critic, args.ds, args.critic.lr, schedule, hybrid=args.vllm.enable_sleep)
 
 
 def forward_values(critic, batch: dict) -> torch.Tensor:
@@ -318,8 +323,9 @@ def critic_update(critic, rank: int, world: int, seqs: dict, old_values, returns
             for r, mb, real, last in rl.micro_batches(seqs, micro):
                 values = forward_values(critic, mb)
                 vloss, vstats = value_loss(values, old_values[r], returns[r], mb["loss_mask"],
-                                                   args.critic.value_clip, args.algo.loss_agg, **norm)  # fmt: skip
-                meter.add_loss("loss/value", rl.backward(critic, vloss, step, world, real, last, "critic value loss"))
+                                           args.critic.value_clip, args.algo.loss_agg, **norm)  # fmt: skip
+                meter.add_loss("loss/value", rl.backward(critic, vloss, step, world, real, last, "critic value loss"),
+                               "critic/grad_norm")
                 meter.add({"critic/clipfrac": vstats["clipfrac"]}, mb["loss_mask"].sum().item() if real else 0.0)
             meter.add_step("critic/grad_norm", ds_engine.optimizer_step(critic, step, "critic"))  # NaN/inf: raise
     return {**meter.result(world), "critic/lr": critic.lr_scheduler.get_last_lr()[0]}
@@ -436,7 +442,7 @@ def main(args: Args, engines: rollout.RolloutEngines | None = None, groups: dict
     updates = args.train.minibatches * args.train.epochs  # per step, of the actor and of the critic
     schedule = partial(lr_schedule, warmup=args.actor.warmup_steps, floor=args.actor.min_lr_ratio,
                        total=(args.train.max_steps - args.critic.warmup_steps) * updates)  # the actor's optimizer steps
-    actor = rl.make_actor(args, device, schedule=schedule)
+    actor = rl.make_actor(args, device, rl.scaled_lr(args.actor, args.rollout, args.train), schedule)
     critic = rl.build_model(groups, "critic", make_critic, device, args, args.train.max_steps * updates)  # DEVIATION(5)
     ref = rl.make_ref(args.ref, args.actor.model, device, groups, actor) if uses_ref else None  # LoRA: adapters off
     episodes = partial(make_executor, args.rollout, reward, args.actor.model.name_or_path, args.vllm.max_model_len)
@@ -446,10 +452,8 @@ def main(args: Args, engines: rollout.RolloutEngines | None = None, groups: dict
               if args.algo.kl_target else rl_math.FixedKLController(args.algo.kl_coef))  # fmt: skip
     kl_ctl.load_state_dict(run.client.get("kl_ctl", kl_ctl.state_dict()))
     G = args.rollout.n_samples
-    keep_groups = None  # DAPO dynamic sampling: regenerate groups that are all solved or all failed
-    if args.algo.dynamic_filter_range is not None:
-        keep_groups = partial(groups_inside, group_size=G, low=args.algo.dynamic_filter_range[0],
-                              high=args.algo.dynamic_filter_range[1])  # fmt: skip
+    bounds = args.algo.dynamic_filter_range  # DAPO dynamic sampling: regenerate groups all solved or all failed
+    keep_groups = None if bounds is None else partial(groups_inside, group_size=G, low=bounds[0], high=bounds[1])
 
     for step in range(run.start_step, args.train.max_steps):
         perf: dict = {}

@@ -101,13 +101,6 @@ class EvalArgs:
 
 
 @dataclass
-class DSArgs(DSConfig):
-    tensor_parallel_size: tyro.conf.Suppress[int] = 1
-    """not a flag here: rm.py gives every rank its own pairs, where AutoTP needs the ranks of a tensor-parallel
-    group to take the same ones (sft.py, dpo.py and the RL scripts do); `main` refuses a size above 1."""
-
-
-@dataclass
 class Args:
     exp_name: str = Path(__file__).stem
     """run name prefix; defaults to this file's name, so a copied script names its own runs."""
@@ -121,7 +114,7 @@ class Args:
     data: DataConfig = field(default_factory=lambda: DataConfig(path="cleanrlhf/add2-pref"))
     train: TrainArgs = field(default_factory=TrainArgs)
     eval: EvalArgs = field(default_factory=EvalArgs)
-    ds: DSArgs = field(default_factory=DSArgs)
+    ds: DSConfig = field(default_factory=DSConfig)
     ckpt: CkptConfig = field(default_factory=CkptConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
     run_dir: str | None = None
@@ -231,8 +224,9 @@ def with_pictures(make, cfg: DataConfig, tokenizer, processor):
 @torch.no_grad()
 def evaluate(model, pairs: list[dict], args: Args, pad_id: int, rank: int, world: int, device, logger=None,
              tokenizer=None, step: int = 0) -> dict:  # fmt: skip
-    """Held-out pair accuracy, loss, margin and the reward mean / std (chosen and rejected together). Each rank
-    scores an equal-sized slice (padded with repeats: ZeRO-3's collective forwards stay in step), summed over ranks.
+    """Held-out pair accuracy, loss, margin and the reward mean / std (chosen and rejected together). Each
+    data-parallel rank `rank` of `world` (the ranks of a TP group share one) scores an equal-sized slice (padded with
+    repeats: ZeRO-3's collective forwards stay in step), summed over ranks.
     With `logger`: the first `--logger.samples` pairs and their scores go to samples.jsonl at `step`."""
     model.eval()
     n = len(pairs)
@@ -247,8 +241,9 @@ def evaluate(model, pairs: list[dict], args: Args, pad_id: int, rank: int, world
         keep = torch.tensor([i < n for i in idx], device=device)
         rows = torch.tensor([i % n for i in idx], device=device)
         scores[rows[keep]] = torch.stack([r[: len(idx)], r[len(idx) :]], dim=1)[keep]
-    if world > 1:
+    if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(scores)
+        scores /= dist.get_world_size() // world  # the ranks that scored each slice
     model.train()
     rc, rr = scores[:, 0], scores[:, 1]
     if logger is not None:
@@ -269,9 +264,6 @@ def main(args: Args) -> dict:
     # 1. setup ------------------------------------------------------------------------------------------------
     check_args(args)  # PLUMBING: generic flag rules (sizes > 0, finite floats, ...) before anything is loaded
     models.check_4bit_training(args.model.load_in_4bit, args.model.lora_rank)  # QLoRA needs adapters
-    if args.ds.tensor_parallel_size > 1:  # PLUMBING: not a flag here (DSArgs); a caller's DSConfig may still set it
-        raise ValueError(f"--ds.tensor-parallel-size {args.ds.tensor_parallel_size}: rm.py does not train with AutoTP "
-                         "(sft.py, dpo.py and the RL scripts do)")  # fmt: skip
     # PLUMBING: process group (world of one for `python algos/rm.py`), tokenizer, pairs, model, DeepSpeed engine.
     rank, world, device = ds_engine.init_distributed(args.ds.backend, args.ds.timeout_s)
     # Same seed on every rank for the data order and the head's init (each rank must build the same model);
@@ -307,11 +299,15 @@ def main(args: Args) -> dict:
     if args.model.lora_rank > 0:  # LoRA adapters on the body's linears; the fresh score head trains whole
         model = models.add_lora(model, args.model, "SEQ_CLS", whole=("score",))  # (--model.lora-* as given)
     torch.manual_seed(args.train.seed + rank)
+    # PLUMBING: --ds.tensor-parallel-size N (each linear layer split over N ranks): groups of N ranks share each pair,
+    # and the data is split over the groups (dp_rank, dp_world; without it: rank, world). `copies`: the ranks that
+    # hold each pair
+    dp_rank, dp_world = ds_engine.tp_data_split(args.ds)
+    copies = world // dp_world
     schedule = partial(lr_schedule, warmup=args.train.warmup_steps, total=args.train.max_steps,
                        floor=args.train.min_lr_ratio)  # per optimizer step
-    engine = ds_engine.make_engine(models.TokenValues(model), args.ds, args.train.lr, args.train.max_steps,
-                                   weight_decay=args.train.weight_decay, betas=args.train.adam_betas,
-                                   schedule=schedule)  # fmt: skip
+    engine = ds_engine.make_engine(models.TokenValues(model), args.ds, args.train.lr, schedule,
+                                   weight_decay=args.train.weight_decay, betas=args.train.adam_betas)  # fmt: skip
     pad_id = tokenizer.pad_token_id
 
     run_dir = Path(args.run_dir or Path(args.logger.run_root) / run_name(args.exp_name, args.train.seed))
@@ -324,15 +320,16 @@ def main(args: Args) -> dict:
                  f"ZeRO-{engine.zero_optimization_stage()}, run dir {run_dir}")  # fmt: skip
     first_eval = {}  # --eval.every 0: no eval at all, the first one included
     if args.eval.every:
-        first_eval = client.get("first_eval") or evaluate(model, eval_set, args, pad_id, rank, world, device, logger,
-                                                          tokenizer, 0)  # fmt: skip
+        first_eval = client.get("first_eval") or evaluate(model, eval_set, args, pad_id, dp_rank, dp_world, device,
+                                                          logger, tokenizer, 0)  # fmt: skip
         if start_step == 0:  # a resumed run logged it when it started
             logger.log(first_eval, 0)
     tokens_seen, t_train, step = 0.0, 0.0, start_step - 1
 
     for step in range(start_step, args.train.max_steps):
-        # 2. batch: the global batch is a pure function of (seed, step); each rank takes every world-th pair
-        idx = data.batch_indices(len(train_set), args.train.batch_size, step, args.train.seed)[rank::world]
+        # 2. batch: the global batch is a pure function of (seed, step); each TP group (each rank, without it) takes
+        # every dp_world-th pair; sums over ranks count a pair once per rank of its group: / copies
+        idx = data.batch_indices(len(train_set), args.train.batch_size, step, args.train.seed)[dp_rank::dp_world]
         groups = micro_batches(idx, train_set, args.train.max_tokens_per_micro)
         n_micro = int(ds_engine.all_reduce(len(groups), op="max"))  # ranks must run the same number of passes
 
@@ -346,9 +343,10 @@ def main(args: Args) -> dict:
             margin = torch.tensor([p["margin"] for p in pairs], device=device) if args.margin_key else None
             rm_loss = reward_loss(rc, rr, margin, args.train.loss)
             ds_engine.check_finite(rm_loss, step)  # PLUMBING: a NaN/inf loss or gradient stops the run before the step
-            # mean over the global batch; DeepSpeed averages gradients over ranks, so scale by world.
+            # mean over the global batch; DeepSpeed averages gradients over its data-parallel ranks
+            # (engine.dp_world_size: the world, or the world over --ds.tensor-parallel-size), so scale by their number.
             engine.set_gradient_accumulation_boundary(i == n_micro - 1)
-            engine.backward(rm_loss * len(g) / args.train.batch_size * world * weight)
+            engine.backward(rm_loss * len(g) / args.train.batch_size * engine.dp_world_size * weight)
             n_tok = sum(len(p["chosen"]) + len(p["rejected"]) for p in pairs)
             stats += weight * torch.tensor([rm_loss.item() * len(g), rc.sum().item(), rr.sum().item(),
                                             (rc > rr).sum().item(), n_tok])  # fmt: skip
@@ -356,7 +354,7 @@ def main(args: Args) -> dict:
         t_train += time.perf_counter() - t0
 
         # 4. logging, eval, checkpoint
-        s = [ds_engine.all_reduce(x) for x in stats.tolist()]
+        s = [ds_engine.all_reduce(x) / copies for x in stats.tolist()]
         tokens_seen += s[4]
         b = args.train.batch_size
         metrics = {
@@ -374,7 +372,8 @@ def main(args: Args) -> dict:
         last = step == args.train.max_steps - 1
         if args.eval.every and ((step + 1) % args.eval.every == 0 or last):
             with timer(metrics, "perf/eval_s"):
-                metrics.update(evaluate(model, eval_set, args, pad_id, rank, world, device, logger, tokenizer, step + 1))
+                metrics.update(evaluate(model, eval_set, args, pad_id, dp_rank, dp_world, device, logger, tokenizer,
+                                        step + 1))  # fmt: skip
         logger.log(metrics, step + 1, shown=("loss/rm", "train/accuracy", "eval/accuracy"))
         halted = args.train.halt_after is not None and step + 1 - start_step >= args.train.halt_after and not last
         if halted or (args.ckpt.every and ((step + 1) % args.ckpt.every == 0 or last)):
@@ -387,7 +386,7 @@ def main(args: Args) -> dict:
 
     # 5. normalization statistics, export and summary
     # The held-out reward mean / std go into config.json: the server's `--normalize` serves (r − mean) / std.
-    final = evaluate(model, eval_set, args, pad_id, rank, world, device)
+    final = evaluate(model, eval_set, args, pad_id, dp_rank, dp_world, device)
     config = model.config
     config.reward_mean, config.reward_std = final["eval/reward_mean"], final["eval/reward_std"]
     config.reward_add_special_tokens = not args.data.apply_chat_template
