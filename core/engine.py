@@ -369,7 +369,8 @@ def make_engine(model, ds: DSConfig, lr: float, schedule: Callable[[int], float]
     if ds.tensor_parallel_size > 1:
         if hasattr(model, "peft_config") or models.is_4bit(model):
             raise ValueError(f"--ds.tensor-parallel-size {ds.tensor_parallel_size} with LoRA or 4-bit weights "
-                             "(--model.lora-rank / --model.load-in-4bit): AutoTP shards plain linear layers, not "
+                             "(--model.lora-rank / --model.load-in-4bit; --actor.model.lora-rank / "
+                             "--actor.model.load-in-4bit in the RL scripts): AutoTP shards plain linear layers, not "
                              "PEFT's or bitsandbytes' wrappers; train the full model, or LoRA without tensor "
                              "parallelism")  # fmt: skip
         if ds.optimizer == "muon":

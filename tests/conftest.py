@@ -46,7 +46,7 @@ torch.set_num_threads(1)  # OpenMP threads oversubscribe a busy 2-core machine b
 # 2026-11-28; each takes 3-13 minutes on one worker): dealt out to the two workers before the rest.
 LONGEST_FIRST = ("test_slurm.py", "test_opd.py", "test_model_groups.py", "test_crash_resume.py", "test_course.py",
                  "test_grpo.py", "test_faults_scale.py", "test_grpo_async.py", "test_tool_agent.py", "test_fork.py",
-                 "test_real_size.py", "test_lora_rl.py", "test_qlora.py", "test_autotp.py", "test_rl_scripts.py", "test_ppo.py", "test_noise.py",
+                 "test_real_size.py", "test_lora_rl.py", "test_qlora.py", "test_autotp.py", "test_commands.py", "test_frameworks.py", "test_env_adapters.py", "test_rl_scripts.py", "test_ppo.py", "test_noise.py",
                  "test_dpo.py", "test_sft.py", "test_reinforce_pp.py", "test_faults_training.py",
                  "test_course_sandbox.py", "test_server_faults.py")  # fmt: skip
 

@@ -163,7 +163,8 @@ def test_the_data_split_gives_a_tensor_parallel_group_one_share():
         ds_engine.tp_data_split(DSConfig(tensor_parallel_size=2), sp_size=2)
 
 
-WRAPPED = r"--ds.tensor-parallel-size 2 with LoRA or 4-bit weights \(--model.lora-rank / --model.load-in-4bit\)"
+WRAPPED = (r"--ds.tensor-parallel-size 2 with LoRA or 4-bit weights \(--model.lora-rank / --model.load-in-4bit; "
+           r"--actor.model.lora-rank / --actor.model.load-in-4bit in the RL scripts\)")
 
 
 @pytest.mark.parametrize("model, ds, message", [
