@@ -28,7 +28,9 @@ import torch.distributed as dist
 
 from core import engine as ds_engine
 from core import models
+from core.ema import ema_init
 from core.placement import ModelGroup
+from core.weights import tp_size
 
 MANIFEST = "manifest.json"
 
@@ -295,15 +297,15 @@ def _check_tp_size(engine, folder: Path) -> None:
     does not reshard them: a TP 2 checkpoint resumed at TP 1 ended in its `AssertionError: key ... is not found in the
     checkpoint`."""
     saved = {f.name.rsplit("mp_rank_", 1)[1].split("_")[0] for f in folder.glob("*mp_rank_*_model_states.pt")}
-    if saved and len(saved) != ds_engine.tp_size(engine):
+    if saved and len(saved) != tp_size(engine):
         raise ValueError(f"{folder}: saved with --ds.tensor-parallel-size {len(saved)}, resumed with "
-                         f"{ds_engine.tp_size(engine)}; --ckpt.allow-changes cannot change it (DeepSpeed does not "
+                         f"{tp_size(engine)}; --ckpt.allow-changes cannot change it (DeepSpeed does not "
                          f"reshard an AutoTP checkpoint): resume with --ds.tensor-parallel-size {len(saved)}, or start "
                          "over (--ckpt.no-resume or another --run-dir)")  # fmt: skip
 
 
 def _load_ema(engine, path: Path, name: str) -> None:
-    """Restore this rank's part of an engine's EMA (`core.engine.ema_init`); a checkpoint saved without one (EMA
+    """Restore this rank's part of an engine's EMA (`core.ema.ema_init`); a checkpoint saved without one (EMA
     turned on at resume, with --ckpt.allow-changes) starts it at the restored weights, with a warning."""
     if getattr(engine, "ema", None) is None:
         return
@@ -312,7 +314,7 @@ def _load_ema(engine, path: Path, name: str) -> None:
         engine.ema = {k: v.to(engine.ema[k].device) for k, v in torch.load(f, weights_only=True).items()}
         return
     _warn(f"{f}: missing (saved without --actor.ema-beta): the EMA of the {name} starts at the restored weights")
-    ds_engine.ema_init(engine, engine.ema_beta)
+    ema_init(engine, engine.ema_beta)
 
 
 def _group_check_finite(worker, step: int, name: str) -> None:

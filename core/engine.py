@@ -1,4 +1,6 @@
 """DeepSpeed plumbing: process group, ZeRO config, engine with AdamW and the caller's lr schedule, HF export.
+The weights read out whole for sync and export are in `core.weights`, the optimizers other than torch's AdamW in
+`core.optimizers`, the EMA of the weights in `core.ema`.
 
 Tested with deepspeed 0.19.8 and torch 2.13 (gloo on CPU; nccl on CUDA). One process (`python algos/x.py`), several
 with `torchrun --nproc_per_node N algos/x.py` or the `deepspeed` launcher, or inside Ray actors that set
@@ -11,7 +13,6 @@ import atexit
 import contextlib
 import math
 import os
-import re
 import shutil
 import socket
 import sys
@@ -27,7 +28,10 @@ import torch.distributed as dist
 
 from core import models
 from core.config import DSConfig, RefConfig
+from core.ema import ema_init, ema_update, ema_weights
 from core.models import TokenValues
+from core.optimizers import fused_adam, muon_optimizer
+from core.weights import gathered_state_dict, merged_named_parameters, tp_sharded, tp_size
 
 
 def free_port() -> int:
@@ -229,30 +233,6 @@ def tp_group_size() -> int:
     return 1 if group is None or not dist.is_initialized() else dist.get_world_size(group)
 
 
-def tp_size(engine) -> int:
-    """The tensor-parallel size of a DeepSpeed engine (`--ds.tensor-parallel-size`; 1 without AutoTP)."""
-    size = engine.autotp_size() if hasattr(engine, "autotp_size") else 1
-    return max(1, int(size or 1))
-
-
-def _tp_sharded(p: torch.Tensor) -> bool:
-    """Whether `p` is one rank's shard of a weight AutoTP split over its tensor-parallel group (DeepSpeed 0.19.8 tags
-    them `tensor_model_parallel`; a row-parallel layer's bias, norms and the rest stay whole on every rank)."""
-    return bool(getattr(p, "tensor_model_parallel", False))
-
-
-def tp_full(p: torch.Tensor) -> torch.Tensor:
-    """The whole tensor of an AutoTP-sharded parameter, gathered over its tensor-parallel group into a new tensor
-    (the layer's own `gather_params`, given a copy: the trained parameter keeps its shard and its place in the
-    optimizer's buffers); any other parameter detached as it is. Collective over the TP group for a shard: the ranks
-    of a group must ask for the same parameters in the same order."""
-    if not _tp_sharded(p):
-        return p.detach()
-    copy = p.detach().clone()
-    p.gather_params([copy])  # rebinds copy.data to the gathered weight
-    return copy
-
-
 def _tp_clip_and_keep_norm(engine, max_norm: float) -> torch.Tensor:
     """Global gradient norm of a stage-0 AutoTP engine, and clipping by it: every rank of a tensor-parallel group holds
     a shard's gradient of each sharded weight and a whole copy of the replicated ones' (norms, row-parallel
@@ -262,8 +242,8 @@ def _tp_clip_and_keep_norm(engine, max_norm: float) -> torch.Tensor:
     from deepspeed.utils import groups
 
     params = [p for p in engine.module.parameters() if p.grad is not None]
-    sharded = [torch.linalg.vector_norm(p.grad, dtype=torch.float32) for p in params if _tp_sharded(p)]
-    whole = [torch.linalg.vector_norm(p.grad, dtype=torch.float32) for p in params if not _tp_sharded(p)]
+    sharded = [torch.linalg.vector_norm(p.grad, dtype=torch.float32) for p in params if tp_sharded(p)]
+    whole = [torch.linalg.vector_norm(p.grad, dtype=torch.float32) for p in params if not tp_sharded(p)]
     sq = torch.stack(sharded).pow(2).sum() if sharded else torch.zeros(())
     dist.all_reduce(sq, group=groups.get_tensor_model_parallel_group())
     if whole:
@@ -271,74 +251,6 @@ def _tp_clip_and_keep_norm(engine, max_norm: float) -> torch.Tensor:
     norm = sq.sqrt()
     torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
     return norm
-
-
-def fused_adam(params, lr: float, betas: tuple[float, float], weight_decay: float):
-    """DeepSpeed's FusedAdam in AdamW mode on CUDA, or None (with the reason printed) where it cannot be built. It is
-    JIT-built on first use by ninja + nvcc (cached under ~/.cache/torch_extensions) and is the only optimizer whose
-    ZeRO-3 states DeepSpeed can move off the GPU (the hybrid engine, `core.placement.offload_states`)."""
-    # DeepSpeed 0.19.8 cannot parse arch names with a suffix (e.g. "10.0a", seen in a CUDA 13 image's
-    # TORCH_CUDA_ARCH_LIST): build for the GPUs present instead
-    archs = os.environ.get("TORCH_CUDA_ARCH_LIST", "").replace(" ", ";").split(";")
-    if any(a and not re.fullmatch(r"\d+\.\d+(\+PTX)?", a) for a in archs):
-        caps = sorted({torch.cuda.get_device_capability(i) for i in range(torch.cuda.device_count())})
-        os.environ["TORCH_CUDA_ARCH_LIST"] = ";".join(f"{m}.{n}" for m, n in caps)
-    try:
-        from deepspeed.ops.adam import FusedAdam
-
-        return FusedAdam(params, lr=lr, betas=betas, weight_decay=weight_decay, adam_w_mode=True)
-    except Exception as e:  # noqa: BLE001  (no nvcc, a failed build: train with torch AdamW instead, and say so)
-        print(f"[core.engine] DeepSpeed FusedAdam unavailable ({type(e).__name__}: {e}); using torch AdamW, whose "
-              "ZeRO-3 optimizer states the hybrid engine cannot offload")  # fmt: skip
-        return None
-
-
-def muon_split(model) -> tuple[list[tuple[str, torch.nn.Parameter]], list[tuple[str, torch.nn.Parameter]]]:
-    """The trainable parameters as (Muon, AdamW) lists of (name, parameter): the 2-D weight matrices inside the
-    decoder layers (`...layers.N....weight`: attention and MLP projections) go to Muon; embeddings, the LM head,
-    norms, biases and anything outside the layers (a value head) to AdamW."""
-    muon, adamw = [], []
-    for name, p in model.named_parameters():
-        if p.requires_grad:
-            (muon if p.ndim == 2 and _LAYER_PREFIX.match(name) else adamw).append((name, p))
-    return muon, adamw
-
-
-def _eager_muon_kernels() -> None:
-    """DeepSpeed 0.19.8 wraps its Muon update and Newton-Schulz functions in torch.compile, which on CPU compiles C++
-    kernels per matrix shape (30-130 s before the first step of the tiny model on 2 cores, for no gain at that size):
-    on CPU, put the plain functions back. Every caller imports them from `original_muon` when it runs, except
-    `muon_optimizer`, which holds its own reference."""
-    from deepspeed.runtime.zero.muon import muon_optimizer, original_muon
-
-    for name in ("muon_update", "zeropower_via_newtonschulz5", "zeropower_via_gram_newtonschulz"):
-        fn = getattr(original_muon, name)
-        setattr(original_muon, name, getattr(fn, "_torchdynamo_orig_callable", fn))
-    muon_optimizer.muon_update = original_muon.muon_update
-
-
-def muon_optimizer(model, ds: DSConfig, lr: float, betas: tuple[float, float], weight_decay: float):
-    """DeepSpeed's `MuonWithAuxAdam` as a client optimizer: Muon at `ds.muon_lr` on `muon_split`'s matrices (each
-    tagged `use_muon`, the flag DeepSpeed's ZeRO optimizers read to gather a partitioned matrix whole before
-    orthogonalising it), torch AdamW at `lr` on the rest. Tested with deepspeed 0.19.8 at ZeRO 0/2/3, one and two
-    ranks, fp32 and bf16, with and without optimizer offload: the same weights as ZeRO-0 within float rounding."""
-    from deepspeed.runtime.zero.muon.muon_optimizer import MuonWithAuxAdam
-
-    if hasattr(model, "peft_config"):
-        raise ValueError("--ds.optimizer muon with --model.lora-rank > 0: Muon orthogonalises whole weight matrices; "
-                         "LoRA's low-rank factors are not those. Use --ds.optimizer adamw with LoRA")  # fmt: skip
-    if not torch.cuda.is_available():
-        _eager_muon_kernels()
-    muon, adamw = muon_split(model)
-    for _, p in muon:
-        p.use_muon = True
-    for _, p in adamw:
-        p.use_muon = False
-    groups = [dict(params=[p for _, p in muon], use_muon=True, lr=ds.muon_lr, momentum=ds.muon_momentum,
-                   weight_decay=weight_decay),
-              dict(params=[p for _, p in adamw], use_muon=False, lr=lr, betas=betas, eps=1e-8,
-                   weight_decay=weight_decay)]  # fmt: skip
-    return MuonWithAuxAdam([g for g in groups if g["params"]], adam_optimizer=torch.optim.AdamW)
 
 
 def cpp_compiler() -> str | None:
@@ -424,52 +336,6 @@ def make_engine(model, ds: DSConfig, lr: float, schedule: Callable[[int], float]
     if ema_beta > 0:
         ema_init(engine, ema_beta)
     return engine
-
-
-# ------------------------------------------------------------------------------- EMA of the trained weights
-def _local_weights(engine) -> dict[str, torch.Tensor]:
-    """The trainable weights this rank holds, by name: under ZeRO-3 its flat partition (`ds_tensor`), else the
-    tensors themselves (the engine's module weights; a bf16 model's are bf16 copies of DeepSpeed's fp32 masters)."""
-    out = {}
-    for name, p in engine.module.named_parameters():
-        if p.requires_grad:
-            out[name] = p.ds_tensor if getattr(p, "ds_tensor", None) is not None else p.data
-    return out
-
-
-def ema_init(engine, beta: float) -> None:
-    """Start an exponential moving average of `engine`'s trainable weights at their current values: `engine.ema`
-    holds fp32 copies of what this rank holds (ZeRO-3: its partition only, never a full copy), `engine.ema_beta` β.
-    `optimizer_step` updates it, `core.checkpoint` saves and restores it, `export_hf(..., ema=True)` exports it."""
-    engine.ema_beta = beta
-    engine.ema = {k: v.detach().float().clone() for k, v in _local_weights(engine).items()}
-
-
-@torch.no_grad()
-def ema_update(engine) -> None:
-    """ema ← β·ema + (1 − β)·θ for every trainable weight θ this rank holds; no-op without an EMA."""
-    ema = getattr(engine, "ema", None)
-    if ema is None:
-        return
-    for name, w in _local_weights(engine).items():
-        ema[name].lerp_(w.float(), 1.0 - engine.ema_beta)
-
-
-@contextmanager
-def ema_weights(engine):
-    """Within the block the engine's module holds the EMA weights (each rank its own part); the trained weights are
-    put back after, bit for bit. Only reads of the module (export, eval) belong inside."""
-    local = _local_weights(engine)
-    saved = {k: v.detach().clone() for k, v in local.items()}
-    try:
-        with torch.no_grad():
-            for k, v in local.items():
-                v.copy_(engine.ema[k])
-        yield engine
-    finally:
-        with torch.no_grad():
-            for k, v in local.items():
-                v.copy_(saved[k])
 
 
 def make_frozen(model, cfg: RefConfig, device: torch.device):
@@ -632,200 +498,6 @@ def check_weights_finite(engine, step: int, name: str = "model") -> None:
             bad += 1
     if all_reduce(bad) > 0:
         raise FloatingPointError(f"non-finite weights in the {name} after step {step}: no checkpoint written")
-
-
-def gathered_state_dict(engine) -> dict[str, torch.Tensor] | None:
-    """Full parameters as a CPU state dict on rank 0 (ZeRO-3 shards gathered); None on other ranks.
-    Every rank must call it (the gather is collective)."""
-    import deepspeed
-
-    model = engine.module
-    zero3 = engine.zero_optimization_stage() == 3
-    if tp_size(engine) > 1:  # AutoTP: every rank gathers each shard with its group (a layer at a time under ZeRO-3)
-        state = {n: t.to("cpu", copy=True) for n, t in full_named_parameters(engine)}
-        params = dict(model.named_parameters(remove_duplicate=False))  # a tied head: the embedding's tensor
-        state = {k: state[_tied_name(model, k, params)] if k in params else v.detach().to("cpu", copy=True)
-                 for k, v in model.state_dict().items()}  # fmt: skip
-        return state if dist.get_rank() == 0 else None
-    with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None, enabled=zero3):
-        if dist.get_rank() != 0:
-            return None
-        return {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()}
-
-
-def _tied_name(model, name: str, params: dict) -> str:
-    """The name under which `named_parameters()` (duplicates removed) lists the tensor of parameter `name`."""
-    target = params[name]
-    return next(n for n, p in model.named_parameters() if p is target)
-
-
-_LAYER_PREFIX = re.compile(r"^(.*?\.layers\.\d+)\.")
-
-
-def gather_groups(named: list[tuple[str, torch.nn.Parameter]]) -> list[list[tuple[str, torch.nn.Parameter]]]:
-    """Consecutive parameters split into the groups gathered together for weight sync: one decoder layer
-    (`...layers.N.`) per group, each other parameter alone (embeddings, final norm, head: the large ones)."""
-    groups: list[list[tuple[str, torch.nn.Parameter]]] = []
-    key = None
-    for name, p in named:
-        m = _LAYER_PREFIX.match(name)
-        k = m.group(1) if m else None
-        if k is None or k != key:
-            groups.append([])
-        groups[-1].append((name, p))
-        key = k
-    return groups
-
-
-def full_named_parameters(engine, keep=None):
-    """Yield (name, full tensor) for every trainer parameter, for weight sync; `keep(name)` False skips a parameter
-    (never gathered). Under ZeRO-3 a decoder layer's parameters are gathered together (one coalesced all-gather per
-    layer, `gather_groups`) and copied out before the next layer is gathered, so one layer is held at a time
-    (collective: every rank must iterate to the end, with the same `keep`); otherwise the live tensors. Under AutoTP
-    (`--ds.tensor-parallel-size`) each shard is gathered over its tensor-parallel group (`tp_full`): collective too.
-    Gathering parameter by parameter cost a collective each: ~290 for a 24-layer Qwen2, about three quarters of a
-    0.5B-shaped model's sync on 2 CPU ranks."""
-    import deepspeed
-
-    named = [(n, p) for n, p in engine.module.named_parameters() if keep is None or keep(n)]
-    if engine.zero_optimization_stage() != 3:
-        for name, p in named:
-            yield name, tp_full(p) if _tp_sharded(p) else dequantized(p)  # AutoTP: a shard gathered (collective)
-        return
-    for group in gather_groups(named):
-        with deepspeed.zero.GatheredParameters([p for _, p in group], modifier_rank=None):
-            full = [(name, tp_full(p) if _tp_sharded(p) else p.detach().clone()) for name, p in group]
-        yield from full
-
-
-def dequantized(p: torch.Tensor) -> torch.Tensor:
-    """A parameter as the forward computes with it: a 4-bit bitsandbytes weight (`--model.load-in-4bit`, QLoRA)
-    dequantized to its compute dtype (the engines and the export get what the trainer's linears multiply by, NF4
-    rounding included); any other parameter detached as it is."""
-    state = getattr(p, "quant_state", None)
-    if state is None or type(p).__name__ != "Params4bit":
-        return p.detach()
-    import bitsandbytes.functional as bnb_f
-
-    return bnb_f.dequantize_4bit(p.data, state).to(state.dtype)
-
-
-def zero3_partitions(engine) -> tuple[list[tuple[str, torch.Tensor, torch.Size]] | None, str]:
-    """This rank's own ZeRO-3 partitions, for a weight sync without a gather: ([(name, partition, full shape)], "")
-    in `named_parameters` order, or (None, why) where they cannot be sent as they are. Reads DeepSpeed internals
-    (checked against deepspeed 0.19.8's `partition_parameters.py`): `param.ds_tensor` is the flat partition of
-    rank r of the parameter's partition group, elements [r·s, (r + 1)·s) of the flattened full tensor with
-    s = ceil(numel / world) (`_partition_param`, `_aligned_size`), zero-padded past numel on the last rank(s); the
-    optimizer writes its updated partition there. No collective: every rank returns the same answer from the same
-    model and config. Not sent as they are: other stages, a partition group that is not the whole world in rank order
-    (e.g. hierarchical / expert groups), partitions swapped out to NVMe or quantized."""
-    if engine.zero_optimization_stage() != 3:
-        return None, f"ZeRO stage {engine.zero_optimization_stage()} keeps no partitions"
-    if tp_size(engine) > 1:
-        return None, "AutoTP (--ds.tensor-parallel-size): the partitions are of tensor-parallel shards"
-    world = dist.get_world_size()
-    checked: set[int] = set()
-    out = []
-    for name, p in engine.module.named_parameters():
-        part, group = getattr(p, "ds_tensor", None), getattr(p, "ds_process_group", None)
-        if part is None:
-            return None, f"{name} has no ZeRO-3 partition"
-        if id(group) not in checked:
-            if dist.get_world_size(group) != world or any(dist.get_global_rank(group, i) != i for i in range(world)):
-                return None, f"{name} is partitioned over a group other than the whole world in rank order"
-            checked.add(id(group))
-        if getattr(part, "final_location", None) is not None or hasattr(part, "ds_quant_scale"):
-            return None, f"{name}'s partition is swapped to NVMe or quantized"
-        assert part.numel() == -(-p.ds_numel // world), (name, part.numel(), p.ds_numel, world)
-        out.append((name, part.detach().view(-1), p.ds_shape))
-    return out, ""
-
-
-# ------------------------------------------------------------------------------- LoRA weights for the engines
-# PEFT (tested with peft 0.21) names a LoRA-wrapped linear `base_model.model.<hf name>.base_layer.weight` (+ `.bias`)
-# beside its factors `<...>.lora_A.<adapter>.weight` (r, in) and `<...>.lora_B.<adapter>.weight` (out, r); the
-# wrapped model's other parameters are `base_model.model.<hf name>`.
-_PEFT_PREFIX = "base_model.model."
-_LORA_PART = re.compile(r"\.(base_layer|lora_A|lora_B|lora_embedding_A|lora_embedding_B|lora_magnitude_vector)\.")
-
-
-def lora_modules(model) -> dict[str, tuple[float, bool]]:
-    """{PEFT module name: (scaling, fan_in_fan_out)} of the active adapter's LoRA linears of a PEFT model (`{}` for a
-    plain model). scaling is lora_alpha / r (alpha / sqrt(r) with rsLoRA), the factor of B·A in W + B·A·scaling."""
-    if not hasattr(model, "peft_config"):
-        return {}
-    from peft.tuners.lora import LoraLayer
-
-    adapter = model.active_adapter
-    config = model.peft_config[adapter]
-    if getattr(config, "use_dora", False):
-        raise ValueError("LoRA weight sync: DoRA is not supported (plain LoRA factors only)")
-    return {name: (float(m.scaling[adapter]), bool(getattr(m, "fan_in_fan_out", False)))
-            for name, m in model.named_modules() if isinstance(m, LoraLayer) and adapter in m.lora_A}  # fmt: skip
-
-
-def _lora_module_of(name: str) -> str:
-    """`a.b.q_proj.lora_A.default.weight` -> `a.b.q_proj`; a name of no LoRA part is returned as it is."""
-    m = _LORA_PART.search(name)
-    return name[: m.start()] if m else name
-
-
-_WHOLE_COPY = re.compile(r"\.modules_to_save\.[^.]+\.")
-
-
-def hf_name(peft_name: str) -> str:
-    """The HF checkpoint name (what vLLM loads) of a PEFT model's base parameter, or of the trained copy of a module
-    that trains whole (`modules_to_save`, a reward model's score head)."""
-    return _WHOLE_COPY.sub(".", peft_name.removeprefix(_PEFT_PREFIX).replace(".base_layer.", "."))
-
-
-def merged_named_parameters(engine, changed_only: bool = False):
-    """Yield (HF name, tensor) of the policy a LoRA actor computes, for weight sync: every LoRA linear's weight as
-    W + B·A·scaling (its bias as it is), every other parameter as it is, under the names of the HF checkpoint. The
-    merge is computed on copies (fp32, cast back to W's dtype): the trained module is never modified. Under ZeRO-3 a
-    layer is gathered at a time (`full_named_parameters`; collective). `changed_only`: only the LoRA linears, the only
-    weights training changes (the base is frozen), for engines that already hold the rest.
-    A model without LoRA yields `full_named_parameters` (all of it, whatever `changed_only`)."""
-    import itertools
-
-    model = engine.module
-    lora = lora_modules(model)
-    if not lora:
-        yield from full_named_parameters(engine)
-        return
-    adapter = model.active_adapter
-    keep = (lambda n: _lora_module_of(n) in lora) if changed_only else None
-    stream = full_named_parameters(engine, keep)
-    for key, items in itertools.groupby(stream, key=lambda kv: _lora_module_of(kv[0])):
-        parts = {n: t for n, t in items if ".original_module." not in n}  # a whole-trained module: its trained copy
-        if key not in lora:
-            yield from ((hf_name(n), t) for n, t in parts.items())
-            continue
-        scaling, fan_in_fan_out = lora[key]
-        w = parts.pop(f"{key}.base_layer.weight")
-        a, b = parts.pop(f"{key}.lora_A.{adapter}.weight"), parts.pop(f"{key}.lora_B.{adapter}.weight")
-        delta = (b.float() @ a.float()) * scaling  # (out, r) @ (r, in)
-        yield hf_name(f"{key}.weight"), (w.float() + (delta.T if fan_in_fan_out else delta)).to(w.dtype)
-        yield from ((hf_name(n), t) for n, t in parts.items())  # the bias
-
-
-def adapter_named_parameters(engine):
-    """Yield (name, tensor) of the active LoRA adapter's factors under the names of a saved PEFT adapter
-    (`base_model.model.<module>.lora_A.weight`), what vLLM's LoRA loader reads; the base weights are never gathered
-    (ZeRO-3: only the factors, a layer at a time; collective)."""
-    model = engine.module
-    lora = lora_modules(model)
-    assert lora, "adapter sync needs a PEFT LoRA model (--actor.model.lora-rank > 0)"
-    adapter = model.active_adapter
-    tag = f".{adapter}."
-    for name, t in full_named_parameters(engine, keep=lambda n: ".lora_A." in n or ".lora_B." in n):
-        yield name.replace(tag, "."), t
-
-
-def adapter_config(model) -> dict:
-    """The active adapter's PEFT config as the JSON of a saved adapter's `adapter_config.json`."""
-    config = model.peft_config[model.active_adapter].to_dict()
-    return {k: sorted(v) if isinstance(v, set) else v for k, v in config.items()}
 
 
 class AdaptersOff:

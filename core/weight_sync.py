@@ -159,7 +159,7 @@ def send_partitions(group, bucket: Partitions, dtype: torch.dtype, device: torch
 def receive_partitions(group, meta: Meta, senders: int, tag: int, device: torch.device, timeout_s: float) -> Named:
     """The receiving side of `send_partitions` from ranks 0..senders-1 (each sending its own partitions of the same
     bucket): the full tensors. Parameter i of numel n arrives as ceil(n / senders) elements from each sender, which in
-    rank order and cut to n are the flattened parameter (DeepSpeed's ZeRO-3 layout, `core.engine.zero3_partitions`):
+    rank order and cut to n are the flattened parameter (DeepSpeed's ZeRO-3 layout, `core.weights.zero3_partitions`):
     each message is received straight into its place in one buffer per dtype, and the tensors are views of it.
     senders = 1: whole tensors from rank 0."""
     from datetime import timedelta

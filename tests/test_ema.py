@@ -11,6 +11,8 @@ import torch
 from core import checkpoint, models
 from core import engine as ds_engine
 from core.config import DSConfig, ModelConfig
+from core.ema import local_weights
+from core.weights import gathered_state_dict
 
 
 def tiny():
@@ -19,7 +21,7 @@ def tiny():
 
 
 def weights(engine) -> dict[str, torch.Tensor]:
-    return {k: v.clone() for k, v in ds_engine.gathered_state_dict(engine).items()}
+    return {k: v.clone() for k, v in gathered_state_dict(engine).items()}
 
 
 def train(engine, steps: int, first: int = 0) -> None:
@@ -105,7 +107,7 @@ def test_ema_survives_a_checkpoint(tiny_path, tmp_path, stage):
         f.unlink()
     checkpoint.write_manifest(tmp_path / "step_00000001")
     checkpoint.load({"model": c}, tmp_path / "step_00000001")
-    local = ds_engine._local_weights(c)
+    local = local_weights(c)
     assert all(torch.equal(c.ema[k], local[k].float()) for k in local)
 
 

@@ -19,6 +19,7 @@ from conftest import child_env as clean_env
 from core import checkpoint, models
 from core import engine as ds_engine
 from core.config import DSConfig, ModelConfig
+from core.weights import gathered_state_dict
 
 REPO = Path(__file__).resolve().parent.parent
 IDS = torch.tensor([[1, 5, 9, 13, 17, 21, 25], [1, 40, 41, 42, 43, 44, 45]])
@@ -32,7 +33,7 @@ def tiny_engine(tiny_path, stage: int, lr: float = 1e-2):
 
 
 def weights(engine) -> dict[str, torch.Tensor]:
-    return ds_engine.gathered_state_dict(engine)
+    return gathered_state_dict(engine)
 
 
 def poison_first_grad(param: torch.nn.Parameter, value: float):

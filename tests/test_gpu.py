@@ -143,7 +143,7 @@ def test_offload_and_reload_states_free_the_gpu_and_change_nothing(tiny_path, st
     """The hybrid engine's DeepSpeed half: `placement.offload_states` frees most of the trainer's GPU memory, and
     after `reload_states` training goes on exactly as if nothing had moved (same parameters after the next step)."""
     from core import engine as ds_engine
-    from core import packing, placement
+    from core import packing, placement, weights
     from core.config import DSConfig
     from core.models import ModelConfig, load_causal_lm
 
@@ -165,7 +165,7 @@ def test_offload_and_reload_states_free_the_gpu_and_change_nothing(tiny_path, st
                 placement.offload_states(eng)
                 mem.append(torch.cuda.memory_allocated())
                 placement.reload_states(eng)
-        state = {k: v.float().cpu() for k, v in ds_engine.full_named_parameters(eng)}
+        state = {k: v.float().cpu() for k, v in weights.full_named_parameters(eng)}
         eng.destroy()
         return state, mem
 

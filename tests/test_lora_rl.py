@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from core import engine as ds_engine
-from core import models, placement, rollout, vllm_engine
+from core import models, placement, rollout, vllm_engine, weights
 from core.config import DSConfig, ModelConfig
 
 PROBES = [[1, 5, 6, 14, 7, 8, 15, 5, 6, 9, 2], [1, 9, 9, 14, 9, 15, 1, 8, 8, 2]]
@@ -37,13 +37,13 @@ def zero0(model):
 
 
 def adapted_linears(model) -> set[str]:
-    return {ds_engine.hf_name(name) for name in ds_engine.lora_modules(model)}
+    return {weights.hf_name(name) for name in weights.lora_modules(model)}
 
 
 def test_merged_weights_are_peft_merge_under_hf_names_and_leave_the_module_untouched(tiny_path):
     model = lora_model(tiny_path)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    merged = dict(ds_engine.merged_named_parameters(zero0(model)))
+    merged = dict(weights.merged_named_parameters(zero0(model)))
     for name, p in model.named_parameters():  # merged on copies: the trained module is bit-identical
         assert torch.equal(p, before[name]), name
     expected = dict(copy.deepcopy(model).merge_and_unload().named_parameters())
@@ -53,7 +53,7 @@ def test_merged_weights_are_peft_merge_under_hf_names_and_leave_the_module_untou
     assert any(not torch.equal(merged[f"{m}.weight"], before[f"base_model.model.{m}.base_layer.weight"])
                for m in adapted_linears(model))  # fmt: skip
     # after the first sync only the adapted linears (weight and bias, whole vLLM modules) change
-    changed = dict(ds_engine.merged_named_parameters(zero0(model), changed_only=True))
+    changed = dict(weights.merged_named_parameters(zero0(model), changed_only=True))
     assert {n.rsplit(".", 1)[0] for n in changed} == adapted_linears(model)
     assert "model.layers.0.self_attn.q_proj.bias" in changed  # Qwen2's q/k/v biases travel with their weights
     assert not any("norm" in n or "embed" in n for n in changed)
@@ -62,7 +62,7 @@ def test_merged_weights_are_peft_merge_under_hf_names_and_leave_the_module_untou
 
 
 def test_a_model_without_lora_syncs_every_parameter(tiny_model):
-    named = dict(ds_engine.merged_named_parameters(zero0(tiny_model), changed_only=True))
+    named = dict(weights.merged_named_parameters(zero0(tiny_model), changed_only=True))
     assert named.keys() == dict(tiny_model.named_parameters()).keys()
 
 
@@ -70,12 +70,12 @@ def test_adapter_tensors_are_a_saved_peft_adapter(tiny_path, tmp_path):
     from peft import get_peft_model_state_dict
 
     model = lora_model(tiny_path)
-    sent = dict(ds_engine.adapter_named_parameters(zero0(model)))
+    sent = dict(weights.adapter_named_parameters(zero0(model)))
     saved = get_peft_model_state_dict(model)
     assert sent.keys() == saved.keys() and sent
     for name, value in saved.items():
         assert torch.equal(sent[name], value), name
-    config = ds_engine.adapter_config(model)
+    config = weights.adapter_config(model)
     assert config["r"] == 8 and config["lora_alpha"] == 16
     json.dumps(config)  # adapter_config.json
     assert len(config["target_modules"]) == 7  # all-linear, resolved: q k v o gate up down
@@ -227,7 +227,7 @@ def test_grpo_with_lora_trains_adapters_only_and_the_engine_follows(mode, tmp_pa
         if "lora_" in name:
             assert p.requires_grad
             continue
-        assert not p.requires_grad and torch.equal(p.detach(), base[ds_engine.hf_name(name)]), name
+        assert not p.requires_grad and torch.equal(p.detach(), base[weights.hf_name(name)]), name
     assert all(p.abs().max() > 0 for n, p in model.named_parameters() if "lora_B" in n)  # trained from 0
     if mode == "merged":  # every weight first, then the adapted linears (weights and biases) only
         whole = sum(p.numel() for n, p in model.named_parameters() if "lora_" not in n) * 4 / 2**20

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from core import checkpoint, models
+from core import checkpoint, models, optimizers, weights
 from core import engine as ds_engine
 from core.config import DSConfig, ModelConfig
 
@@ -36,7 +36,7 @@ def test_muon_gets_every_hidden_matrix_and_adamw_the_rest(tiny_path):
     ds_engine.init_distributed("gloo")
     model = tiny()
     trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
-    muon, adamw = ds_engine.muon_split(model)
+    muon, adamw = optimizers.muon_split(model)
     muon_names, adamw_names = {n for n, _ in muon}, {n for n, _ in adamw}
     assert muon_names.isdisjoint(adamw_names) and muon_names | adamw_names == set(trainable)  # nothing lost
     assert sum(p.numel() for _, p in muon) + sum(p.numel() for _, p in adamw) == sum(
@@ -58,7 +58,7 @@ def test_muon_gets_every_hidden_matrix_and_adamw_the_rest(tiny_path):
 
     # a value head (PPO's critic, the reward model) is not a hidden matrix
     critic = models.TokenValues(models.load_scalar_model("cleanrlhf/tiny", dtype="fp32"))
-    muon, adamw = ds_engine.muon_split(critic)
+    muon, adamw = optimizers.muon_split(critic)
     assert "model.score.weight" in {n for n, _ in adamw} and len(muon) == 7 * layers
 
 
@@ -73,7 +73,7 @@ def test_zero_stages_take_the_same_muon_steps_as_zero0(tiny_path, stage):
     losses = train(other)
     assert losses == pytest.approx(losses_ref, rel=1e-4)
     assert losses[-1] < losses[0] - 0.5
-    a, b = ds_engine.gathered_state_dict(ref), ds_engine.gathered_state_dict(other)
+    a, b = weights.gathered_state_dict(ref), weights.gathered_state_dict(other)
     for k in a:
         torch.testing.assert_close(b[k], a[k], rtol=1e-4, atol=5e-5, msg=k)
 
@@ -162,7 +162,7 @@ def test_muon_state_survives_a_checkpoint(tiny_path, tmp_path, stage):
     b = ds_engine.make_engine(tiny(), ds, 1e-3)
     checkpoint.load({"model": b}, tmp_path / "step_00000001")
     assert train(b, 2) == after
-    sa, sb = ds_engine.gathered_state_dict(a), ds_engine.gathered_state_dict(b)
+    sa, sb = weights.gathered_state_dict(a), weights.gathered_state_dict(b)
     assert all(torch.equal(sa[k], sb[k]) for k in sa)
 
 

@@ -111,13 +111,13 @@ def _build_zero3(worker, path: str) -> None:
 
 
 def _gathered(worker) -> dict | None:
-    from core.engine import gathered_state_dict
+    from core.weights import gathered_state_dict
 
     return gathered_state_dict(worker.engine)
 
 
 def _full_named(worker) -> list[tuple[str, torch.Tensor]]:
-    from core.engine import full_named_parameters
+    from core.weights import full_named_parameters
 
     return [(n, t.clone()) for n, t in full_named_parameters(worker.engine)]
 
@@ -137,7 +137,7 @@ def _train_step(worker, chunk: list[list[int]]) -> list[float]:
 def _sync_gathered(worker) -> dict:
     """The gather path over whatever weight group is formed: every rank walks the gathered layers, rank 0 sends them
     (in a group of every trainer rank: point to point to each engine worker)."""
-    from core.engine import full_named_parameters
+    from core.weights import full_named_parameters
 
     named = full_named_parameters(worker.engine)
     if worker.rank == 0:
@@ -248,7 +248,7 @@ def test_split_contiguous_keeps_order_and_balance(n, length):
 
 
 def test_gather_groups_put_a_decoder_layer_together_and_everything_else_alone():
-    from core.engine import gather_groups
+    from core.weights import gather_groups
 
     names = ["model.embed_tokens.weight", "model.layers.0.q.weight", "model.layers.0.q.bias", "model.layers.1.q.weight",
              "model.layers.10.mlp.w", "model.layers.10.norm.weight", "model.norm.weight", "lm_head.weight"]  # fmt: skip

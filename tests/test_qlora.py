@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from core import engine as ds_engine
-from core import models
+from core import models, weights
 from core.config import DSConfig, ModelConfig
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
@@ -143,7 +143,7 @@ def test_the_engines_get_what_the_4bit_trainer_computes(tiny_path):
 
     model = qlora(str(tiny_path))
     assert models.is_4bit(model) and not models.is_4bit(models.load_causal_lm(ModelConfig(name_or_path=str(tiny_path))))
-    merged = dict(ds_engine.merged_named_parameters(zero0(model)))
+    merged = dict(weights.merged_named_parameters(zero0(model)))
     with torch.no_grad():
         want = model(PROBES).logits
         plain = plain_model(merged, model)
@@ -155,7 +155,7 @@ def test_the_engines_get_what_the_4bit_trainer_computes(tiny_path):
     original = load_file(f"{tiny_path}/model.safetensors")
     linear = "model.layers.0.mlp.down_proj.weight"
     assert merged[linear].dtype == torch.float32 and merged[linear].shape == original[linear].shape
-    base = ds_engine.dequantized(
+    base = weights.dequantized(
         model.get_parameter(f"base_model.model.{linear.replace('.weight', '.base_layer.weight')}")
     )
     error = (base - original[linear]).abs().max() / original[linear].abs().max()
@@ -264,7 +264,7 @@ def holds_the_dequantized_weights(four, full, inputs) -> None:
     import copy
 
     plain = copy.deepcopy(full)
-    missing, unexpected = plain.load_state_dict({n: ds_engine.dequantized(p) for n, p in four.named_parameters()},
+    missing, unexpected = plain.load_state_dict({n: weights.dequantized(p) for n, p in four.named_parameters()},
                                                 strict=False)  # fmt: skip
     assert not unexpected and all(k.endswith("lm_head.weight") for k in missing), (missing, unexpected)
     with torch.no_grad():

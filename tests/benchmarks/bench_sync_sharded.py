@@ -2,10 +2,10 @@
 a Qwen2-0.5B-shaped bf16 model on 2 CPU ranks (gloo) sent to a stand-in engine worker (a third process that receives
 exactly what a vLLM worker receives, but loads nothing).
 
-    gather: every rank walks `core.engine.full_named_parameters` (one coalesced all-gather per decoder layer), rank 0
+    gather: every rank walks `core.weights.full_named_parameters` (one coalesced all-gather per decoder layer), rank 0
             buckets, flattens and broadcasts (`flatten_bucket`, `send_bucket`) over a group of rank 0 and the
             receiver, which takes each bucket with `receive_bucket` (the path before `--vllm.sync-partitions`).
-    flat: every rank buckets its own partitions (`core.engine.zero3_partitions`, buckets by full size), flattens them
+    flat: every rank buckets its own partitions (`core.weights.zero3_partitions`, buckets by full size), flattens them
             into one buffer and sends it point to point over a group of both ranks and the receiver, which receives one
             buffer per rank and concatenates each parameter's pieces (the transport before 2026-11-26's bee3248,
             rebuilt here as `_send_flat` / `_receive_flat`).
@@ -71,7 +71,7 @@ def _trainer(rank: int, ports: dict, layers: int, reps: int, out) -> None:
     from transformers import Qwen2ForCausalLM
 
     from core import engine as ds_engine
-    from core import weight_sync
+    from core import weight_sync, weights
     from core.config import DSConfig
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(ports["world"]), RANK=str(rank), WORLD_SIZE="2",
@@ -86,14 +86,14 @@ def _trainer(rank: int, ports: dict, layers: int, reps: int, out) -> None:
     cpu, dtype = torch.device("cpu"), torch.bfloat16
 
     def gather() -> None:
-        named = ds_engine.full_named_parameters(engine)
+        named = weights.full_named_parameters(engine)
         for bucket in weight_sync.bucket_named_tensors(named, BUCKET_MB):
             if rank == 0:
                 _, flats = weight_sync.flatten_bucket(bucket, dtype, cpu)
                 weight_sync.send_bucket(one, flats, TIMEOUT_S)
 
     def buckets():
-        parts, why = ds_engine.zero3_partitions(engine)
+        parts, why = weights.zero3_partitions(engine)
         assert parts is not None, why
         items = [(n, (p, shape)) for n, p, shape in parts]
         size = lambda v: v[1].numel() * v[0].element_size()  # noqa: E731

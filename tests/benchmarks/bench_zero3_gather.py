@@ -1,6 +1,6 @@
 """What the weight sync's ZeRO-3 gather costs: every parameter of a Qwen2-0.5B-shaped bf16 model gathered from 2 CPU
 ranks (gloo) and copied out, one parameter at a time (one all-gather each, how the sync gathered before) against one
-decoder layer at a time (`core.engine.full_named_parameters`: one coalesced all-gather per layer), in one run.
+decoder layer at a time (`core.weights.full_named_parameters`: one coalesced all-gather per layer), in one run.
 
 Both ranks walk the same order, as in `core.placement.sync_weights`; rank 0 reports the median of `--reps` walks
 after a warm-up, in seconds and ms per MB, and checks that both ways give identical tensors. Nothing is sent to an
@@ -38,6 +38,7 @@ def _rank(rank: int, port: int, layers: int, reps: int, out) -> None:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     from core import engine as ds_engine
+    from core import weights
     from core.config import DSConfig
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE="2",
@@ -49,7 +50,7 @@ def _rank(rank: int, port: int, layers: int, reps: int, out) -> None:
     torch.manual_seed(0)
     model = Qwen2ForCausalLM(config).to(torch.bfloat16)
     engine = ds_engine.make_engine(model, DSConfig(zero_stage=3), lr=1e-6)
-    ways = {"per parameter": per_parameter, "per decoder layer": ds_engine.full_named_parameters}
+    ways = {"per parameter": per_parameter, "per decoder layer": weights.full_named_parameters}
     times: dict[str, list[float]] = {k: [] for k in ways}
     first: dict[str, list] = {}
     for rep in range(reps + 1):
@@ -69,7 +70,7 @@ def _rank(rank: int, port: int, layers: int, reps: int, out) -> None:
     if rank == 0:
         out.put({"layers": layers, "mb": round(mb, 1), "identical": same,
                  "seconds": {k: round(statistics.median(v), 3) for k, v in times.items()},
-                 "collectives": {"per parameter": len(a), "per decoder layer": len(ds_engine.gather_groups(
+                 "collectives": {"per parameter": len(a), "per decoder layer": len(weights.gather_groups(
                      list(engine.module.named_parameters())))}})  # fmt: skip
     dist.destroy_process_group()
 
