@@ -556,7 +556,7 @@ class Group:
     keeps it in the trainer's processes (no group); `colocate`: rank i on trainer rank i's bundle, else bundles of
     its own placed by `strategy`; `setup(worker)` runs on each of its ranks once they start (e.g. the reward model's
     replicas; the script builds the others where it needs them, `core.rl.build_model`); `unused`: why the run has
-    no use for it (its `--<role>.ranks` is then refused with this reason). `core.rl.launch` places what it is given."""
+    no use for it (its `--<role>.ranks` is then refused with this reason). `core.launch` places what it is given."""
 
     ranks: int | None = None
     colocate: bool = True

@@ -159,7 +159,7 @@ def reward_group(cfg: RewardConfig) -> Group:
 
 def check_reward_source(cfg: RewardConfig) -> None:
     """What can be checked of the reward source before anything loads, for a driver that starts the models elsewhere
-    (`core.rl.launch`, before Ray and the engines): a judge's prompt file and whether the judge answers."""
+    (`core.launch.launch`, before Ray and the engines): a judge's prompt file and whether the judge answers."""
     if cfg.judge_url and cfg.judge_prompt:
         load_reward_func(cfg)  # a JudgeReward asks its endpoint when it is built; nothing else is built for a judge
 

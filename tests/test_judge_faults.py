@@ -247,7 +247,7 @@ def test_a_key_variable_named_on_purpose_must_be_set(prompt_file, monkeypatch):
 
 
 def test_a_dead_judge_stops_a_ray_launch_before_ray_starts(prompt_file, monkeypatch):
-    """`--train.ranks N` starts Ray and the engines in `core.rl.launch` before any rank loads the task: the script
+    """`--train.ranks N` starts Ray and the engines in `core.launch.launch` before any rank loads the task: the script
     asks the judge before it launches."""
     from algos.grpo import Args, main
     from core import placement

@@ -12,7 +12,7 @@ import torch
 from conftest import ranks_2_vs_1, zero3_other_reference
 
 from algos import ppo
-from core import models, rl
+from core import launch, models
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
@@ -24,20 +24,20 @@ def test_group_layout_places_what_the_script_declares_and_refuses_by_flag():
     from rewards.loader import RewardConfig, reward_group
 
     train = SimpleNamespace(ranks=1)
-    assert rl.group_layout({"ref": Group(None), "reward": reward_group(RewardConfig())}, 1) == {}
-    assert not rl.needs_launch(train, {"ref": Group(None)}) and rl.needs_launch(train, {"ref": Group(1)})
+    assert launch.group_layout({"ref": Group(None), "reward": reward_group(RewardConfig())}, 1) == {}
+    assert not launch.needs_launch(train, {"ref": Group(None)}) and launch.needs_launch(train, {"ref": Group(1)})
     placed = {"ref": Group(2, colocate=False), "reward": reward_group(RewardConfig(model="rm", ranks=1)),
               "draft": Group(1)}  # fmt: skip
-    layout = rl.group_layout(placed, 1)
+    layout = launch.group_layout(placed, 1)
     assert {r: (g.ranks, g.colocate) for r, g in layout.items()} == {"ref": (2, False), "reward": (1, True),
                                                                       "draft": (1, True)}  # fmt: skip
     assert layout["reward"].setup is not None and layout["ref"].setup is None  # the replicas are built on start
     with pytest.raises(ValueError, match=r"--ref.ranks 1: there is no ref model to place \(the KL term is off"):
-        rl.group_layout({"ref": group(SimpleNamespace(ranks=1, colocate=True, strategy=None), unused="the KL term is off")}, 1)
+        launch.group_layout({"ref": group(SimpleNamespace(ranks=1, colocate=True, strategy=None), unused="the KL term is off")}, 1)
     with pytest.raises(ValueError, match=r"--reward.ranks 2: only for a reward model \(--reward.model PATH\)"):
         reward_group(RewardConfig(ranks=2))
     with pytest.raises(ValueError, match=r"--ref.ranks 3 colocated: .*--train.ranks 2.*--ref.no-colocate"):
-        rl.group_layout({"ref": Group(3)}, 2)
+        launch.group_layout({"ref": Group(3)}, 2)
 
 
 @pytest.fixture(scope="module")
@@ -127,9 +127,9 @@ def test_a_group_on_bundles_of_its_own_is_placed_by_its_role_strategy():
     try:
         own: list = []
         with pytest.raises(placement.PlacementError, match=r"\(STRICT_SPREAD\) needs 2 nodes .* has 1 alive"):
-            rl.start_group(args.ray, args.ds, "ref", ref, None, 1.0, False, own)
+            launch.start_group(args.ray, args.ds, "ref", ref, None, 1.0, False, own)
         ref.strategy = None  # the run's strategy
-        group = rl.start_group(args.ray, args.ds, "ref", ref, None, 1.0, False, own)
+        group = launch.start_group(args.ray, args.ds, "ref", ref, None, 1.0, False, own)
         assert len(group) == 2 and len(own) == 1
         group.shutdown()
     finally:

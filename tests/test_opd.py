@@ -14,7 +14,7 @@ import torch
 from conftest import f32_rtol, ranks_2_vs_1, short_rl_run
 
 from algos.opd import Args, check_teacher, distill_advantages, main, policy_loss
-from core import rl
+from core import launch
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -83,12 +83,12 @@ def test_teacher_group_layout():
 
     args = Args()
     args.teacher.ranks, args.teacher.colocate = 2, False
-    layout = rl.group_layout({"teacher": group(args.teacher)}, 2)
+    layout = launch.group_layout({"teacher": group(args.teacher)}, 2)
     assert {r: (g.ranks, g.colocate) for r, g in layout.items()} == {"teacher": (2, False)}
     args.teacher.ranks, args.teacher.colocate = 3, True
     with pytest.raises(ValueError, match=r"--teacher.ranks 3 colocated: .*--teacher.no-colocate"):
-        rl.group_layout({"teacher": group(args.teacher)}, 2)
-    assert rl.group_layout({"teacher": group(Args().teacher)}, 1) == {}  # the default: in the trainer process
+        launch.group_layout({"teacher": group(args.teacher)}, 2)
+    assert launch.group_layout({"teacher": group(Args().teacher)}, 1) == {}  # the default: in the trainer process
 
 
 def test_help_lists_the_teacher_and_algo_flags():
