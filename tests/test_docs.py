@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPTS = ("sft", "dpo", "kto", "rm", "grpo", "grpo_async", "rloo", "reinforce_pp", "ppo", "opd", "cispo", "sapo")
-RL_SCRIPTS = ("grpo", "grpo_async", "rloo", "reinforce_pp", "ppo", "opd", "cispo", "sapo")
+SCRIPTS = ("sft", "dpo", "kto", "rm", "grpo", "grpo_async", "rloo", "reinforce_pp", "ppo", "opd", "cispo", "sapo", "dppo")
+RL_SCRIPTS = ("grpo", "grpo_async", "rloo", "reinforce_pp", "ppo", "opd", "cispo", "sapo", "dppo")
 PAGES = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md"), *(ROOT / "docs" / "algos").glob("*.md"),
                 *(ROOT / "docs" / "course").glob("*.md")])  # fmt: skip
 DOTTED = re.compile(r"(?<![\w-])--([a-z][a-z0-9-]*(?:\.[a-z0-9-]+)+)")
@@ -88,7 +88,7 @@ def test_the_counts_the_readme_states_are_the_repositorys():
     exercises = sorted((course / "exercises").glob("[0-9][0-9]_*.py"))
     assert "nine lessons" in readme and len(lessons) == 9, [p.name for p in lessons]
     assert "lessons 1-8 each with an exercise" in readme and [p.name[:2] for p in exercises] == [f"0{i}" for i in range(1, 9)]
-    assert "all 8 RL scripts" in readme and all((ROOT / "algos" / f"{s}.py").exists() for s in RL_SCRIPTS)
+    assert f"all {len(RL_SCRIPTS)} RL scripts" in readme and all((ROOT / "algos" / f"{s}.py").exists() for s in RL_SCRIPTS)
     from test_fork import RL_SCRIPTS as forked  # the renamed-copies test runs each of them
 
     assert sorted(forked) == sorted(RL_SCRIPTS)
