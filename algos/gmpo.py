@@ -1,0 +1,306 @@
+"""GMPO: Geometric-Mean Policy Optimization (Zhao, Liu, Liu, Huang, Ye, Jiao, Wei and Ye 2025, arXiv:2507.20673).
+
+GRPO's samples and advantages (G responses per prompt, A_i = (r_i − mean(r)) / (std(r) + ε)), with another average.
+GRPO's objective is the arithmetic mean of the tokens' clipped surrogates, so one token whose ratio ρ_{i,t} =
+π_θ(o_{i,t} | ...) / π_old(o_{i,t} | ...) runs far moves it far, and the clip that stops it is tight. GMPO takes the
+geometric mean of the tokens' ratios over each response, which an outlier moves less, and clips each token in log
+space with a wider range (the paper's (e^−0.4, e^0.4)):
+
+    J(θ) = E[ 1/G Σ_i sgn(A_i) · ( Π_t | min(ρ_{i,t} A_i, clip(ρ_{i,t}, e^−ε_low, e^ε_high) A_i) | )^{1/|o_i|} ]
+         = E[ 1/G Σ_i A_i · exp( 1/|o_i| Σ_t c_{i,t} ) ],
+      c_{i,t} = sgn(A_i) · min(sgn(A_i) · log ρ_{i,t}, sgn(A_i) · clip(log ρ_{i,t}, −ε_low, ε_high))
+
+At ρ = 1 (a step's first minibatch) every response's geometric mean is 1 and the gradient is GRPO's with the
+per-sequence mean (`seq-mean-token-mean`): −A_i / (|o_i| · G) on each token.
+
+Deviations from the paper:
+1. The per-sequence mean over the whole batch (1/G Σ_i, `--algo.loss-agg seq-mean-token-mean`), as the paper.
+2. Groups whose rewards all agree carry no signal (A = 0) and are dropped before the update (`--algo.filter-zero-
+   variance`), so the batch holds only informative samples (as DAPO's dynamic sampling, without refilling).
+3. The KL penalty is off by default (`--algo.kl-coef 0`), as in DAPO and Dr.GRPO; no reference model is loaded then.
+4. Old log-probs are recomputed by the trainer, not taken from vLLM: the engine's log-probs are kept as
+   `rollout_logp` for the optional importance-sampling correction (`--algo.is-correction`), whose per-token weights
+   enter as their geometric mean over the response, as the ratio.
+5. A mixture-of-experts actor's router load-balancing loss is logged (`loss/router_aux`), not trained on: J above is
+   the objective (OpenRLHF's default `--aux_loss_coef 0`); add it to `loss` in `update` to keep the routing balanced.
+6. A response's tokens must be on one rank: `--train.sp-size` > 1, which splits them over ranks, is refused.
+
+Debug (embedded tiny model and task, one CPU process, in-process vLLM):
+    python algos/gmpo.py --train.max-steps 5 --eval.every 5
+A real model:
+    python algos/gmpo.py --actor.model.name-or-path Qwen/Qwen2.5-0.5B-Instruct --data.path prompts.jsonl \\
+        --data.apply-chat-template --reward.func my_reward.py --rollout.max-new-tokens 1024 --actor.lr 1e-6
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass, field
+from functools import partial
+from pathlib import Path
+from typing import Literal
+
+import torch
+import tyro
+
+from agents.make import check_episode_files, load_reward, make_executor
+from core import config, flags, rl, rl_math, rollout, samples
+from core import engine as ds_engine
+from core.logger import Meter, timer
+from core.placement import RayConfig, group
+from core.rollout import VLLMConfig
+from rewards.loader import RewardConfig, reward_group
+
+
+@dataclass
+class AlgoArgs:
+    scale_by_std: bool = True
+    """divide advantages by the group std (GRPO); off for Dr.GRPO."""
+    dr_grpo: bool = False
+    """Dr.GRPO: no std scaling and `seq-mean-token-sum-norm` aggregation (normaliser max-new-tokens)."""
+    filter_zero_variance: bool = True
+    """drop groups whose rewards are all equal (their advantages are 0)."""
+    dynamic_filter_range: flags.OpenInterval | None = None
+    """DAPO dynamic sampling: keep only groups whose mean score lies strictly inside (LOW, HIGH) (e.g. `0 1`: not
+    all solved, not all failed) and refill the batch with more prompts; None disables."""
+    dynamic_filter_max_rounds: flags.PosInt = 3
+    """generation rounds per step at most when refilling; a batch still short after them trains on what it has."""
+    loss_agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"] = "seq-mean-token-mean"
+    """loss aggregation (see core/rl_math.aggregate_loss)."""
+    clip_low: flags.NonNegFloat = 0.4
+    """ε_low: a token's log-ratio is clipped below at −ε_low (the ratio at e^−ε_low; the paper's 0.4)."""
+    clip_high: flags.NonNegFloat = 0.4
+    """ε_high: a token's log-ratio is clipped above at ε_high (the ratio at e^ε_high; the paper's 0.4)."""
+    entropy_coef: flags.NonNegFloat = 0.0
+    """entropy bonus coefficient (0: off, no extra memory)."""
+    kl_coef: flags.NonNegFloat = 0.0
+    """β of the k3 KL penalty in the loss; 0 loads no reference model."""
+    kl_target: flags.PosFloat | None = None
+    """adaptive KL (Ziegler et al. 2019): β starts at kl-coef and is moved toward this per-token KL
+    (`rl_math.AdaptiveKLController`, saved in checkpoints); None keeps β fixed."""
+    kl_horizon: flags.PosInt = 10000
+    """adaptive KL horizon in samples: β changes by at most 20 % per this many samples."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """KL estimator for the penalty."""
+    is_correction: Literal["tis", "icepop", "seq-mask-tis"] | None = None
+    """importance-sampling correction for the rollout engine's log-probs (core/rl_math.is_weight)."""
+    is_threshold: flags.WeightBounds = (0.5, 5.0)
+    """[lo, hi] bounds of the IS weight."""
+
+
+# RECIPE: GMPO's setting on the embedded task (~1 M parameters), its `--help` defaults; a fork changes it here
+ACTOR = dict(lr=3e-4, lr_ref_samples=256, warmup_steps=0, min_lr_ratio=0.1, weight_decay=0.0, adam_betas=(0.9, 0.95))
+ROLLOUT = dict(batch_size=64, n_samples=8)  # prompts per step, G samples per prompt (the group)
+TRAIN = dict(max_steps=80, minibatches=2, epochs=1)  # RL steps, optimizer steps per rollout, passes over it
+
+
+@dataclass
+class Args:
+    exp_name: str = Path(__file__).stem
+    """run name prefix; defaults to this file's name, so a copied script names its own runs."""
+    actor: config.ActorArgs = field(default_factory=lambda: config.ActorArgs(**ACTOR))
+    ref: config.RefConfig = field(default_factory=config.RefConfig)
+    reward: RewardConfig = field(default_factory=RewardConfig)
+    rollout: config.RolloutArgs = field(default_factory=lambda: config.RolloutArgs(**ROLLOUT))
+    train: config.TrainArgs = field(default_factory=lambda: config.TrainArgs(**TRAIN))
+    algo: AlgoArgs = field(default_factory=AlgoArgs)
+    eval: config.EvalArgs = field(default_factory=config.EvalArgs)
+    data: config.DataConfig = field(default_factory=config.DataConfig)
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
+    ds: config.DSConfig = field(default_factory=config.DSConfig)
+    ckpt: config.CkptConfig = field(default_factory=config.CkptConfig)
+    logger: config.LoggerConfig = field(default_factory=config.LoggerConfig)
+    ray: RayConfig = field(default_factory=RayConfig)
+    run_dir: str | None = None
+    """run folder; default `<logger.run-root>/<exp_name>__<seed>__<time>`. An existing one resumes."""
+    debug: bool = False
+    """after every weight sync, check that the engine's log-probs equal the trainer's."""
+
+
+# ALGO LOGIC: GRPO's advantage estimator.
+def group_advantages(rewards: torch.Tensor, group_size: int, scale_by_std: bool = True, eps: float = 1e-9):
+    """A_i = (r_i − mean_group(r)) / (std_group(r) + eps), unbiased std; without scaling only the mean is removed.
+
+    rewards: (B,) ordered prompt-major (samples i·G .. i·G+G−1 share a prompt) -> (B,)."""
+    r = rewards.view(-1, group_size)
+    adv = r - r.mean(dim=1, keepdim=True)
+    if scale_by_std:
+        adv = adv / (r.std(dim=1, keepdim=True) + eps)
+    return adv.reshape(-1)
+
+
+def groups_inside(scores: torch.Tensor, group_size: int, low: float, high: float) -> torch.Tensor:
+    """DAPO dynamic sampling: which groups have a mean score strictly inside (low, high), i.e. are neither all solved
+    nor all failed (with 0-1 scores and the range (0, 1)). scores: (B,) prompt-major -> (B / group_size,) bool."""
+    mean = scores.view(-1, group_size).mean(dim=1)
+    return (mean > low) & (mean < high)
+
+
+# ALGO LOGIC: the learning-rate schedule, the multiplier of --actor.lr at each optimizer step (CleanRL anneals by hand).
+def lr_schedule(update: int, warmup: int, total: int, floor: float) -> float:
+    """Linear warm-up over `warmup` optimizer steps, then cosine decay from 1 to `floor` at update `total`."""
+    progress = min(1.0, (update - warmup) / max(1, total - warmup))  # of the decay, after the warm-up
+    return (update + 1) / warmup if update < warmup else floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+# ALGO LOGIC: the loss of one micro-batch of (b, T) tensors (whole responses), normalised by its minibatch's counts.
+def policy_loss(logp, old_logp, adv, mask, *, clip_low=0.4, clip_high=0.4,
+                rollout_logp=None, is_correction=None, is_threshold=(0.5, 5.0), ent=None, entropy_coef=0.0,
+                ref_logp=None, kl_coef=0.0, kl_estimator="k3",
+                agg="seq-mean-token-mean", num_tokens=None, num_seqs=None, max_len=None):  # fmt: skip
+    """J = A · exp(mean_t c_t) per response (the geometric mean of its sign-aware log-clipped token ratios, each of
+    its tokens carrying the response's value, so that `seq-mean-token-mean` gives 1/G Σ_i) − β·KL + entropy bonus.
+
+    Aggregated by `agg` with the whole minibatch's `num_tokens` / `num_seqs` / `max_len` (rl_math.aggregate_loss).
+    logp (with gradient) and every other tensor: (b, T), one response per row. Returns (loss to minimise, this
+    micro-batch's metrics, the per-token tensors it computed and used: ratio, advantage, entropy, KL, for
+    samples.jsonl)."""
+    m = mask.bool()
+    adv = torch.where(m, adv, 0.0)  # what lies off the mask reaches no gradient
+    log_ratio = torch.where(m, logp, 0.0) - torch.where(m, old_logp, 0.0)  # log ρ per token
+    sign = torch.sign(adv)
+    clipped = log_ratio.clamp(-clip_low, clip_high)
+    c = sign * torch.min(sign * log_ratio, sign * clipped)  # pessimistic: the clip bounds only the way A pushes
+    geo = torch.exp(rl_math.masked_mean(c, m, dim=-1).clamp(-20.0, 20.0))[:, None].expand_as(log_ratio)  # (b, T)
+    pg = -adv * geo  # every token of response i carries −A_i · its geometric mean
+    metrics = {"loss/clipfrac": rl_math.masked_mean((c != log_ratio).float(), m)}  # tokens held at a bound
+    if is_correction:  # DEVIATION(4): the engine's IS weights, their geometric mean over the response (detached)
+        w = rl_math.is_weight(old_logp, rollout_logp, mask, is_correction, is_threshold)
+        seq_w = torch.exp(rl_math.masked_mean(torch.log(w), m, dim=-1))[:, None]
+        pg, metrics["loss/is_weight"] = pg * seq_w, rl_math.masked_mean(w, mask)
+    norm = {"num_tokens": num_tokens, "num_seqs": num_seqs, "max_len": max_len}
+    loss = rl_math.aggregate_loss(pg, mask, agg, **norm)  # DEVIATION(1): 1/G Σ_i
+    if ref_logp is not None:
+        kl = rl_math.approx_kl(logp, ref_logp, kl_estimator, mask=mask)
+        loss = loss + kl_coef * rl_math.aggregate_loss(kl, mask, agg, **norm)
+        metrics["loss/kl"] = rl_math.masked_mean(kl, mask)
+    if ent is not None:
+        loss = loss - entropy_coef * rl_math.aggregate_loss(ent, mask, agg, **norm)
+        metrics["loss/entropy"] = rl_math.masked_mean(ent, mask)
+    used = {"ratio": log_ratio.exp(), "advantage": adv, "entropy": ent,  # per token, as the loss used them
+            "kl": kl if ref_logp is not None else None}
+    return loss, metrics, used
+
+
+def update(actor, ref, seqs: dict, adv: torch.Tensor, args: Args, run: rl.Run, step: int, kl_coef: float,
+           trace: samples.Trace = samples.NO_TRACE) -> dict:  # fmt: skip
+    """Minibatches of the loss over one rollout: old and reference log-probs first (by the trainer), then
+    `--train.epochs` passes of `--train.minibatches` optimizer steps; `trace` keeps what the loss saw of a few samples
+    (samples.jsonl). seqs: (B, L) batch; adv: (B,) -> metrics."""
+    mask, temp, world = seqs["loss_mask"], args.rollout.temperature, run.world
+    adv_tok = adv[:, None].expand_as(mask).float()
+    batches = rl.minibatches(seqs, args.train, step, run.rank, world)
+    mine = [m for _, micro in batches for m in micro]  # this rank's rows
+    # one optimizer step per rollout: the old log-probs are the live ones detached (ratio 1), no extra forward pass
+    on_policy = args.train.minibatches == 1 and args.train.epochs == 1
+    old_logp = None if on_policy else rl.forward_rows(lambda b: rl.forward_logp(actor, b, temp)[0], seqs, mine, world, False)
+    ref_logp = None if ref is None else rl.on_model(ref, rl.logp_table, seqs, args.train, temp, step, run=run)
+    meter = Meter()
+    # Dr.GRPO's constant normaliser is the generation budget, not the padded width of the batch
+    max_len = args.rollout.max_new_tokens if args.algo.loss_agg == "seq-mean-token-sum-norm" else mask.shape[1]
+    loss_fn = partial(policy_loss, clip_low=args.algo.clip_low, clip_high=args.algo.clip_high,
+                      is_correction=args.algo.is_correction,
+                      is_threshold=args.algo.is_threshold, entropy_coef=args.algo.entropy_coef, agg=args.algo.loss_agg,
+                      max_len=max_len, kl_coef=kl_coef, kl_estimator=args.algo.kl_estimator)  # fmt: skip
+    for _ in range(args.train.epochs):
+        for k, (minibatch, micro) in enumerate(batches):  # normalisers: the whole minibatch, every rank
+            norm = {"num_tokens": mask[minibatch].sum().item(), "num_seqs": len(minibatch)}
+            for r, mb, real, last in rl.micro_batches(seqs, micro):
+                logp, ent = rl.forward_logp(actor, mb, temp, args.algo.entropy_coef > 0)
+                old = logp.detach() if on_policy else old_logp[r]
+                loss, metrics, used = loss_fn(logp, old, adv_tok[r], mb["loss_mask"], rollout_logp=mb["rollout_logp"],
+                                              ent=ent, ref_logp=None if ref is None else ref_logp[r], **norm)  # fmt: skip
+                trace.add(r, mb["loss_mask"], minibatch=k, logp=logp, old_logp=old, **used)  # what the loss used
+                metrics |= rl.router_aux(actor)  # DEVIATION(5): a MoE router's balancing loss, logged, not added
+                meter.add_loss("loss/policy", rl.backward(actor, loss, step, world, real, last))
+                meter.add(metrics, mb["loss_mask"].sum().item() if real else 0.0)
+            meter.add_step("train/grad_norm", ds_engine.optimizer_step(actor, step, "actor"))  # NaN/inf: raise
+    return {**meter.result(world), "train/tokens": float(mask.sum())}
+
+
+def main(args: Args, engines: rollout.RolloutEngines | None = None, groups: dict | None = None) -> dict:
+    # 1. setup ------------------------------------------------------------------------------------------------
+    config.check_args(args)  # PLUMBING: generic flag rules (sizes > 0, finite floats, ...) before anything is loaded
+    if args.train.sp_size > 1:  # DEVIATION(6): a response's geometric mean needs all of its tokens on one rank
+        raise ValueError(f"--train.sp-size {args.train.sp_size}: GMPO's geometric mean spans a whole response; it is "
+                         "not built for a response split over ranks")  # fmt: skip
+    if args.rollout.n_samples < 2:  # ALGO LOGIC: a group of one has no baseline
+        raise ValueError(f"--rollout.n-samples {args.rollout.n_samples}: the group-relative advantage needs at least "
+                         "2 samples per prompt (with --algo.filter-zero-variance every group of 1 is dropped)")  # fmt: skip
+    # PLUMBING: --train.ranks 1: this process trains, beside an in-process engine; N: Ray ranks run this, engines given
+    uses_ref = args.algo.kl_coef > 0  # ALGO LOGIC: the KL term needs the reference policy (DEVIATION(3))
+    # PLUMBING: the models this script places on Ray ranks of their own with `--<role>.ranks N` (core places them)
+    placed = {"ref": group(args.ref, unused=None if uses_ref else "the KL term is off: --algo.kl-coef 0"),
+              "reward": reward_group(args.reward)}  # fmt: skip
+    if engines is None:  # the files the episodes read (reward, agent, environment), checked before anything loads
+        check_episode_files(args.rollout, args.reward)
+        if rl.needs_launch(args.train, placed):
+            return rl.launch(main, args, placed)
+    rank, world, device = rl.init_rank(engines, args.ds, args.train.seed, args.run_dir)
+    if args.algo.dr_grpo:
+        args.algo.scale_by_std, args.algo.loss_agg = False, "seq-mean-token-sum-norm"
+    tokenizer, train_set, eval_set = rl.load_task(args)
+    reward = load_reward(args.rollout, args.reward, (groups or {}).get("reward"))  # None: the episodes reward themselves
+    schedule = partial(lr_schedule, warmup=args.actor.warmup_steps, floor=args.actor.min_lr_ratio,
+                       total=args.train.max_steps * args.train.minibatches * args.train.epochs)  # optimizer steps
+    actor = rl.make_actor(args, device, rl.scaled_lr(args.actor, args.rollout, args.train), schedule)
+    ref = rl.make_ref(args.ref, args.actor.model, device, groups, actor) if uses_ref else None  # LoRA: adapters off
+    episodes = partial(make_executor, args.rollout, reward, args.actor.model.name_or_path, args.vllm.max_model_len)
+    run = rl.start(args, {"actor": actor}, engines, tokenizer, eval_set, episodes, rank, world, device, args.exp_name)
+    kl_ctl = (rl_math.AdaptiveKLController(args.algo.kl_coef, args.algo.kl_target, args.algo.kl_horizon)
+              if args.algo.kl_target else rl_math.FixedKLController(args.algo.kl_coef))  # fmt: skip
+    kl_ctl.load_state_dict(run.client.get("kl_ctl", kl_ctl.state_dict()))
+    G = args.rollout.n_samples
+    bounds = args.algo.dynamic_filter_range  # DAPO dynamic sampling: regenerate groups all solved or all failed
+    keep_groups = None if bounds is None else partial(groups_inside, group_size=G, low=bounds[0], high=bounds[1])
+
+    for step in range(run.start_step, args.train.max_steps):
+        perf: dict = {}
+        # 2. rollout: G episodes per prompt through the agent executor, token ids in, token ids + log-probs out
+        with timer(perf, "perf/gen_s"):
+            rounds = args.algo.dynamic_filter_max_rounds
+            ro = rl.collect_rollout(run, args.rollout, train_set, step, keep_groups, rounds)
+        perf["perf/tokens_per_s"] = sum(len(e.token_ids) for e in ro.episodes) / max(perf["perf/gen_s"], 1e-9)
+
+        # 3. rewards and advantages
+        rw = args.reward  # shaping: a truncated response's reward, DAPO's overlong penalty, clipping
+        rewards, truncated = rl.shape_rewards(ro, rw.stop_properly_penalty, rw.overlong_buffer, rw.overlong_penalty_factor,
+                                              args.rollout.max_new_tokens, rw.clip)  # fmt: skip
+        # ALGO LOGIC: group-relative advantage, one scalar per response, broadcast to its tokens
+        adv = group_advantages(rewards, G, scale_by_std=args.algo.scale_by_std)
+        keep = torch.ones(len(ro.episodes), dtype=torch.bool)
+        if args.algo.filter_zero_variance:  # DEVIATION(2): groups whose rewards all agree (A = 0) are dropped
+            keep = (rewards.view(-1, G).std(dim=1) > 0).repeat_interleave(G)
+        kept = keep.nonzero().flatten().tolist()
+        stats = rl.rollout_stats(ro, rewards, truncated, keep)
+
+        # 4. policy update on the kept samples (none kept: nothing trains, rl.end_step warns), a few of them traced
+        trace = samples.Trace(samples.watch(keep, G, args.logger.samples), kept)
+        with timer(perf, "perf/train_s"):
+            seqs = rl.sequences([ro.episodes[i] for i in kept], tokenizer.pad_token_id, device, args.train.packing)
+            stats.update(update(actor, ref, seqs, adv[kept].to(device), args, run, step, kl_ctl.value, trace=trace)
+                         if kept else {})  # fmt: skip
+        samples.log(run, step, ro, rewards, keep, trace, G, adv)  # -> samples.jsonl, a panel every show-every steps
+        if "loss/kl" in stats:  # β for the next rollout
+            kl_ctl.update(stats["loss/kl"], len(kept))
+
+        # 5. weight sync, eval, logging, checkpoint
+        with timer(perf, "perf/sync_s"):
+            sample = [ro.episodes[i].prompt_ids + ro.episodes[i].token_ids for i in kept[:4]]
+            examples = [ro.episodes[i].example for i in kept[:4]]  # their pictures, for a vision-language model
+            stats.update(rl.sync_weights(run, actor, changed=bool(kept), sample=sample, examples=examples))
+        stats.update({"train/lr": actor.lr_scheduler.get_last_lr()[0], "train/kl_coef": kl_ctl.value, **perf})
+        if rl.end_step(run, args.eval, args.ckpt, step, stats, state={"kl_ctl": kl_ctl.state_dict()}):
+            return rl.finish(run, actor, tokenizer, halted_at=step)
+
+    # 6. export, learning curve and summary
+    return rl.finish(run, actor, tokenizer)
+
+
+if __name__ == "__main__":
+    from core.noise import quiet_libraries
+
+    quiet_libraries()  # PLUMBING: library messages to <run>/run.log (--logger.verbose: on the console)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    main(tyro.cli(Args))
