@@ -296,9 +296,10 @@ def train(args: Args, engines: rollout.RolloutEngines | None, groups: dict | Non
     kl_ctl.load_state_dict(run.client.get("kl_ctl", kl_ctl.state_dict()))
     G = args.rollout.n_samples
     bounds = args.algo.dynamic_filter_range  # DAPO dynamic sampling: regenerate groups all solved or all failed
-    keep_groups = None if bounds is None else partial(groups_inside, group_size=G, low=bounds[0], high=bounds[1])
-    pipeline = producer.start(run, args, train_set, keep_groups, cleanup, args.algo.dynamic_filter_max_rounds,
-                              max_lag=args.train.max_lag, partial_rollout=args.train.partial_rollout)
+    refill = None if bounds is None else partial(rl.refill, keep=partial(groups_inside, group_size=G, low=bounds[0],
+                                                 high=bounds[1]), max_rounds=args.algo.dynamic_filter_max_rounds)
+    pipeline = producer.start(run, args, train_set, refill, cleanup, max_lag=args.train.max_lag,
+                              partial_rollout=args.train.partial_rollout)
 
     for step in range(run.start_step, args.train.max_steps):
         perf: dict = {}

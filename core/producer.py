@@ -1,7 +1,7 @@
 """Generation running ahead of training (algos/grpo_async.py): rank 0's producer thread asks the vLLM engines (Ray
 actors, their own processes) for step t+1's rollout while the training loop trains on step t's.
 
-    pipeline = producer.start(run, args, train_set, keep, cleanup, max_rounds, max_lag=1, partial_rollout=None)
+    pipeline = producer.start(run, args, train_set, refill, cleanup, max_lag=1, partial_rollout=None)
     for step in ...:
         ro = pipeline.take(step)                  # step t's rollout, sampled by the weights of update t − L
         ... update ...
@@ -190,14 +190,13 @@ def tag(ro: Rollout, versions: list[list[int]] | int) -> Rollout:
 
 
 def interrupted_rollout(run: rl.Run, ro_cfg, cut: int, train_set: list[dict], step: int, version: int,
-                        pipeline: Pipeline, keep=None, in_flight: InFlight | None = None,
-                        max_rounds: int = 1) -> Rollout:  # fmt: skip
+                        pipeline: Pipeline, refill=None, in_flight: InFlight | None = None) -> Rollout:  # fmt: skip
     """Step `step`'s rollout with a weight sync inside it (partial rollout; `ro_cfg`: the `--rollout.*` section): the
     first `cut` (`--train.partial-rollout`) tokens of every response under the weights of `version` (update step −
     lag), then `pipeline.pause` (the trainer
     syncs the next weights), then the unfinished responses continued under those (`rollout.generate_segment`). A
-    step a checkpoint carried (`in_flight`) starts at its second segment. DAPO refill rounds (`keep`) come after the
-    sync and are generated whole under the new weights, up to `max_rounds` rounds in all. Scored by the run's executor, episodes tagged per token."""
+    step a checkpoint carried (`in_flight`) starts at its second segment. The script's refill policy (`refill`, e.g. DAPO's
+    `rl.refill`) comes after the sync: its further rounds are generated whole under the new weights. Scored by the run's executor, episodes tagged per token."""
     ex, G, max_new = run.executor, ro_cfg.n_samples, ro_cfg.max_new_tokens
     prompts, seeds = rl.step_prompts(run, ro_cfg, train_set, step)
     segment = partial(rollout.generate_segment, run.engines, [p["prompt_ids"] for p in prompts], G, max_new,
@@ -215,12 +214,12 @@ def interrupted_rollout(run: rl.Run, ro_cfg, cut: int, train_set: list[dict], st
     ro = scorer.run(prompts, G, seeds, step)
     assert [e.token_ids for e in ro.episodes] == [s.token_ids for s in samples], "episodes out of sample order"
     ro = tag(ro, [s.versions for s in samples])
-    if keep is not None:
+    if refill is not None:
 
         def more(round_: int) -> Rollout:
             return tag(rl.generate(run, ro_cfg, train_set, step, round_), version)
 
-        ro = rl.refill(ro, keep, more, G, max_rounds)
+        ro = refill(ro, more, G)
     ro.logs["perf/pause_s"] = pause_s
     return ro
 
@@ -246,10 +245,10 @@ def version_stats(ro: Rollout, step: int) -> dict:
             "rollout/stale_token_frac": stale}  # fmt: skip
 
 
-def start(run: rl.Run, args, train_set: list[dict], keep, cleanup: contextlib.ExitStack, max_rounds: int = 1, *,
+def start(run: rl.Run, args, train_set: list[dict], refill, cleanup: contextlib.ExitStack, *,
           max_lag: int, partial_rollout: int | None) -> Pipeline:
-    """Start the producer thread on rank 0: step t's rollout is `rl.collect_rollout` of the whole batch (DAPO refills
-    by `keep` in up to `max_rounds` rounds, as in grpo.py), begun once the engines hold the weights of update
+    """Start the producer thread on rank 0: step t's rollout is `rl.collect_rollout` of the whole batch (through the
+    script's refill policy `refill`, as in grpo.py), begun once the engines hold the weights of update
     t − `max_lag` (the script's `--train.max-lag`), with `rollout/lag` (updates between those weights and the trained
     ones) and `perf/gen_s` in its logs. The rollouts a resumed checkpoint carried (`ahead`) come first. The thread
     stops with `cleanup`. The script passes its own knobs as values: core reads none of its fields.
@@ -268,10 +267,9 @@ def start(run: rl.Run, args, train_set: list[dict], keep, cleanup: contextlib.Ex
     def produce(step: int, version: int):
         t0, in_flight = time.perf_counter(), pipeline.resumed(step)
         if cut is not None and lag >= 1 and (step - lag >= run.start_step or in_flight is not None):
-            ro = interrupted_rollout(whole, args.rollout, cut, train_set, step, version, pipeline, keep, in_flight,
-                                     max_rounds)  # fmt: skip
+            ro = interrupted_rollout(whole, args.rollout, cut, train_set, step, version, pipeline, refill, in_flight)
         else:
-            ro = rl.collect_rollout(whole, args.rollout, train_set, step, keep, max_rounds)
+            ro = rl.collect_rollout(whole, args.rollout, train_set, step, refill)
             ro = ro if cut is None else tag(ro, version)
         gen_s = time.perf_counter() - t0 - ro.logs.get("perf/pause_s", 0.0)
         ro.logs.update({"rollout/lag": step - version, "perf/gen_s": gen_s})

@@ -14,7 +14,7 @@ Plain functions over plain values, no trainer class: a script's `main` reads top
     episodes = partial(make_executor, args.rollout, reward, ...)          # agents/: how prompts become episodes
     run = rl.start(args, {"actor": actor}, engines, tokenizer, eval_set, episodes, rank, world, device, name)
     for step in range(run.start_step, args.train.max_steps):
-        ro = rl.collect_rollout(run, args.rollout, train_set, step, keep, max_rounds)  # 2. rollout (the script's filter)
+        ro = rl.collect_rollout(run, args.rollout, train_set, step, refill)  # 2. rollout (the script's refill policy)
         rewards, truncated = rl.shape_rewards(ro, ...the script's shaping)  # 3. rewards -> the script's advantages
         ... the script's update: rl.minibatches(seqs, args.train, ...), rl.micro_batches, rl.forward_logp, its loss,
             rl.backward, optimizer_step
@@ -290,9 +290,10 @@ def generate(run: Run, ro_cfg, train_set: list[dict], step: int, round_: int = 0
     return run.executor.run(prompts, ro_cfg.n_samples, seeds, step)
 
 
-def refill(ro: Rollout, keep, more, G: int, max_rounds: int) -> Rollout:
-    """DAPO dynamic sampling: keep the groups of `ro` for which `keep(scores) -> (groups,) bool` holds and generate
-    more rounds (`more(round) -> Rollout`) until the batch is full again or `max_rounds` rounds were generated. A batch
+def refill(ro: Rollout, more, G: int, *, keep, max_rounds: int) -> Rollout:
+    """DAPO dynamic sampling, a refill policy a script hands `collect_rollout` (`partial(rl.refill, keep=...,
+    max_rounds=...)`): keep the groups of `ro` for which `keep(scores) -> (groups,) bool` holds and generate more
+    rounds (`more(round) -> Rollout`) until the batch is full again or `max_rounds` rounds were generated. A batch
     still empty after them is returned as the last round was (the zero-variance filter drops most of it)."""
     want, fresh_reward, parts, rounds = len(ro.episodes) // G, ro.rewards.mean().item(), [], 0
     logs = dict(ro.logs)
@@ -321,15 +322,14 @@ def gather(ro: Rollout, world: int) -> Rollout:
     return whole
 
 
-def collect_rollout(run: Run, ro_cfg, train_set: list[dict], step: int, keep=None, max_rounds: int = 1) -> Rollout:
-    """Step `step`'s rollout on every rank (`ro_cfg`: the `--rollout.*` section): generate this rank's prompts,
-    replace the groups that `keep` (the script's filter) rejects by fresh ones in up to `max_rounds` generation rounds
-    in all (`refill`) when it is given, gather the ranks' parts, and (hybrid engine) hand the GPU from the engines to
-    the trainer."""
+def collect_rollout(run: Run, ro_cfg, train_set: list[dict], step: int, refill=None) -> Rollout:
+    """Step `step`'s rollout on every rank (`ro_cfg`: the `--rollout.*` section): generate this rank's prompts, pass
+    them through the script's refill policy when it gives one (`refill(ro, more, G) -> Rollout`, `more(round)` a
+    further generation round: DAPO's is `refill` here with the script's filter), gather the ranks' parts, and (hybrid
+    engine) hand the GPU from the engines to the trainer."""
     ro = generate(run, ro_cfg, train_set, step)
-    if keep is not None:
-        more = partial(generate, run, ro_cfg, train_set, step)
-        ro = refill(ro, keep, more, ro_cfg.n_samples, max_rounds)
+    if refill is not None:
+        ro = refill(ro, partial(generate, run, ro_cfg, train_set, step), ro_cfg.n_samples)
     ro = gather(ro, run.world)
     if run.hybrid:  # hybrid engine: the engines' GPU memory goes to training
         if run.rank == 0:
