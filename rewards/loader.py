@@ -36,7 +36,9 @@ class RewardConfig:
     func: str | None = None
     """python file defining `reward_func(queries, prompts, labels)` returning a 1-D tensor/list of rewards (one number
     per query; booleans count as 1.0 / 0.0) or a dict with `rewards`, optional `scores` (0-1) and `extra_logs`
-    (OpenRLHF's contract). Default: rewards/arithmetic.py, the embedded task's exact-match rule."""
+    (OpenRLHF's contract), and optional named `components` (`{"correct": [...], "format": [...]}`, one number per
+    query each: the parts a multi-reward algorithm normalises apart, algos/gdpo.py). Default: rewards/arithmetic.py,
+    the embedded task's exact-match rule."""
     model: ModelPath | None = None
     """reward model (an `algos/rm.py` export or any one-label `AutoModelForSequenceClassification`) scored
     in-process on prompt + response; instead of `func`."""
@@ -291,6 +293,30 @@ def score(reward_func, source: str, queries, prompts, labels,
         except (TypeError, ValueError, RuntimeError) as e:
             raise ValueError(f"reward function {source} returned extra_logs[{k!r}] that is not numbers on "
                              f"{_batch(step)}: {type(e).__name__}: {e}") from None  # fmt: skip
+    for name, values in components(out, source, step, len(queries)).items():  # kept per query, as `component/<name>`
+        logs[f"reward/{name}"] = values.mean().item()
+        for extra, x in zip(extras, values.tolist()):
+            extra[f"component/{name}"] = x
     scores = out.get("scores") if isinstance(out, dict) else None
     scores = rewards if scores is None else _one_per_query(scores, "scores", source, step, len(queries))
     return rewards, logs, scores, extras
+
+
+def components(out, source: str, step: int, n: int) -> dict[str, torch.Tensor]:
+    """The reward function's named reward components, `out["components"]`: a dict of names to one finite number per
+    query each (checked as the rewards are, the error naming the file, the batch and the component), {} when it
+    gives none. A step's rollout keeps them per episode (`Episode.extra["component/<name>"]`) and logs their batch
+    means as `reward/<name>`."""
+    parts = out.get("components") if isinstance(out, dict) else None
+    if parts is None:
+        return {}
+    if not isinstance(parts, dict) or not parts:
+        raise ValueError(f"reward function {source} returned 'components' of type {type(parts).__name__} on "
+                         f"{_batch(step)}: expected a dict of named components, each one number per query")  # fmt: skip
+    checked = {}
+    for name, values in parts.items():
+        if not isinstance(name, str) or not name or "/" in name:
+            raise ValueError(f"reward function {source} returned a component named {name!r} on {_batch(step)}: "
+                             "names are non-empty text without '/'")  # fmt: skip
+        checked[name] = _one_per_query(values, f"components[{name!r}]", source, step, n)
+    return checked

@@ -125,24 +125,35 @@ class RemoteReward:
         self.timeout_s, self.retries = timeout_s, retries
         self.session = key_session(key_env)
 
-    def _post(self, url: str, body: dict) -> list[float]:
+    def _post(self, url: str, body: dict) -> tuple[list[float], dict | None]:
         answer = post_with_retries(self.session, url, body, self.timeout_s, self.retries, f"reward server {url}")
         rewards = answer.get("rewards") if isinstance(answer, dict) else None
         if not isinstance(rewards, list) or len(rewards) != len(body["query"]):
             raise ValueError(f"reward server {url} answered {str(rewards)[:200]!r}: expected a list "
                              f"'rewards' of {len(body['query'])} numbers")  # fmt: skip
-        return rewards
+        parts = answer.get("components")
+        if parts is not None and not (isinstance(parts, dict) and all(
+                isinstance(v, list) and len(v) == len(rewards) for v in parts.values())):  # fmt: skip
+            raise ValueError(f"reward server {url} answered 'components' {str(parts)[:200]!r}: expected a dict of "
+                             f"named lists of {len(rewards)} numbers, one per query")  # fmt: skip
+        return rewards, parts
 
     def __call__(self, queries: list[str], prompts: list[str], labels: list) -> dict:
         n, k = len(queries), len(self.urls)
         bounds = [round(i * n / k) for i in range(k + 1)]
         rewards: list[float] = []
+        parts: dict[str, list] | None = None  # a server's named reward components (GDPO), joined over the URLs
         for url, lo, hi in zip(self.urls, bounds, bounds[1:]):
             if hi > lo:
                 body = {"query": list(queries[lo:hi]), "prompts": list(prompts[lo:hi]), "labels": list(labels[lo:hi])}
-                rewards += self._post(url, body)
+                chunk, chunk_parts = self._post(url, body)
+                if rewards and sorted(parts or []) != sorted(chunk_parts or []):
+                    raise ValueError(f"reward server {url} answered components {sorted(chunk_parts or [])}, the "
+                                     f"servers before it {sorted(parts or [])}: every server must give the same")  # fmt: skip
+                parts = {k: [*(parts or {}).get(k, []), *v] for k, v in chunk_parts.items()} if chunk_parts else None
+                rewards += chunk
         out = torch.tensor(rewards, dtype=torch.float32)
-        return {"rewards": out, "scores": out}
+        return {"rewards": out, "scores": out, **({"components": parts} if parts else {})}
 
 
 class ModelReward:
