@@ -249,8 +249,8 @@ class LoggerConfig:
 # The four sections every RL script nests: `--actor.*`, `--rollout.*`, `--train.*`, `--eval.*`. The fields that make
 # an algorithm's setting (the learning rate and its schedule, Adam's betas, prompts per step, the group size, steps,
 # minibatches, epochs: the recipe) have no default here: each script states them in its own `Args`, where a reader
-# and `--help` see them (grpo.py: `config.TrainArgs(max_steps=80, minibatches=2, epochs=1)`). Defaults here are
-# plumbing only. A script that needs another knob subclasses the section.
+# and `--help` see them (grpo.py: `TRAIN = dict(max_steps=80, minibatches=2, epochs=1)` above its `Args`). Defaults
+# here are plumbing only. A script that needs another knob subclasses the section.
 
 
 @dataclass
@@ -378,7 +378,7 @@ purpose is `--actor.lr` itself, with `--actor.lr-ref-samples None`."""
 
 
 def samples_per_update(ro_cfg, train) -> float:
-    """Samples per optimizer step: prompts x samples per prompt / minibatches (the `--rollout.*`, `--train.*` sections)."""
+    """Samples per optimizer step: prompts x samples per prompt / minibatches (`--rollout.*`, `--train.*` sections)."""
     return ro_cfg.batch_size * ro_cfg.n_samples / train.minibatches
 
 
