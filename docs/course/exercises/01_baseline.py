@@ -247,14 +247,14 @@ def main(args: Args, engines: rollout.RolloutEngines | None = None, groups: dict
     kl_ctl.load_state_dict(run.client.get("kl_ctl", kl_ctl.state_dict()))
     G = args.rollout.n_samples
     bounds = args.algo.dynamic_filter_range  # DAPO dynamic sampling: regenerate groups all solved or all failed
-    keep_groups = None if bounds is None else partial(groups_inside, group_size=G, low=bounds[0], high=bounds[1])
+    refill = None if bounds is None else partial(rl.refill, keep=partial(groups_inside, group_size=G, low=bounds[0],
+                                                 high=bounds[1]), max_rounds=args.algo.dynamic_filter_max_rounds)
 
     for step in range(run.start_step, args.train.max_steps):
         perf: dict = {}
         # 2. rollout: G episodes per prompt through the agent executor, token ids in, token ids + log-probs out
         with timer(perf, "perf/gen_s"):
-            rounds = args.algo.dynamic_filter_max_rounds
-            ro = rl.collect_rollout(run, args.rollout, train_set, step, keep_groups, rounds)
+            ro = rl.collect_rollout(run, args.rollout, train_set, step, refill)  # refill: the script's policy
         perf["perf/tokens_per_s"] = sum(len(e.token_ids) for e in ro.episodes) / max(perf["perf/gen_s"], 1e-9)
 
         # 3. rewards and advantages
