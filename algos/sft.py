@@ -370,7 +370,17 @@ def warm_start() -> Args:
     return args
 
 
-PRESETS = {"warm-start": warm_start}
+def hint_warm_start() -> Args:
+    """The self-distillation student `cleanrlhf/tiny-sft-hint` (core/embedded.py builds it with `--preset
+    hint-warm-start`): `cleanrlhf/tiny-sft` trained on `cleanrlhf/add2-hint`, whose prompts show the answer, until it
+    copies it (greedy exact match 90 %), so that it can be its own teacher in algos/opsd.py."""
+    args = warm_start()
+    args.model.name_or_path, args.data.path = "cleanrlhf/tiny-sft", "cleanrlhf/add2-hint"
+    args.eval.stop_at_accuracy = 0.9
+    return args
+
+
+PRESETS = {"warm-start": warm_start, "hint-warm-start": hint_warm_start}
 
 
 def cli(argv: list[str] | None = None) -> Args:

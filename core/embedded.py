@@ -9,7 +9,9 @@ script accepts a real model or dataset name in their place unchanged:
 | `cleanrlhf/tiny`      | randomly initialised Qwen2 (~1 M parameters) + character tokenizer            |
 | `cleanrlhf/tiny-sft`  | `cleanrlhf/tiny` after `algos/sft.py` on `cleanrlhf/add2` (the RL warm start) |
 | `cleanrlhf/tiny-grpo` | `cleanrlhf/tiny-sft` after `algos/grpo.py` (the main job; opd.py's teacher)   |
+| `cleanrlhf/tiny-sft-hint` | `cleanrlhf/tiny-sft` after `algos/sft.py` on `cleanrlhf/add2-hint` (opsd.py's student) |
 | `cleanrlhf/add2`      | 2-digit addition, `train.jsonl` / `test.jsonl` (`addN` for N digits)          |
+| `cleanrlhf/add2-hint` | the same rows, each prompt showing its answer (`"answer 042; 37+05="`)        |
 | `cleanrlhf/tiny-chat` | randomly initialised Qwen2 (~0.1 M parameters) + a BPE chat tokenizer         |
 | `cleanrlhf/tiny-moe`  | randomly initialised Qwen2-MoE (~0.16 M parameters) + character tokenizer     |
 | `cleanrlhf/tiny-vl`   | randomly initialised Qwen2-VL (~0.2 M parameters) + chat tokenizer + image processor |
@@ -106,6 +108,18 @@ def _atomic_build(target: Path, build, version: str = ARTIFACT_VERSION) -> Path:
     return target
 
 
+def save_model(model, folder: Path) -> None:
+    """`model.save_pretrained(folder)` from whichever process builds: transformers 5 writes a model's weights only on
+    rank 0 of an initialized torch.distributed world (`should_save_on_this_rank`), so a build by rank 1 (the rank that
+    took the lock first: two SLURM nodes sharing one cache) left a folder with the tokenizer and no weights, marked
+    complete. The builder holds the artifact's lock and writes a folder of its own, so it always writes."""
+    model.should_save_on_this_rank = lambda is_main_process: True  # this instance only
+    model.save_pretrained(folder)
+    del model.should_save_on_this_rank
+    if not (Path(folder) / "config.json").exists() or not any(Path(folder).glob("*.safetensors")):
+        raise RuntimeError(f"building {folder}: save_pretrained wrote no config.json or weights")
+
+
 def build_tokenizer():
     """One token per character (printable ASCII + newline) and 4 specials; prepends `<s>` like Llama tokenizers.
 
@@ -193,10 +207,31 @@ def _write_jsonl(path: Path, rows: list[dict]) -> None:
             f.write(json.dumps(row) + "\n")
 
 
+HINT_TEMPLATE = "answer {answer}; {prompt}"
+"""How `cleanrlhf/addN-hint` shows a row's reference answer in front of its prompt (`"answer 042; 37+05="`): the
+template `cleanrlhf/tiny-sft-hint` learned to read, and algos/opsd.py's default `--algo.hint-template`."""
+
+
+def hint_rows(rows: list[dict], template: str = HINT_TEMPLATE) -> list[dict]:
+    """The task's rows with the reference answer spliced into each prompt by `template` ({prompt}, {answer})."""
+    return [{**r, "prompt": template.format(prompt=r["prompt"], answer=r["answer"])} for r in rows]
+
+
 def ensure_task_data(name: str = "add2") -> Path:
-    """Build (once) and return the folder holding `train.jsonl` and `test.jsonl` for task `addN` (or `shapes`)."""
+    """Build (once) and return the folder holding `train.jsonl` and `test.jsonl` for task `addN`, `addN-hint` (the same
+    rows, each prompt showing its answer: `hint_rows`) or `shapes`."""
     if name == "shapes":
         return ensure_shapes_data()
+    if name.endswith("-hint") and name[: -len("-hint")].startswith("add"):
+        base = name[: -len("-hint")]
+        ensure_task_data(base)  # checks the name
+
+        def build_hinted(tmp: Path) -> None:
+            train, test = task_rows(int(base[3:]))
+            _write_jsonl(tmp / "train.jsonl", hint_rows(train))
+            _write_jsonl(tmp / "test.jsonl", hint_rows(test))
+
+        return _atomic_build(home() / "data" / name, build_hinted)
     if not (name.startswith("add") and name[3:].isdigit() and 1 <= int(name[3:]) <= 9):
         raise ValueError(f"unknown embedded dataset {PREFIX}{name!r}: expected {PREFIX}addN with N in 1..9 or "
                          f"{PREFIX}shapes")
@@ -214,7 +249,7 @@ def ensure_tiny_base() -> Path:
 
     def build(tmp: Path) -> None:
         tokenizer = build_tokenizer()
-        build_tiny_model(tokenizer).save_pretrained(tmp)
+        save_model(build_tiny_model(tokenizer), tmp)
         tokenizer.save_pretrained(tmp)
 
     return _atomic_build(home() / "models" / "tiny", build)
@@ -300,7 +335,7 @@ def build_chat_model(tokenizer, seed: int = 0):
 def save_tiny_chat(folder: Path, seed: int = 0) -> Path:
     """Write the chat tokenizer and a random `build_chat_model` into `folder` (an HF model folder)."""
     tokenizer = build_chat_tokenizer(seed=seed)
-    build_chat_model(tokenizer, seed).save_pretrained(folder)
+    save_model(build_chat_model(tokenizer, seed), folder)
     tokenizer.save_pretrained(folder)
     return Path(folder)
 
@@ -348,7 +383,7 @@ def save_tiny_moe(folder: Path, seed: int = 0) -> Path:
     """Write the character tokenizer and a random `build_moe_model` into `folder` (an HF model folder; the experts
     are saved one tensor per expert and projection, the checkpoint layout vLLM and transformers load)."""
     tokenizer = build_tokenizer()
-    build_moe_model(tokenizer, seed).save_pretrained(folder)
+    save_model(build_moe_model(tokenizer, seed), folder)
     tokenizer.save_pretrained(folder)
     return Path(folder)
 
@@ -423,7 +458,7 @@ def save_tiny_vl(folder: Path, seed: int = 0) -> Path:
     """Write the VL tokenizer, its image processor (`preprocessor_config.json`) and a random `build_vl_model` into
     `folder` (an HF model folder that `AutoModelForImageTextToText` and `AutoImageProcessor` load)."""
     tokenizer = build_vl_tokenizer(seed=seed)
-    build_vl_model(tokenizer, seed).save_pretrained(folder)
+    save_model(build_vl_model(tokenizer, seed), folder)
     tokenizer.save_pretrained(folder)
     # Qwen2-VL's processor (vLLM's included) finds the image and video placeholders by the tokenizer's `image_token`
     # and `video_token` (default "<|video_pad|>", which this vocabulary lacks; the config's video token is the image
@@ -595,6 +630,36 @@ def ensure_grpo_teacher() -> Path:
     return _atomic_build(target, build)
 
 
+def ensure_hint_warm_start() -> Path:
+    """Build (once) the student of on-policy self-distillation (`algos/opsd.py`'s default actor): `cleanrlhf/tiny-sft`
+    fine-tuned by `algos/sft.py --preset hint-warm-start` on `cleanrlhf/add2-hint`, so that it reads a reference answer
+    shown in its prompt (`HINT_TEMPLATE`) while its answers to the plain prompts stay near the warm start's. The shared
+    warm start is left as it is (every learning test pins it); returns the HF directory."""
+    target = home() / "models" / "tiny-sft-hint"
+    if _is_built(target):
+        return target
+    ensure_sft_warm_start()  # where it starts from, built (and locked) on its own first
+    script = Path(__file__).resolve().parent.parent / "algos" / "sft.py"
+
+    def build(tmp: Path) -> None:
+        print(f"[cleanrlhf] building the self-distillation student {PREFIX}tiny-sft-hint with {script} (one time)")
+        env = standalone_env()
+        env["OMP_NUM_THREADS"] = env["MKL_NUM_THREADS"] = "1"  # as the warm start: one thread, the AVX2 kernels
+        for key, value in reproducible_cpu_env().items():
+            env.setdefault(key, value)
+        run_dir = tmp.with_name(tmp.name + "-run")
+        cmd = [sys.executable, str(script), "--preset", "hint-warm-start", "--export-dir", str(tmp), "--run-dir",
+               str(run_dir)]  # fmt: skip
+        try:
+            subprocess.run(cmd, check=True, env=env, preexec_fn=_die_with_parent)
+            summary = json.loads((run_dir / "summary.json").read_text())
+            (tmp / "sft_summary.json").write_text(json.dumps(summary, indent=2))
+        finally:
+            shutil.rmtree(run_dir, ignore_errors=True)
+
+    return _atomic_build(target, build)
+
+
 def resolve_model(name_or_path: str) -> str:
     """Map `cleanrlhf/tiny`, `cleanrlhf/tiny-sft`, `cleanrlhf/tiny-grpo`, `cleanrlhf/tiny-chat`, `cleanrlhf/tiny-moe`
     and `cleanrlhf/tiny-vl` to their built directories; pass anything else through."""
@@ -604,6 +669,8 @@ def resolve_model(name_or_path: str) -> str:
         return str(ensure_sft_warm_start())
     if name_or_path == PREFIX + "tiny-grpo":
         return str(ensure_grpo_teacher())
+    if name_or_path == PREFIX + "tiny-sft-hint":
+        return str(ensure_hint_warm_start())
     if name_or_path == PREFIX + "tiny-chat":
         return str(ensure_tiny_chat())
     if name_or_path == PREFIX + "tiny-moe":

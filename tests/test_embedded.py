@@ -1,12 +1,14 @@
 """Tests for core/embedded.py (the synthetic addition task and artifact builds) and rewards/arithmetic.py."""
 
 import json
+from pathlib import Path
 import os
 
 import pytest
 import torch
 
 from core import data, embedded
+from core.config import ModelConfig
 from rewards.arithmetic import parse_answer, reward_func
 
 
@@ -149,3 +151,20 @@ def test_a_build_started_from_a_torchrun_rank_gets_a_world_of_its_own(monkeypatc
     env = embedded.standalone_env()
     assert not set(launcher) & set(env), set(launcher) & set(env)
     assert env["CLEANRLHF_UNRELATED"] == "kept"
+
+
+@pytest.mark.parametrize("name", ["cleanrlhf/tiny", "cleanrlhf/tiny-moe"])
+def test_a_build_by_a_rank_other_than_0_writes_the_weights(tmp_path, monkeypatch, name):
+    """Two SLURM nodes share one cache and rank 1 takes the build lock first: transformers 5 writes a model's weights
+    only on rank 0 of an initialized process group, so the build left the tokenizer, no weights, and the `.complete`
+    marker (every later test of that cache failed on 'no config.json'). The build writes them whatever the rank."""
+    from transformers.distributed import mixin
+
+    from core import models
+
+    monkeypatch.setenv("CLEANRLHF_HOME", str(tmp_path))
+    monkeypatch.setattr(mixin, "_is_torch_distributed_initialized", lambda: True)
+    monkeypatch.setattr(mixin, "_get_torch_distributed_rank", lambda: 1)
+    folder = Path(embedded.resolve_model(name))
+    assert (folder / "config.json").exists() and list(folder.glob("*.safetensors")), sorted(folder.iterdir())
+    assert models.load_causal_lm(ModelConfig(name_or_path=str(folder))).num_parameters() > 0
