@@ -14,8 +14,8 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-SCRIPTS = ("sft", "dpo", "kto", "rm", "grpo", "grpo_async", "rloo", "reinforce_pp", "ppo", "opd", "cispo", "sapo", "dppo", "gmpo", "gdpo")
-RL_SCRIPTS = ("grpo", "grpo_async", "rloo", "reinforce_pp", "ppo", "opd", "cispo", "sapo", "dppo", "gmpo", "gdpo")
+SCRIPTS = ("sft", "dpo", "kto", "rm", "grpo", "grpo_async", "rloo", "reinforce_pp", "ppo", "opd", "cispo", "sapo", "dppo", "gmpo", "gdpo", "opsd")
+RL_SCRIPTS = ("grpo", "grpo_async", "rloo", "reinforce_pp", "ppo", "opd", "cispo", "sapo", "dppo", "gmpo", "gdpo", "opsd")
 PAGES = sorted([ROOT / "README.md", *(ROOT / "docs").glob("*.md"), *(ROOT / "docs" / "algos").glob("*.md"),
                 *(ROOT / "docs" / "course").glob("*.md")])  # fmt: skip
 DOTTED = re.compile(r"(?<![\w-])--([a-z][a-z0-9-]*(?:\.[a-z0-9-]+)+)")

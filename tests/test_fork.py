@@ -18,7 +18,7 @@ import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[1]
-RL_SCRIPTS = ("grpo", "rloo", "reinforce_pp", "grpo_async", "ppo", "cispo", "sapo", "opd", "dppo", "gmpo", "gdpo")
+RL_SCRIPTS = ("grpo", "rloo", "reinforce_pp", "grpo_async", "ppo", "cispo", "sapo", "opd", "dppo", "gmpo", "gdpo", "opsd")
 # what every RL script logs for what they share (loss/kl: with the KL term on; loss/entropy: with the bonus on)
 SHARED = {"rollout/reward_mean", "rollout/response_len_mean", "rollout/truncated_frac", "rollout/kept_frac",
           "train/grad_norm", "train/tokens", "train/lr", "train/kl_coef", "perf/gen_s", "perf/train_s", "perf/sync_s",

@@ -11,7 +11,7 @@ import torch
 from core import models, rl_math
 from core.config import ModelConfig, check_args
 
-RL = ["grpo", "grpo_async", "rloo", "reinforce_pp", "ppo", "opd", "cispo", "sapo", "dppo", "gmpo", "gdpo"]
+RL = ["grpo", "grpo_async", "rloo", "reinforce_pp", "ppo", "opd", "cispo", "sapo", "dppo", "gmpo", "gdpo", "opsd"]
 
 
 def script(name):

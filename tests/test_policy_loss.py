@@ -57,7 +57,7 @@ def test_ppo_and_reinforce_pp_have_no_kl_term_in_the_loss():
             fn(t([-1.0]), t([-1.0]), t([1.0]), torch.ones(1, 1, dtype=torch.bool), ref_logp=t([-2.0]))
 
 
-@pytest.mark.parametrize("script", [*SCRIPTS, "opd", "cispo", "sapo", "dppo", "gmpo", "gdpo"])
+@pytest.mark.parametrize("script", [*SCRIPTS, "opd", "cispo", "sapo", "dppo", "gmpo", "gdpo", "opsd"])
 def test_the_loss_settings_are_the_scripts_and_their_old_flags_name_the_new(script, capsys, monkeypatch):
     """The clip range, dual clip, ratio level and entropy coefficient are fields of each script's `AlgoArgs` (SAPO
     has no clip, CISPO no dual clip). `--actor.clip-low` and its siblings are refused, and the message names

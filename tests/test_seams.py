@@ -172,7 +172,7 @@ def test_core_takes_the_sections_it_reads(path):
     assert probes == [], probes
 
 @pytest.mark.parametrize("script", ["grpo", "rloo", "reinforce_pp", "ppo", "grpo_async", "cispo", "sapo", "opd", "dppo",
-                                    "gmpo", "gdpo", "sft", "dpo", "kto", "rm"])  # fmt: skip
+                                    "gmpo", "gdpo", "opsd", "sft", "dpo", "kto", "rm"])  # fmt: skip
 def test_scripts_leave_embedded_names_to_the_loaders(script):
     assert "core.embedded" not in _project_imports(ROOT / "algos" / f"{script}.py")
 
@@ -212,11 +212,12 @@ def test_warm_start_preset_is_the_recipe_and_later_flags_win():
 # ------------------------------------------------------------------ one story per script: the RL scripts' shape
 # Changed lines of `diff algos/grpo.py algos/<script>.py` at most: everything else is shared, word for word. (What
 # a script traces for samples.jsonl is its own: no KL in reinforce_pp's loss, PPO's values, OPD's teacher log-probs;
-# OPD's refusals of a negative task-reward weight and of a reward model as its teacher are its own too; so are PPO's
+# OPD's refusals of a negative task-reward weight and of a reward model as its teacher are its own too, as OPSD's hint
+# prompts and their alignment are; so are PPO's
 # critic fields, LoRA and 4-bit included, whose loading and checks are core's; and the math only one script uses:
 # ppo.py's GAE and value loss, reinforce_pp.py's discounted returns.)
 DIFF_TARGETS = {"rloo": 70, "reinforce_pp": 142, "grpo_async": 133, "ppo": 397, "cispo": 80, "sapo": 80, "opd": 194,
-                "dppo": 125, "gmpo": 92, "gdpo": 100}
+                "dppo": 125, "gmpo": 92, "gdpo": 100, "opsd": 250}
 
 
 def _changed_lines(a: Path, b: Path) -> int:

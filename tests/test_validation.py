@@ -427,7 +427,7 @@ def test_eval_every_0_runs_no_eval_not_even_the_first(name, tmp_path):
     assert evals and all(v is None for v in evals.values()), evals
 
 
-@pytest.mark.parametrize("name", sorted(RL | {"opd", "cispo", "sapo", "dppo", "gmpo", "gdpo"}))
+@pytest.mark.parametrize("name", sorted(RL | {"opd", "cispo", "sapo", "dppo", "gmpo", "gdpo", "opsd"}))
 def test_an_lr_scaled_below_the_floor_is_refused_naming_the_flag_before_loading_anything(name, nothing_loads):
     """`--actor.lr-ref-samples 10**30` was taken and scaled the lr to ~1e-31: a run that trains nothing, silently.
     A scale below `LR_SCALE_FLOOR` (1/1000) is refused before anything loads, naming the flag, the samples per
