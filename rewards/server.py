@@ -5,11 +5,23 @@
                     -> {"rewards": [1.7, ...], "scores": [1.7, ...]}
     GET  /health    -> {"status": "ok", "model": ..., "normalize": ...}
 
+Several reward models as named parts (`--components correct=runs/rm_a/hf style=runs/rm_b/hf`, for algos/gdpo.py,
+which normalises each part apart): every text is scored by each component model, and the answer carries their scores
+by name, in the order the flag gives them. `rewards` (= `scores`) is then `--model`'s score if `--model` is given too,
+else the sum of the parts:
+
+    POST /get_reward   {"query": [...]}
+                    -> {"rewards": [2.1, ...], "scores": [2.1, ...], "components": {"correct": [1.7, ...],
+                                                                                    "style": [0.4, ...]}}
+    GET  /health    -> {"status": "ok", "model": null, "normalize": ..., "components": {"correct": "runs/rm_a/hf",
+                                                                                         "style": "runs/rm_b/hf"}}
+
 The request and response follow OpenRLHF's remote reward-model contract: `query` holds the full texts (prompt +
 response, as the policy saw them); `prompts` and `labels` are optional and, when given, must have one entry per
 query (a rule or hybrid server could use them; this one scores `query` alone). Each text is tokenized in one piece
 with an eos appended (`core.data.reward_ids`, exactly as `algos/rm.py` trained) and scored at its last token. With
-`--normalize` a score is (r − reward_mean) / reward_std, the held-out statistics `algos/rm.py` saved in config.json.
+`--normalize` a score is (r − reward_mean) / reward_std, the held-out statistics `algos/rm.py` saved in config.json
+(each model's own: a component's part, and so the parts' sum, is of normalized scores).
 
 Errors: a body that is not JSON or has the wrong shape -> 422 with pydantic's description of the offending field;
 mismatched list lengths, too many texts or an over-long text -> 400 naming the field and index. A bad request never
@@ -34,6 +46,7 @@ names the address the server really listens on.
 Run:
     python -m rewards.server --model runs/rm__1__<time>/hf --normalize --port 5000
     CLEANRLHF_API_KEY=... python -m rewards.server --model runs/rm__1__<time>/hf --host 0.0.0.0
+    python -m rewards.server --components correct=runs/rm_a/hf style=runs/rm_b/hf --normalize   # for algos/gdpo.py
 """
 
 from __future__ import annotations
@@ -61,8 +74,13 @@ from core.flags import ModelPath, PosInt
 
 @dataclass
 class ServerArgs:
-    model: ModelPath
-    """reward model folder (an `algos/rm.py` export) or hub id."""
+    model: ModelPath | None = None
+    """reward model folder (an `algos/rm.py` export) or hub id; its score is the answer's `rewards`. Needed unless
+    `--components` is given."""
+    components: tuple[str, ...] = ()
+    """reward models served as named parts, NAME=PATH each (`correct=runs/rm_a/hf style=runs/rm_b/hf`; a NAME is an
+    identifier): each text is scored by every one, the answer's `components` holds their scores by name (what
+    algos/gdpo.py normalises apart), and its `rewards` is `--model`'s score if given, else the sum of the parts."""
     host: str = "127.0.0.1"
     """interface to bind; 0.0.0.0 serves other machines (then a key is needed, or `--no-auth`)."""
     port: int = 5000
@@ -108,6 +126,28 @@ def is_loopback(host: str) -> bool:
 DTYPES = ("auto", "bf16", "fp32")
 
 
+def parse_components(specs: tuple[str, ...]) -> tuple[dict[str, str], list[str]]:
+    """`--components NAME=PATH ...` as {name: path} in the order given, and one error per spec that is not one (each
+    naming the flag and the spec as typed)."""
+    parts, errors = {}, []
+    for spec in specs:
+        name, eq, path = spec.partition("=")
+        if not eq:
+            errors.append(f"--components {spec}: expected NAME=PATH, e.g. correct=runs/rm_a/hf")
+        elif not name:
+            errors.append(f"--components {spec}: the name before '=' is empty")
+        elif not name.isidentifier():
+            errors.append(f"--components {spec}: the name {name!r} is not an identifier (letters, digits and _, not "
+                          "starting with a digit)")  # fmt: skip
+        elif not path:
+            errors.append(f"--components {spec}: the path after '=' is empty")
+        elif name in parts:
+            errors.append(f"--components {spec}: the name {name!r} is given twice; each part needs its own name")
+        else:
+            parts[name] = path
+    return parts, errors
+
+
 def check_server_args(args: ServerArgs) -> None:
     """The server's flags, checked before anything loads: a server that starts must be able to answer. One
     ValueError lists every bad flag, each as typed (`--batch-size 0: must be > 0`)."""
@@ -124,6 +164,11 @@ def check_server_args(args: ServerArgs) -> None:
             errors.append(f"{flag} {value}: must be one of {', '.join(DTYPES)}")
         elif f.name == "api_key" and value is not None and not value.strip():
             errors.append(f"{flag} {value!r}: an empty key would let anyone in; give a key, or leave the flag out")
+        elif f.name == "components":
+            errors += parse_components(value)[1]
+    if args.model is None and not args.components:
+        errors.append("--model / --components: no reward model to serve: give --model PATH, --components NAME=PATH "
+                      "..., or both")  # fmt: skip
     key = server_key(args)
     if key is None and not args.no_auth and not is_loopback(args.host):
         errors.append(f"--host {args.host}: other machines can reach it, and no key is set: give --api-key KEY (or set "
@@ -239,10 +284,14 @@ class Guard:
         await self.app(scope, receive, send)
 
 
-def create_app(scorer: RewardScorer, max_texts: int = 4096, request_timeout_s: float = 60.0,
-               api_key: str | None = None) -> FastAPI:  # fmt: skip
+def create_app(scorer: RewardScorer | None, max_texts: int = 4096, request_timeout_s: float = 60.0,
+               api_key: str | None = None, components: dict[str, RewardScorer] | None = None) -> FastAPI:  # fmt: skip
     """The FastAPI app. `app.state.cancel_all()` stops every in-flight request's scoring and answers new ones 503
-    (the server is shutting down). With `api_key`, every request must carry it as a Bearer token (401)."""
+    (the server is shutting down). With `api_key`, every request must carry it as a Bearer token (401). With
+    `components` ({name: scorer}), each answer carries every component's scores by name, and `rewards` is `scorer`'s
+    scores, or without `scorer` the sum of the components' (in their order)."""
+    parts = dict(components or {})
+    assert scorer is not None or parts, "create_app needs a scorer, components, or both"
     app = FastAPI(title="CleanRLHF reward server")
     app.add_middleware(Guard, api_key=api_key)
     in_flight: set[threading.Event] = set()
@@ -255,9 +304,26 @@ def create_app(scorer: RewardScorer, max_texts: int = 4096, request_timeout_s: f
 
     app.state.cancel_all = cancel_all
 
+    def score(texts: list[str], cancel: threading.Event) -> dict:
+        """The answer to `texts`: `scorer`'s scores and each component's, one model after the other (a model served
+        twice, by one path, scores once)."""
+        by_model = {} if scorer is None else {id(scorer): scorer(texts, cancel)}
+        scored = {}
+        for name, part in parts.items():
+            try:
+                scored[name] = by_model[id(part)] if id(part) in by_model else part(texts, cancel)
+            except TextTooLong as e:  # the components' models may take different lengths: say whose it was
+                raise TextTooLong(f"component {name!r} ({part.path}): {e}") from None
+            by_model[id(part)] = scored[name]
+        # without --model, the parts' sum, added in the flag's order
+        rewards = by_model[id(scorer)] if scorer is not None else [sum(x) for x in zip(*scored.values())]
+        return {"rewards": rewards, "scores": rewards, **({"components": scored} if parts else {})}
+
     @app.get("/health")
     def health() -> dict:
-        return {"status": "ok", "model": scorer.path, "normalize": scorer.normalize}
+        normalize = (scorer or next(iter(parts.values()))).normalize  # one flag for every model
+        served = {"components": {name: part.path for name, part in parts.items()}} if parts else {}
+        return {"status": "ok", "model": None if scorer is None else scorer.path, "normalize": normalize, **served}
 
     @app.post("/get_reward")
     async def get_reward(req: RewardRequest, request: Request) -> dict:
@@ -268,13 +334,13 @@ def create_app(scorer: RewardScorer, max_texts: int = 4096, request_timeout_s: f
         if n > max_texts:
             raise HTTPException(400, f"{n} texts in one request > max_texts {max_texts}: split the batch")
         if n == 0:
-            return {"rewards": [], "scores": []}
+            return {"rewards": [], "scores": [], **({"components": {name: [] for name in parts}} if parts else {})}
         if closing.is_set():
             raise HTTPException(503, "the reward server is shutting down")
         cancel = threading.Event()
         in_flight.add(cancel)
         try:
-            rewards = await score_in_thread(req.query, cancel, request)
+            answer = await score_in_thread(req.query, cancel, request)
         except TextTooLong as e:  # the client's mistake
             raise HTTPException(400, str(e)) from None
         except (ScoringCancelled, asyncio.CancelledError):  # the latter: a forward outlasted the shutdown's grace
@@ -287,10 +353,10 @@ def create_app(scorer: RewardScorer, max_texts: int = 4096, request_timeout_s: f
         finally:
             cancel.set()  # a request cancelled by the server (shutdown) stops its worker too
             in_flight.discard(cancel)
-        return {"rewards": rewards, "scores": rewards}
+        return answer
 
-    async def score_in_thread(texts: list[str], cancel: threading.Event, request: Request) -> list[float]:
-        """`scorer(texts, cancel)` in a daemon thread (one that never finishes cannot hold up the exit), waited for
+    async def score_in_thread(texts: list[str], cancel: threading.Event, request: Request) -> dict:
+        """`score(texts, cancel)` in a daemon thread (one that never finishes cannot hold up the exit), waited for
         while checking the time limit and the client; either sets `cancel` and answers at once."""
         loop = asyncio.get_running_loop()
         done = loop.create_future()
@@ -301,7 +367,7 @@ def create_app(scorer: RewardScorer, max_texts: int = 4096, request_timeout_s: f
 
         def work() -> None:
             try:
-                result = (scorer(texts, cancel), None)
+                result = (score(texts, cancel), None)
             except BaseException as e:  # handed to the request below
                 result = (None, e)
             try:
@@ -323,10 +389,10 @@ def create_app(scorer: RewardScorer, max_texts: int = 4096, request_timeout_s: f
             if await request.is_disconnected():
                 cancel.set()
                 raise HTTPException(499, "the client disconnected: scoring stopped")  # nobody reads this
-        rewards, error = done.result()
+        answer, error = done.result()
         if error is not None:
             raise error
-        return rewards
+        return answer
 
     return app
 
@@ -356,14 +422,29 @@ def start_line(sock: socket.socket, key: str | None) -> str:
     return f"reward server listening on {url} ({where}; {who}); POST {url}/get_reward"
 
 
+def load_scorers(args: ServerArgs) -> tuple[RewardScorer | None, dict[str, RewardScorer]]:
+    """`--model`'s scorer (None without it) and `--components`' {name: scorer}, each with the flags' normalization
+    and sizes; a path named twice is loaded once."""
+    loaded: dict[str, RewardScorer] = {}
+
+    def scorer_of(path: str) -> RewardScorer:
+        if path not in loaded:
+            loaded[path] = RewardScorer(path, args.normalize, args.batch_size, args.max_len, args.dtype)
+        return loaded[path]
+
+    parts, errors = parse_components(args.components)
+    assert not errors, errors  # check_server_args refused them
+    return (None if args.model is None else scorer_of(args.model)), {name: scorer_of(p) for name, p in parts.items()}
+
+
 def main(args: ServerArgs) -> None:
     check_server_args(args)  # before the model loads: a server that starts can answer
     import uvicorn
 
     key = server_key(args)
     sock = bind(args.host, args.port)  # a port in use is named before the model loads
-    scorer = RewardScorer(args.model, args.normalize, args.batch_size, args.max_len, args.dtype)
-    app = create_app(scorer, args.max_texts, args.request_timeout_s, key)
+    scorer, components = load_scorers(args)
+    app = create_app(scorer, args.max_texts, args.request_timeout_s, key, components)
 
     class Server(uvicorn.Server):
         def handle_exit(self, sig, frame) -> None:  # SIGTERM / SIGINT: stop in-flight scoring now, then shut down

@@ -12,16 +12,18 @@ import subprocess
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
 import requests
 import torch
+import tyro
 from transformers import AutoModelForSequenceClassification
 
 from core import data, models
 from core.engine import free_port
-from rewards.server import RewardScorer, ServerArgs, create_app
+from rewards.server import RewardScorer, ServerArgs, check_server_args, create_app, load_scorers
 from rewards.server import main as server_main
 
 TEXTS = ["1+2=3", "1+2=4", "37+45=82", "37+45=28", "99+99=198", "", "5+5=10 and more"]
@@ -32,26 +34,28 @@ TIMEOUT = 30
 pytestmark = pytest.mark.usefixtures("one_thread")  # see conftest.py
 
 
-@pytest.fixture(scope="module")
-def rm_path(tiny_path, tmp_path_factory):
+def export_rm(tiny_path, path, seed, mean, std):
     """A reward-model folder as algos/rm.py exports it: tiny body + scalar head, reward_mean/std in config.json."""
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     model = models.load_scalar_model(str(tiny_path), "fp32")
-    model.config.reward_mean, model.config.reward_std = MEAN, STD
-    path = tmp_path_factory.mktemp("rm")
+    model.config.reward_mean, model.config.reward_std = mean, std
     model.save_pretrained(path)
     models.load_tokenizer(str(tiny_path)).save_pretrained(path)
     return str(path)
 
 
 @pytest.fixture(scope="module")
-def server(rm_path):
+def rm_path(tiny_path, tmp_path_factory):
+    return export_rm(tiny_path, tmp_path_factory.mktemp("rm"), 0, MEAN, STD)
+
+
+@contextmanager
+def serve(app):
+    """`app` served by uvicorn in a thread on a free loopback port: its URL once it answers; always shut down."""
     import uvicorn
 
-    scorer = RewardScorer(rm_path, batch_size=3, max_len=64)  # batch 3 < 7 texts: chunking is exercised
     port = free_port()
-    srv = uvicorn.Server(uvicorn.Config(create_app(scorer, max_texts=16), host="127.0.0.1", port=port,
-                                        log_level="warning"))  # fmt: skip
+    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=srv.run, daemon=True)
     thread.start()
     try:
@@ -63,6 +67,13 @@ def server(rm_path):
     finally:
         srv.should_exit = True
         thread.join(timeout=TIMEOUT)
+
+
+@pytest.fixture(scope="module")
+def server(rm_path):
+    scorer = RewardScorer(rm_path, batch_size=3, max_len=64)  # batch 3 < 7 texts: chunking is exercised
+    with serve(create_app(scorer, max_texts=16)) as url:
+        yield url
 
 
 def in_process_scores(rm_path, texts):
@@ -215,6 +226,125 @@ def test_rl_scripts_take_one_reward_source(rm_path, tmp_path):
     assert name == rm_path and func(["1+2=3"], ["1+2="], [None])["rewards"].shape == (1,)
 
 
+# ------------------------------------------------------------------ named components: algos/gdpo.py's reward parts
+MEAN_B, STD_B = -1.0, 0.5
+
+
+@pytest.fixture(scope="module")
+def rm_path_b(tiny_path, tmp_path_factory):
+    """A second reward model: another seeded head, other saved statistics."""
+    return export_rm(tiny_path, tmp_path_factory.mktemp("rm_b"), 1, MEAN_B, STD_B)
+
+
+@pytest.fixture(scope="module")
+def scorers(rm_path, rm_path_b):
+    """One scorer per model, with the `server` fixture's sizes: the same batches, so bit-for-bit the same numbers."""
+    return {"correct": RewardScorer(rm_path, batch_size=3, max_len=64),
+            "style": RewardScorer(rm_path_b, batch_size=3, max_len=64)}  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def parts_server(scorers):
+    """`--components correct=<rm> style=<rm_b>` without `--model`: the rewards are the parts' sum."""
+    with serve(create_app(None, max_texts=16, components=scorers)) as url:
+        yield url
+
+
+def test_components_are_each_models_own_scores_and_the_rewards_their_sum(parts_server, server, scorers, rm_path,
+                                                                          rm_path_b):  # fmt: skip
+    body = post(parts_server, {"query": TEXTS}).json()
+    assert list(body) == ["rewards", "scores", "components"] and list(body["components"]) == ["correct", "style"]
+    correct, style = body["components"]["correct"], body["components"]["style"]
+    assert correct == post(server, {"query": TEXTS}).json()["rewards"]  # the one-model server's answer, exactly
+    assert correct == scorers["correct"](TEXTS) and style == scorers["style"](TEXTS)
+    assert all(a != b for a, b in zip(correct, style))  # two models: a swapped or repeated part would show
+    assert body["rewards"] == [a + b for a, b in zip(correct, style)] and body["scores"] == body["rewards"]
+    assert requests.get(f"{parts_server}/health", timeout=TIMEOUT).json() == {
+        "status": "ok", "model": None, "normalize": False, "components": {"correct": rm_path, "style": rm_path_b}}  # fmt: skip
+    assert post(parts_server, {"query": []}).json() == {"rewards": [], "scores": [],
+                                                        "components": {"correct": [], "style": []}}  # fmt: skip
+    r = post(parts_server, {"query": ["1+2=3", "9" * 100]})  # over-long: the answer names the part's model
+    assert r.status_code == 400 and f"component 'correct' ({rm_path}): query[1]: 102 tokens > max_len 64" in r.text
+
+
+def test_with_model_too_the_rewards_are_its_scores_and_a_model_served_twice_scores_once(scorers, monkeypatch):
+    """`--model <rm_b> --components correct=<rm> style=<rm_b>`: rewards = rm_b's scores (not the sum); rm_b, named
+    twice, runs its forwards once: 7 texts in batches of 3 are 3 forwards per model, 6 in all."""
+    forwards, forward = [], models.sequence_scores
+    monkeypatch.setattr(models, "sequence_scores", lambda *a, **k: forwards.append(1) or forward(*a, **k))
+    app = create_app(scorers["style"], max_texts=16, components=scorers)
+    with serve(app) as url:
+        body = post(url, {"query": TEXTS}).json()
+        health = requests.get(f"{url}/health", timeout=TIMEOUT).json()
+    assert len(forwards) == 6
+    assert body["components"] == {"correct": scorers["correct"](TEXTS), "style": scorers["style"](TEXTS)}
+    assert body["rewards"] == body["scores"] == body["components"]["style"]
+    assert health["model"] == scorers["style"].path and list(health["components"]) == ["correct", "style"]
+
+
+def test_the_flags_load_each_part_normalized_by_its_own_statistics(rm_path, rm_path_b, scorers):
+    args = tyro.cli(ServerArgs, args=["--components", f"correct={rm_path}", f"style={rm_path_b}", f"again={rm_path}",
+                                      "--normalize", "--batch-size", "3", "--max-len", "64"])  # fmt: skip
+    check_server_args(args)
+    model, parts = load_scorers(args)
+    assert model is None and list(parts) == ["correct", "style", "again"] and parts["again"] is parts["correct"]
+    assert parts["correct"](TEXTS) == pytest.approx([(r - MEAN) / STD for r in scorers["correct"](TEXTS)], abs=1e-6)
+    assert parts["style"](TEXTS) == pytest.approx([(r - MEAN_B) / STD_B for r in scorers["style"](TEXTS)], abs=1e-6)
+    model, parts = load_scorers(tyro.cli(ServerArgs, args=["--model", rm_path, "--components", f"correct={rm_path}"]))
+    assert parts["correct"] is model and not model.normalize
+    assert tyro.cli(ServerArgs, args=["--model", rm_path]) == ServerArgs(model=rm_path)  # --model alone: as before
+
+
+def test_the_rl_scripts_client_receives_the_components(parts_server):
+    """rewards/remote.py's client, one URL and two (the batch split in two, the parts joined in order), and the
+    reward contract's check of the parts that algos/gdpo.py's rollout runs."""
+    from rewards.loader import components
+    from rewards.remote import RemoteReward
+
+    direct = post(parts_server, {"query": TEXTS}).json()
+    prompts, labels = [t[:3] for t in TEXTS], [None] * len(TEXTS)
+    out = RemoteReward([parts_server], timeout_s=TIMEOUT)(TEXTS, prompts, labels)
+    assert out["components"] == direct["components"]
+    torch.testing.assert_close(out["rewards"], torch.tensor(direct["rewards"]), rtol=0, atol=0)
+    checked = components(out, f"reward server {parts_server}", 0, len(TEXTS))
+    assert list(checked) == ["correct", "style"]
+    for name, values in checked.items():
+        torch.testing.assert_close(values, torch.tensor(direct["components"][name]), rtol=0, atol=0)
+    two = RemoteReward([parts_server, parts_server + "/get_reward"], timeout_s=TIMEOUT)(TEXTS, prompts, labels)
+    assert list(two["components"]) == ["correct", "style"]
+    for name, values in direct["components"].items():  # other batches, other padding: equal up to float error
+        assert two["components"][name] == pytest.approx(values, abs=1e-5)
+
+
+@pytest.mark.parametrize("flags, message", [
+    ({"components": ("correct",)}, "--components correct: expected NAME=PATH, e.g. correct=runs/rm_a/hf"),
+    ({"components": ("=runs/a",)}, "--components =runs/a: the name before '=' is empty"),
+    ({"components": ("my-part=runs/a",)}, "--components my-part=runs/a: the name 'my-part' is not an identifier "
+                                          "(letters, digits and _, not starting with a digit)"),
+    ({"components": ("2nd=runs/a",)}, "--components 2nd=runs/a: the name '2nd' is not an identifier (letters, digits "
+                                      "and _, not starting with a digit)"),
+    ({"components": ("correct=",)}, "--components correct=: the path after '=' is empty"),
+    ({"components": ("correct=runs/a", "correct=runs/b"), "model": "runs/m"},
+     "--components correct=runs/b: the name 'correct' is given twice; each part needs its own name"),
+    ({}, "--model / --components: no reward model to serve: give --model PATH, --components NAME=PATH ..., or both"),
+])  # fmt: skip
+def test_component_flags_are_refused_before_any_model_loads(monkeypatch, flags, message):
+    monkeypatch.setattr(models, "load_scalar_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    with pytest.raises(ValueError) as err:
+        server_main(ServerArgs(**flags))
+    assert str(err.value) == message
+
+
+def test_the_command_line_lists_every_bad_component(monkeypatch):
+    monkeypatch.setattr(models, "load_scalar_model", lambda *a, **k: pytest.fail("a model was loaded"))
+    args = tyro.cli(ServerArgs, args=["--components", "a", "b=x", "b=y", "--batch-size", "0"])
+    with pytest.raises(ValueError) as err:
+        server_main(args)
+    assert str(err.value) == ("invalid flags:\n  --components a: expected NAME=PATH, e.g. correct=runs/rm_a/hf\n  "
+                              "--components b=y: the name 'b' is given twice; each part needs its own name\n  "
+                              "--batch-size 0: must be > 0")  # fmt: skip
+
+
 # ------------------------------------------------------------------ bounded work: the real server process
 SLOW = ["1" * 500] * 1500  # with --batch-size 1: 1500 forwards of 502 tokens, ~45 s on one CPU core: far past 4 s
 ROOT = Path(__file__).resolve().parents[1]
@@ -330,22 +460,8 @@ def test_sigterm_stops_a_busy_server_within_seconds(rm_path, tmp_path):
 @pytest.fixture(scope="module")
 def keyed_server(rm_path):
     """The app with a key, in a thread on 127.0.0.1."""
-    import uvicorn
-
-    port = free_port()
-    app = create_app(RewardScorer(rm_path, batch_size=3, max_len=64), api_key="s3cret")
-    srv = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=srv.run, daemon=True)
-    thread.start()
-    try:
-        deadline = time.monotonic() + TIMEOUT
-        while not srv.started:
-            assert thread.is_alive() and time.monotonic() < deadline, "reward server did not start"
-            time.sleep(0.05)
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        srv.should_exit = True
-        thread.join(timeout=TIMEOUT)
+    with serve(create_app(RewardScorer(rm_path, batch_size=3, max_len=64), api_key="s3cret")) as url:
+        yield url
 
 
 def test_a_server_with_a_key_answers_only_requests_that_carry_it(keyed_server, rm_path, monkeypatch):
@@ -359,7 +475,9 @@ def test_a_server_with_a_key_answers_only_requests_that_carry_it(keyed_server, r
     assert requests.get(f"{keyed_server}/health", timeout=TIMEOUT).status_code == 401
     r = requests.post(f"{keyed_server}/get_reward", json=body, headers={"Authorization": "Bearer s3cret"},
                       timeout=TIMEOUT)  # fmt: skip
-    assert r.status_code == 200 and r.json()["rewards"] == pytest.approx(in_process_scores(rm_path, TEXTS[:2]), abs=1e-5)
+    assert r.status_code == 200 and r.json()["rewards"] == pytest.approx(
+        in_process_scores(rm_path, TEXTS[:2]), abs=1e-5
+    )
     monkeypatch.delenv("CLEANRLHF_API_KEY", raising=False)  # the RL scripts' client: no key, then the key
     with pytest.raises(RuntimeError, match=r"failed after 1 attempt\(s\): HTTP 401: .*\(no key was sent; the key is "
                                            r"read from the environment variable named by --reward.api-key-env"):  # fmt: skip
