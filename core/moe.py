@@ -1,0 +1,123 @@
+"""Mixture-of-experts routing: record which experts a forward chose, replay a recorded choice, and measure how often
+two forwards chose differently. The mechanism under rollout routing replay (R3, Ma et al. 2025, arXiv:2510.11370):
+the engine that sampled a response records each token's experts per MoE layer, and the trainer's forward of that
+response uses them, so the importance ratio measures the policy's change and not routing noise.
+
+A routing table is a (tokens, layers, top_k) int64 tensor in the forward's own flattened token order (row b·T + t of
+a (B, T) input; a packed forward's rows likewise), one column per MoE layer in model order. `record_routing` fills
+one from a forward; `replay_routing` makes a forward use one: the router still computes its logits, the selection is
+the recorded one, and the routing weights are the live router's probabilities of the recorded experts
+(softmax over all experts, gathered; renormalised where the model's `norm_topk_prob` says), so the gradient still
+reaches the router. `routing_mismatch` is the share of (token, layer) decisions whose expert sets differ.
+
+Supported: the top-k routers of Qwen2-MoE and Qwen3-MoE as transformers 5.19 builds them (`Qwen2MoeTopKRouter`,
+`Qwen3MoeTopKRouter`: `forward(hidden) -> (logits, weights, indices)`). `check_routing_replay` refuses a dense model
+or another architecture, naming the flag. The router's load-balancing loss recomputes its own top-k from the logits:
+it does not see a replayed selection (the scripts log it, they do not train on it).
+
+Not yet here: the engines' side (vLLM 0.32 returns routed experts only through its Model Runner V2, which needs
+Triton, absent from its CPU build: `enable_return_routed_experts` is refused at engine start on CPU) and carrying the
+tables through the rollout, packing and the trainer ranks.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+
+import torch
+
+ROUTERS = ("Qwen2MoeTopKRouter", "Qwen3MoeTopKRouter")
+"""the router classes whose `forward(hidden) -> (logits, weights, indices)` this module records and replays."""
+
+
+def routers(model) -> list[torch.nn.Module]:
+    """The model's top-k routers in layer order (empty for a dense model). `model`: an HF model, or anything whose
+    `.module` is one (a DeepSpeed engine)."""
+    hf = getattr(model, "module", model)
+    return [m for m in hf.modules() if type(m).__name__ in ROUTERS]
+
+
+def check_routing_replay(model, flag: str) -> None:
+    """Refuse routing replay for a model without supported routers: a dense model, or an MoE whose router is not one
+    of `ROUTERS` (named by its class)."""
+    if routers(model):
+        return
+    hf = getattr(model, "module", model)
+    arch = type(hf).__name__
+    if getattr(getattr(hf, "config", None), "router_aux_loss_coef", None) is None:
+        raise ValueError(f"{flag}: {arch} is a dense model: it has no experts to replay")
+    raise ValueError(f"{flag}: {arch}'s router is not supported (supported: {', '.join(ROUTERS)})")
+
+
+@contextmanager
+def record_routing(model):
+    """`with record_routing(model) as table:` after the forward(s) inside, `table["experts"]` is the (tokens, layers,
+    top_k) int64 selection of the last forward (each router's top-k indices, as it computed them)."""
+    mods, seen = routers(model), {}
+    table: dict = {}
+
+    def keep(i):
+        def hook(module, args, output):
+            seen[i] = output[2].detach().to(torch.long).cpu()
+
+        return hook
+
+    handles = [m.register_forward_hook(keep(i)) for i, m in enumerate(mods)]
+    try:
+        yield table
+    finally:
+        for h in handles:
+            h.remove()
+        if len(seen) == len(mods) and mods:
+            table["experts"] = torch.stack([seen[i] for i in range(len(mods))], dim=1)
+
+
+def replayed_weights(logits: torch.Tensor, experts: torch.Tensor, norm_topk_prob: bool) -> torch.Tensor:
+    """The routing weights of `experts` (T, k) under the live router `logits` (T, E): softmax over all E experts in
+    float32, gathered at the given experts, renormalised over them when `norm_topk_prob`; in the logits' dtype. The
+    router's own weights for its own top-k, so a replay of what it chose changes nothing."""
+    probs = torch.softmax(logits, dim=-1, dtype=torch.float)
+    w = probs.gather(-1, experts)
+    if norm_topk_prob:
+        w = w / w.sum(dim=-1, keepdim=True)
+    return w.to(logits.dtype)
+
+
+@contextmanager
+def replay_routing(model, experts: torch.Tensor):
+    """Forwards inside use `experts` (tokens, layers, top_k), a table of `record_routing`'s shape in the forward's
+    flattened token order, instead of each router's own top-k; the weights are `replayed_weights` of the live logits.
+    A table whose shape does not fit the forward is refused by the router's hook (naming both shapes)."""
+    mods = routers(model)
+    if experts.dim() != 3 or experts.shape[1] != len(mods):
+        raise ValueError(f"routing replay: a table of shape {tuple(experts.shape)} for {len(mods)} MoE layers "
+                         "(expected (tokens, layers, top_k))")  # fmt: skip
+
+    def force(i):
+        def hook(module, args, output):
+            logits = output[0]
+            chosen = experts[:, i].to(device=logits.device, dtype=torch.long)
+            if chosen.shape != output[2].shape:
+                raise ValueError(f"routing replay: layer {i} routes {tuple(output[2].shape)} (tokens, top_k), the "
+                                 f"table holds {tuple(chosen.shape)}")  # fmt: skip
+            return logits, replayed_weights(logits, chosen, bool(getattr(module, "norm_topk_prob", False))), chosen
+
+        return hook
+
+    handles = [m.register_forward_hook(force(i)) for i, m in enumerate(mods)]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def routing_mismatch(a: torch.Tensor, b: torch.Tensor, valid: torch.Tensor | None = None) -> float:
+    """The share of (token, layer) decisions where two routing tables (tokens, layers, top_k) chose different expert
+    sets (the order within a top-k does not count); `valid` (tokens,) bool keeps only those tokens."""
+    if a.shape != b.shape:
+        raise ValueError(f"routing tables of shapes {tuple(a.shape)} and {tuple(b.shape)}")
+    differ = (a.sort(dim=-1).values != b.sort(dim=-1).values).any(dim=-1)  # (tokens, layers)
+    if valid is not None:
+        differ = differ[valid]
+    return float(differ.float().mean()) if differ.numel() else 0.0
