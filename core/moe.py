@@ -15,6 +15,8 @@ Supported: the top-k routers of Qwen2-MoE and Qwen3-MoE as transformers 5.19 bui
 or another architecture, naming the flag. The router's load-balancing loss recomputes its own top-k from the logits:
 it does not see a replayed selection (the scripts log it, they do not train on it).
 
+`table_for_forward` lays per-sequence tables out for one forward of a packed (or padded) batch.
+
 Not yet here: the engines' side (vLLM 0.32 returns routed experts only through its Model Runner V2, which needs
 Triton, absent from its CPU build: `enable_return_routed_experts` is refused at engine start on CPU) and carrying the
 tables through the rollout, packing and the trainer ranks.
@@ -110,6 +112,22 @@ def replay_routing(model, experts: torch.Tensor):
     finally:
         for h in handles:
             h.remove()
+
+
+def table_for_forward(rows: list[torch.Tensor], index: torch.Tensor, numel: int) -> torch.Tensor:
+    """The routing table of one forward over a batch laid out by `index` (b, L): row b's recorded table rows[b]
+    (n_b, layers, top_k) in token order, token (b, t) at flat position index[b, t] of the forward's (R, W) input
+    (`core.rl.model_inputs`' index: packed rows, or the padded table itself), −1 where (b, t) is padding. Positions
+    no token fills (a packed row's pad tail, a padded table's padding) route to experts 0..top_k−1: their outputs are
+    never read. -> (numel, layers, top_k) for a forward of `numel` = R·W tokens."""
+    layers, k = rows[0].shape[1:]
+    out = torch.arange(k).expand(numel, layers, k).clone()
+    for b, table in enumerate(rows):
+        where = index[b][index[b] >= 0].cpu()
+        if len(where) != len(table):
+            raise ValueError(f"routing replay: row {b} has {len(where)} tokens in the batch and {len(table)} recorded")
+        out[where] = table
+    return out
 
 
 def routing_mismatch(a: torch.Tensor, b: torch.Tensor, valid: torch.Tensor | None = None) -> float:

@@ -122,3 +122,35 @@ def test_replay_is_refused_for_a_dense_model_and_a_table_that_does_not_fit(tiny_
     with pytest.raises(ValueError, match=r"layer 0 routes \(33, 2\) \(tokens, top_k\), the table holds \(5, 2\)"):
         with torch.no_grad(), moe.replay_routing(tiny_moe, torch.zeros(5, 2, 2, dtype=torch.long)):
             tiny_moe(input_ids=ids(3))
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_replay_holds_after_packing(tiny_moe, packed):
+    """Three sequences of 5, 9 and 7 tokens, each recorded on its own (an engine's per-sequence record): laid out by
+    `table_for_forward` for the trainer's packed forward (rows of twice the longest sequence, `rl.model_inputs`), or
+    its padded one, the forward routes every real token as recorded and computes each token's output as the
+    sequence's own forward did."""
+    from core import rl
+    from core.episode import Episode
+
+    lengths = [5, 9, 7]
+    seqs = [ids(10 + i, (1, n))[0].tolist() for i, n in enumerate(lengths)]
+    rows, alone = [], []
+    with torch.no_grad():
+        for s in seqs:
+            with moe.record_routing(tiny_moe) as table:
+                alone.append(tiny_moe(input_ids=torch.tensor([s])).logits[0])
+            rows.append(table["experts"])
+    episodes = [Episode({}, s[:2], s[2:], [0.0] * (len(s) - 2), [1] * (len(s) - 2), False) for s in seqs]
+    batch = rl.sequences(episodes, 0, "cpu", packed)
+    inputs, index = rl.model_inputs(tiny_moe, batch)
+    table = moe.table_for_forward(rows, index, inputs["input_ids"].numel())
+    with torch.no_grad(), moe.replay_routing(tiny_moe, table), moe.record_routing(tiny_moe) as seen:
+        logits = tiny_moe(**inputs, use_cache=False).logits
+    flat = logits.reshape(-1, logits.shape[-1])
+    for b, n in enumerate(lengths):
+        where = index[b, :n]
+        assert torch.equal(seen["experts"][where], rows[b]), b
+        torch.testing.assert_close(flat[where], alone[b], rtol=0, atol=1e-5)  # fp32 attention over other spans
+    with pytest.raises(ValueError, match=r"row 1 has 9 tokens in the batch and 8 recorded"):
+        moe.table_for_forward([rows[0], rows[1][:8], rows[2]], index, inputs["input_ids"].numel())
