@@ -163,6 +163,20 @@ def alternating_reward(tmp_path_factory) -> str:
     return str(path)
 
 
+@pytest.fixture(scope="module")
+def alternating_parts(tmp_path_factory) -> str:
+    """`alternating_reward` with the named parts gdpo.py normalises (`components`): `odd`, every other query 1 (the
+    scalar reward), and `first`, every fourth; both vary within a group of 4 whatever a random model writes."""
+    path = tmp_path_factory.mktemp("reward") / "alternating_parts.py"
+    path.write_text(
+        "def reward_func(queries, prompts, labels):\n"
+        "    odd = [float(i % 2) for i in range(len(queries))]\n"
+        "    first = [float(i % 4 == 0) for i in range(len(queries))]\n"
+        "    return {'rewards': odd, 'components': {'odd': odd, 'first': first}}\n"
+    )
+    return str(path)
+
+
 def test_moe_grpo_command_logs_the_router_loss_and_trains_the_experts(tmp_path, alternating_reward):
     """The guide's MoE command (`--actor.model.name-or-path <a Qwen2-MoE> --ds.zero-stage 3 --debug`) on the random
     `cleanrlhf/tiny-moe`: the router's aux loss is logged (about k = 2 for near-uniform top-2 routing over 4 experts),
@@ -209,13 +223,14 @@ def two_pictures(tmp_path_factory) -> str:
 
 
 # Every RL script that reads pictures, but grpo.py (tests/test_vlm.py): rloo.py on two pictures per row, cispo.py and
-# sapo.py with the LoRA flags their pages show (`--actor.model.lora-rank 8 --actor.lr 1e-3`).
-PICTURE_SCRIPTS = ["grpo_async", "rloo", "reinforce_pp", "cispo", "sapo", "opd", "dppo", "gmpo"]
+# sapo.py with the LoRA flags their pages show (`--actor.model.lora-rank 8 --actor.lr 1e-3`), gdpo.py with a reward
+# of two named parts (`alternating_parts`).
+PICTURE_SCRIPTS = ["grpo_async", "rloo", "reinforce_pp", "cispo", "sapo", "opd", "dppo", "gmpo", "gdpo"]
 LORA = {"cispo", "sapo"}
 
 
 @pytest.mark.parametrize("script", PICTURE_SCRIPTS)
-def test_rl_script_command_on_pictures(script, tmp_path, alternating_reward, two_pictures):
+def test_rl_script_command_on_pictures(script, tmp_path, alternating_reward, alternating_parts, two_pictures):
     """`python algos/<script>.py --actor.model.name-or-path cleanrlhf/tiny-vl --data.path cleanrlhf/shapes
     --data.image-key image --reward.func ... --debug`, one step from the random tiny-vl. The engine cannot take a
     prompt's image tokens without the pictures (vLLM's processor expands them from `multi_modal_data`), and the
@@ -224,8 +239,10 @@ def test_rl_script_command_on_pictures(script, tmp_path, alternating_reward, two
     0.02 of the engine's show the pictures in both. (They differ by up to 3e-3: the engine samples from the
     vocabulary without the image token, whose probability in the random tiny-vl is about 1/V.) opd.py's teacher is the same tiny-vl: its log-probs
     equal the student's, the reverse KL 0, only if it too reads the pictures. cispo.py and sapo.py train LoRA adapters
-    only (their pages' command)."""
+    only (their pages' command). gdpo.py's reward has parts: each is logged (`reward/<part>`) as the step trains on
+    them."""
     per_row = 2 if script == "rloo" else 1
+    reward = alternating_parts if script == "gdpo" else alternating_reward
     data = (["--data.path", two_pictures, "--data.max-images-per-prompt", "2"] if per_row == 2
             else ["--data.path", "cleanrlhf/shapes", "--data.max-samples", "16"])  # fmt: skip
     extra = ["--teacher.model", "cleanrlhf/tiny-vl"] if script == "opd" else []
@@ -233,7 +250,7 @@ def test_rl_script_command_on_pictures(script, tmp_path, alternating_reward, two
         extra = ["--actor.model.lora-rank", "8", "--actor.lr", "1e-3"]
     run = tmp_path / "run"
     rows = command(script, run, "--actor.model.name-or-path", "cleanrlhf/tiny-vl", "--data.image-key", "image", *data,
-                   "--eval.max-samples", "4", "--reward.func", alternating_reward, "--rollout.max-new-tokens", "3",
+                   "--eval.max-samples", "4", "--reward.func", reward, "--rollout.max-new-tokens", "3",
                    "--rollout.batch-size", "2", "--rollout.n-samples", "4", *extra)  # fmt: skip
     (row,) = [r for r in rows if "loss/policy" in r]
     assert "perf/debug_check_s" in row and row["train/tokens"] > 0, row
@@ -241,6 +258,8 @@ def test_rl_script_command_on_pictures(script, tmp_path, alternating_reward, two
         assert abs(row["opd/reverse_kl"]) < 1e-5, row
     else:
         assert row["rollout/kept_frac"] == 1.0 and row["train/grad_norm"] > 0, row
+    if script == "gdpo":  # the parts' batch means: 1/2 of the queries are odd, 1/4 first in their four
+        assert row["reward/odd"] == 0.5 and row["reward/first"] == 0.25, row
     kept = [s for s in samples(run) if s["kept"]]
     assert kept and all(s["prompt"].count(PAD) == per_row for s in kept), kept
     # the trainer's log-probs before the update are the engine's: the trainer saw the pictures too (dppo.py's old

@@ -89,6 +89,14 @@ MISTAKES = [
     (7, "label_smoothing * F.logsigmoid(-beta * h)", "label_smoothing * F.logsigmoid(beta * h)", "flipped label"),
     (7, "(h - 1.0 / (2.0 * beta)) ** 2", "(h - 1.0 / beta) ** 2", "not 1/β"),
     (8, "prompt=follow_up(question, text)", "prompt=question", "follow_up(question, call)"),
+    (10, "(r.std(dim=1, keepdim=True) + eps)", "r.std(dim=1, keepdim=True)", "add eps"),
+    (10, "r = parts.view(-1, group_size, parts.shape[1])", "r = parts.sum(dim=1, keepdim=True).view(-1, group_size, 1)",
+     "you normalised the sum of the parts"),
+    (10, "(per_part * weights).sum(dim=-1)", "per_part.sum(dim=-1)", "the weights changed nothing"),
+    (10, "(per_part * weights).sum(dim=-1)", "(per_part * weights.flip(0)).sum(dim=-1)", "the weights are swapped"),
+    (10, "return (adv - adv.mean()) / (adv.std() + eps) if adv.numel() > 1 else adv - adv.mean()", "return adv",
+     "not whitened"),
+    (10, "(adv.std() + eps)", "(adv.std(unbiased=False) + eps)", "population std"),
 ]  # fmt: skip
 
 

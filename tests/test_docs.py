@@ -86,8 +86,9 @@ def test_the_counts_the_readme_states_are_the_repositorys():
     course = ROOT / "docs" / "course"
     lessons = sorted(course.glob("[0-9][0-9]_*.md"))
     exercises = sorted((course / "exercises").glob("[0-9][0-9]_*.py"))
-    assert "nine lessons" in readme and len(lessons) == 9, [p.name for p in lessons]
-    assert "lessons 1-8 each with an exercise" in readme and [p.name[:2] for p in exercises] == [f"0{i}" for i in range(1, 9)]
+    assert "ten lessons" in readme and len(lessons) == 10, [p.name for p in lessons]
+    assert "lessons 1-8 and 10 each with an exercise" in readme and [p.name[:2] for p in exercises] == [
+        f"{i:02d}" for i in (*range(1, 9), 10)]
     assert f"all {len(RL_SCRIPTS)} RL scripts" in readme and all((ROOT / "algos" / f"{s}.py").exists() for s in RL_SCRIPTS)
     from test_fork import RL_SCRIPTS as forked  # the renamed-copies test runs each of them
 

@@ -506,12 +506,88 @@ def cases_8():
                lambda got, texts=texts, reward=reward, prompts=prompts: play_check(got, texts, reward, prompts))
 
 
-CASES = {1: cases_1, 2: cases_2, 3: cases_3, 4: cases_4, 5: cases_5, 6: cases_6, 7: cases_7, 8: cases_8}
+# ------------------------------------------------------------------------------------------------------------
+# Lesson 10: GDPO.  Â^k = (r^k − mean_group(r^k)) / (std_group(r^k) + ε) per part k;  A = Σ_k w_k Â^k, whitened over
+# the batch: A ← (A − mean_batch(A)) / (std_batch(A) + ε); sample (unbiased) stds throughout.
+
+_SUM_FIRST = (
+    "every group got the same advantages: you normalised the sum of the parts (GRPO's advantage), the collapse GDPO "
+    "avoids: normalise each part in its own group first, then weigh, sum and whiten"
+)
+_NOT_WHITENED = (
+    "the weighted sum is right but not whitened: divide it by its std over the whole batch (after removing the batch "
+    "mean)"
+)
+
+
+def cases_10():
+    # The paper's collapse example: groups of 2, parts (correct, format). Group 1 scores (0, 0) and (1, 1), group 2
+    # (0, 0) and (1, 0). GRPO on the sums (0, 2) and (0, 1) gives both groups (−1/√2, 1/√2) = ±0.7071068.
+    # GDPO, group 1: each part is (0, 1), sample std 1/√2, so each normalises to (−1/√2, 1/√2); the sum (−√2, √2).
+    # Group 2: correct (−1/√2, 1/√2), format (0, 0) has std 0 and gives 0 (ε keeps it finite); the sum (−1/√2, 1/√2).
+    # Over the batch [−√2, √2, −1/√2, 1/√2]: mean 0, sample variance (2 + 2 + 0.5 + 0.5) / 3 = 5/3, std 1.290994;
+    # A = [−1.095445, 1.095445, −0.5477226, 0.5477226]: the sample right on both parts gets twice the other's.
+    yield "the paper's collapse example: (0, 0), (1, 1) | (0, 0), (1, 0), weights (1, 1)", \
+        lambda f: f(t([[0.0, 0.0], [1.0, 1.0], [0.0, 0.0], [1.0, 0.0]]), t([1.0, 1.0]), 2), lambda got: expect(
+        got, [-1.095445, 1.095445, -0.5477226, 0.5477226],
+        "parts [[0, 0], [1, 1], [0, 0], [1, 0]], weights [1, 1], G = 2",
+        hints=((not_finite, "the format part does not vary in group 2 (std 0): add eps to each part's group std "
+                "before dividing"),
+               ([-0.8660254, 0.8660254, -0.8660254, 0.8660254], _SUM_FIRST),
+               ([-0.7071068, 0.7071068, -0.7071068, 0.7071068], _SUM_FIRST),
+               ([-1.414214, 1.414214, -0.7071068, 0.7071068], _NOT_WHITENED),
+               ([-1.264911, 1.264911, -0.6324555, 0.6324555], "you whitened with the population std (÷ B inside the "
+                "square root); use the sample std (÷ (B − 1)), torch's default `std()`")))  # fmt: skip
+    # One part is GRPO's advantage (lesson 2) whitened over the batch. G = 4: group 1 [1, 0, 0, 0] gives
+    # [1.5, −0.5, −0.5, −0.5] (mean 0.25, sample std 0.5); group 2 [1, 1, 0, 1] gives [0.5, 0.5, −1.5, 0.5] (mean
+    # 0.75, std 0.5). Over the 8: mean 0, sample variance (2 · 2.25 + 6 · 0.25) / 7 = 6/7, std 0.9258201;
+    # A = [1.620185, −0.5400617, −0.5400617, −0.5400617, 0.5400617, 0.5400617, −1.620185, 0.5400617].
+    yield "one part: GRPO's advantage whitened over the batch (G = 4)", \
+        lambda f: f(t([[1.0], [0.0], [0.0], [0.0], [1.0], [1.0], [0.0], [1.0]]), t([1.0]), 4), lambda got: expect(
+        got, [1.620185, -0.5400617, -0.5400617, -0.5400617, 0.5400617, 0.5400617, -1.620185, 0.5400617],
+        "parts [[1], [0], [0], [0], [1], [1], [0], [1]], weights [1], G = 4",
+        hints=(([1.5, -0.5, -0.5, -0.5, 0.5, 0.5, -1.5, 0.5], "this is GRPO's advantage (lesson 2): GDPO then "
+                "whitens the weighted sum over the whole batch"),
+               ([1.732051, -0.5773503, -0.5773503, -0.5773503, 0.5773503, 0.5773503, -1.732051, 0.5773503],
+                "a population std (÷ n inside the square root) where the sample std belongs (÷ (n − 1), torch's "
+                "default `std()`): in the batch whitening, or in the groups with no whitening after"),
+               ([0.9354143, -0.9354143, -0.9354143, -0.9354143, 0.9354143, 0.9354143, -0.9354143, 0.9354143],
+                "you normalised the part over the whole batch: each part is normalised within its own group (view the "
+                "parts as (B / G, G, K)); only the weighted sum is whitened over the batch")))  # fmt: skip
+    # Weights (1, 0.5) on (correct, digits), the embedded reward's parts. Group 1: (1, 1) and (0, 0.5): each part
+    # normalises to (1/√2, −1/√2); 1 · 0.7071068 + 0.5 · 0.7071068 = 1.06066, so (1.06066, −1.06066). Group 2: (0, 0.5)
+    # and (0, 0): correct is constant (0), digits (1/√2, −1/√2) weighed 0.5: (0.3535534, −0.3535534). Over the batch:
+    # mean 0, sample variance (2 · 1.125 + 2 · 0.125) / 3 = 5/6, std 0.9128709;
+    # A = [1.161895, −1.161895, 0.3872983, −0.3872983].
+    yield "weights (1, 0.5) on (correct, digits)", lambda f: f(t([[1.0, 1.0], [0.0, 0.5], [0.0, 0.5], [0.0, 0.0]]),
+                                                           t([1.0, 0.5]), 2), lambda got: expect(
+        got, [1.161895, -1.161895, 0.3872983, -0.3872983],
+        "parts [[1, 1], [0, 0.5], [0, 0.5], [0, 0]], weights [1, 0.5], G = 2",
+        hints=((not_finite, "the correct part does not vary in group 2 (std 0): add eps to each part's group std "
+                "before dividing"),
+               ([1.095445, -1.095445, 0.5477226, -0.5477226], "the weights changed nothing: multiply each normalised "
+                "part by its weight before the sum (weights applied to the raw parts are undone by the normalisation)"),
+               ([1.019049, -1.019049, 0.6793662, -0.6793662], "the weights are swapped: weights[k] goes with "
+                "parts[:, k]"),
+               ([0.8660254, -0.8660254, 0.8660254, -0.8660254], _SUM_FIRST),
+               ([1.06066, -1.06066, 0.3535534, -0.3535534], _NOT_WHITENED)))  # fmt: skip
+    # A part of weight 0 adds nothing: the same parts with weights (1, 0) leave correct alone, (0.7071068, −0.7071068)
+    # in group 1 and 0 in group 2 (constant); over the batch: sample variance (0.5 + 0.5) / 3 = 1/3, std 0.5773503;
+    # A = [1.224745, −1.224745, 0, 0].
+    yield "a part of weight 0 adds nothing", lambda f: f(t([[1.0, 1.0], [0.0, 0.5], [0.0, 0.5], [0.0, 0.0]]),
+                                                     t([1.0, 0.0]), 2), lambda got: expect(
+        got, [1.224745, -1.224745, 0.0, 0.0], "parts [[1, 1], [0, 0.5], [0, 0.5], [0, 0]], weights [1, 0], G = 2",
+        hints=((not_finite, "a part that does not vary in its group has std 0: add eps to each part's group std"),
+               (lambda a: abs(float(a[2])) > 1e-6, "with weight 0 the digits part must not count: group 2 varies "
+                "only in digits, so its advantages are 0")))  # fmt: skip
+
+
+CASES = {1: cases_1, 2: cases_2, 3: cases_3, 4: cases_4, 5: cases_5, 6: cases_6, 7: cases_7, 8: cases_8, 10: cases_10}
 
 # How long a file may take to import and run all its lesson's cases, in seconds (the lesson pages say so). The
 # cases themselves take well under a second and an exercise file imports in 1-2 s; the rest is room for a busy
 # machine. The grading process's own start (Python and torch) is not counted.
-TIME_LIMIT_S = {1: 30, 2: 30, 3: 30, 4: 30, 5: 30, 6: 30, 7: 30, 8: 30}
+TIME_LIMIT_S = {1: 30, 2: 30, 3: 30, 4: 30, 5: 30, 6: 30, 7: 30, 8: 30, 10: 30}
 # What the grading process may use besides time: address space (it needs ~0.7 GiB: Python, torch, the exercise
 # file) and the size of any file it writes.
 MEMORY_LIMIT = 4 << 30
@@ -1107,7 +1183,7 @@ def grade_class(folder: Path, run: bool, limit_s: float | None = None) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("lesson", nargs="?", type=int, help="the lesson number (1-8)")
+    ap.add_argument("lesson", nargs="?", type=int, help="the lesson number (1-8, 10)")
     ap.add_argument("file", nargs="?", type=Path, help="your copy of the lesson's exercise")
     ap.add_argument("--no-run", action="store_true", help="the cases only, no learning run")
     ap.add_argument("--class", dest="klass", type=Path, help="grade a folder of submissions: <student>/<NN>_*.py")

@@ -62,5 +62,7 @@ LESSONS: dict[int, Lesson] = {
                run_flags=("--train.max-steps", "40", "--eval.every", "40", "--eval.max-samples", "300")),
         Lesson(8, "agents", "Agents and tools", "agents/examples/calculator_agent.py", "agent"),
         Lesson(9, "scaling_out", "Scaling out: ranks, engines, ZeRO-3", None, None),
+        Lesson(10, "reward_parts", "Rewards with several parts (GDPO)", "algos/gdpo.py", "gdpo_advantages",
+               run_flags=RL_RUN),
     )
 }  # fmt: skip
