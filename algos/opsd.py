@@ -117,8 +117,7 @@ class AlgoArgs:
 
 # RECIPE: OPSD's setting on the embedded task (~1 M parameters), its `--help` defaults; a fork changes it here
 STUDENT = config.ModelConfig(name_or_path="cleanrlhf/tiny-sft-hint")  # DEVIATION(7): a warm start that reads hints
-ACTOR = dict(model=STUDENT, lr=3e-4, lr_ref_samples=256, warmup_steps=0, min_lr_ratio=0.1, weight_decay=0.0,
-             adam_betas=(0.9, 0.95))  # fmt: skip
+ACTOR = dict(model=STUDENT, lr=3e-4, lr_ref_samples=256, warmup_steps=0, min_lr_ratio=0.1, weight_decay=0.0, adam_betas=(0.9, 0.95))
 ROLLOUT = dict(batch_size=64, n_samples=8)  # prompts per step, G samples per prompt (the group)
 TRAIN = dict(max_steps=30, minibatches=2, epochs=1)  # RL steps, optimizer steps per rollout, passes over it
 

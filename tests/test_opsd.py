@@ -154,8 +154,8 @@ def test_help_lists_the_algo_flags():
 def test_opsd_raises_eval_pass_at_1_from_its_warm_start(tmp_path):
     """8 steps of self-distillation (the frozen starting weights reading the answer, λ = 0: no reward trains) with
     `--debug`: the student's greedy pass@1 on the plain prompts rises by 0.1 or more from the hint-reading warm
-    start's (measured 0.186 -> 0.532 at step 4 and 0.738 at step 8 on the 2-core AMD EPYC, 2026-12-05), and the
-    reverse KL to the hinted teacher falls."""
+    start's (0.186; a 16-step run evaluated every 4 steps was at 0.532 after 4 and 0.738 after 8 on the 2-core AMD
+    EPYC, 2026-12-05), and the reverse KL to the hinted teacher falls."""
     summary, rows = short_rl_run(main, Args(), tmp_path / "run", steps=8)
     assert summary["eval_pass@1_last"] >= summary["eval_pass@1_first"] + 0.1, summary
     kl = [r["opsd/reverse_kl"] for r in rows if "opsd/reverse_kl" in r]
