@@ -58,7 +58,8 @@ class SingleTurnExecutor:
         groups = self.engines.generate([e["prompt_ids"] for e in batch], n=n, max_new_tokens=self.max_new_tokens,
                                        temperature=temperature, top_p=self.top_p, seed=seed, **pictures)  # fmt: skip
         episodes = [Episode(e, list(e["prompt_ids"]), s.token_ids, s.logprobs, [1] * len(s.token_ids), s.truncated,
-                            s.finish_reason) for e, g in zip(batch, groups) for s in g]  # fmt: skip
+                            s.finish_reason, routed_experts=s.routed_experts)
+                    for e, g in zip(batch, groups) for s in g]  # fmt: skip
         texts = [self.tokenizer.decode(ep.token_ids, skip_special_tokens=True) for ep in episodes]
         prompts = [ep.example["prompt"] for ep in episodes]
         rewards, logs, scores, extras = self.reward_fn([p + t for p, t in zip(prompts, texts)], prompts,

@@ -277,6 +277,14 @@ class ActorArgs:
     """β of an exponential moving average of the policy's weights, ema ← β·ema + (1 − β)·θ after every optimizer
     step, starting from the initial weights; exported beside the final model to `<run>/hf_ema/` and carried in
     checkpoints (ZeRO-3: each rank keeps its own partition). 0: off."""
+    routing_replay: bool = False
+    """rollout routing replay (R3, Ma et al. 2025, arXiv:2510.11370) for a mixture-of-experts actor (Qwen2-MoE,
+    Qwen3-MoE): the rollout engine records each token's experts per MoE layer, and the trainer's forwards use them
+    (the routing weights recomputed from the live router, so the router still learns: core/moe.py); logs
+    `moe/routing_mismatch` (the share of (token, layer) decisions where the trainer's router chose otherwise than the
+    engine) and `moe/logp_gap` (mean |trainer − engine| log-prob with replay). Needs `--vllm.engine hf` (vLLM's CPU
+    build cannot return routed experts); refused for a dense actor, multi-turn/agent episodes, partial rollout and
+    `--train.sp-size` > 1 (core.moe.check_replay_flags)."""
 
 
 @dataclass

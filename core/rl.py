@@ -40,6 +40,7 @@ token mean. Metric names mean one thing in every script (see `core.logger.Meter`
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 import time
@@ -54,6 +55,7 @@ from core import (
     checkpoint,
     data,
     models,
+    moe,
     packing,
     placement,
     rl_math,
@@ -126,8 +128,17 @@ def make_actor(args, device: torch.device, lr: float, schedule=None):
     """The trained policy: `--actor.model.*` as a DeepSpeed engine with AdamW at peak lr `lr` (the script's choice:
     `--actor.lr`, or `scaled_lr` of it), `--actor.adam-betas` and `--actor.weight-decay`, and the script's
     learning-rate schedule (`schedule(update)`: the peak lr's multiplier at each optimizer step, the script's
-    `lr_schedule`; None: constant)."""
+    `lr_schedule`; None: constant). `--actor.routing-replay`: what it does not carry, and a dense or unsupported
+    actor, are refused before the model loads (`core.moe.check_replay_flags`, `check_config`)."""
+    if args.actor.routing_replay:
+        from transformers import AutoConfig
+
+        moe.check_replay_flags(args)
+        path = models._check_model_path(args.actor.model.name_or_path, "--actor.model.name-or-path")
+        moe.check_config(AutoConfig.from_pretrained(path), "--actor.routing-replay")
     model = models.load_causal_lm(args.actor.model, "--actor.model.name-or-path").to(device)
+    if args.actor.routing_replay:
+        moe.check_routing_replay(model, "--actor.routing-replay")
     if args.train.sp_size > 1:  # --train.sp-size: the actor's forwards split each row's tokens over an SP group
         if not args.train.packing or args.data.image_key:  # (models on ranks of their own: refused by `launch`)
             raise ValueError("--train.sp-size needs --train.packing and is not built for pictures (--data.image-key: "
@@ -220,6 +231,9 @@ def start(args, engine_models: dict, engines, tokenizer, eval_set: list[dict], e
                                          max_lora_rank=engine_lora_rank(args.actor.model, args.vllm))  # fmt: skip
     elif engines.backend == "broadcast":
         engines.init_broadcast(rank, world)  # rank 0 (or every rank: its ZeRO-3 partitions) sends to the engine actors
+    if args.actor.routing_replay:  # the transformers engine records each sample's experts (`HFEngine.record_routing`)
+        for e in engines.engines:
+            e.record_routing = True
     start_step, client = checkpoint.resume(engine_models, ckpt_dir, run_dir, args)
     if start_step:
         placement.sync_weights(engines, engine_models["actor"], rank)  # the engines start from the checkpoint's weights
@@ -374,7 +388,8 @@ def sequences(episodes: list[Episode], pad_id: int, device, packed: bool = True)
     the model forwards pack the real tokens padding-free (`model_inputs`) unless `packed` is False (`--train.no-
     packing`: the padded forward, the reference the packed one is tested against). Episodes that carry `versions`
     (grpo_async's partial rollout: the weights version that sampled each response token) give a `versions` table
-    too, −1 off the responses."""
+    too, −1 off the responses. Episodes that carry `routed_experts` (`--actor.routing-replay`) give `routing`, the
+    per-row list of the engine's tables, which `forward_logp` replays (`rows` slices it with the rows)."""
     if not episodes:  # a step whose filter kept nothing: no table (the script trains nothing)
         return {}
     examples = [{"input_ids": e.prompt_ids + e.token_ids, "loss_mask": [0] * len(e.prompt_ids) + e.action_mask}
@@ -389,6 +404,8 @@ def sequences(episodes: list[Episode], pad_id: int, device, packed: bool = True)
         batch["rollout_logp"][row, response] = torch.tensor(e.logprobs)
         if tagged:
             batch["versions"][row, response] = torch.tensor(e.versions, dtype=torch.long)
+    if all(e.routed_experts is not None for e in episodes):
+        batch["routing"] = [e.routed_experts for e in episodes]
     batch["packed"] = packed
     if any(e.example.get("pixel_values") is not None for e in episodes):  # pictures: the padded forward (vision.py)
         batch = vision.add_pixels(batch, [e.example for e in episodes])
@@ -449,9 +466,43 @@ def forward_logp(model, batch: dict, temperature: float, entropy: bool = False):
     b, t = batch["loss_mask"].nonzero(as_tuple=True)  # the targets; t ≥ 1 (a prompt token is never one)
     # --train.sp-size N: this rank forwards 1/N of the tokens; the log-probs come back whole on every rank of its group
     fn = models.causal_logprobs if sequence_parallel.sp_group(model) is None else sequence_parallel.causal_logprobs
-    logp, ent = fn(model, inputs, index[b, t - 1], batch["input_ids"][b, t], temperature, entropy)
+    # --actor.routing-replay: the forward routes every token to the experts the engine chose (R3, core/moe.py); the
+    # reference too when it is an MoE of the same layers (it then scores the same expert paths as the actor)
+    routing, replay, own = batch.get("routing"), contextlib.nullcontext(), None
+    if routing is not None and len(moe.routers(model)) == routing[0].shape[1]:
+        table = moe.table_for_forward(routing, index, inputs["input_ids"].numel())
+        own = [] if torch.is_grad_enabled() else None  # the update's forwards measure the mismatch, no extra forward
+        replay = moe.replay_routing(model, table, own)
+    with replay:
+        logp, ent = fn(model, inputs, index[b, t - 1], batch["input_ids"][b, t], temperature, entropy)
     zeros = torch.zeros(batch["loss_mask"].shape, dtype=logp.dtype, device=logp.device)
-    return zeros.index_put((b, t), logp), (None if ent is None else zeros.index_put((b, t), ent))
+    out = zeros.index_put((b, t), logp)
+    if own:
+        valid = moe.recorded_positions(routing, index, table.shape[0])
+        mask = batch["loss_mask"].bool()
+        gap = (out.detach() - batch["rollout_logp"].to(out.device))[mask].abs()
+        REPLAY_STATS.append((moe.routing_mismatch(own[-1], table, valid), int(valid.sum()), gap.sum().item(),
+                             gap.numel()))  # fmt: skip
+    return out, (None if ent is None else zeros.index_put((b, t), ent))
+
+
+REPLAY_STATS: list[tuple[float, int, float, int]] = []
+"""`--actor.routing-replay`: (mismatch share, decisions' tokens, summed |log-prob gap|, tokens) of each update forward
+since the last `replay_stats`."""
+
+
+def replay_stats() -> dict:
+    """The step's routing-replay metrics, from the update's forwards since the last call ({} without replay):
+    `moe/routing_mismatch`, the share of (token, layer) decisions over real tokens where the trainer's router chose
+    another expert set than the engine recorded (what replay overrides), and `moe/logp_gap`, the mean |trainer −
+    engine| log-prob over the trained tokens with replay on (after the step's earlier optimizer steps, with
+    `--train.minibatches` > 1 or `--train.epochs` > 1)."""
+    if not REPLAY_STATS:
+        return {}
+    share, n, gap, tokens = zip(*REPLAY_STATS)
+    REPLAY_STATS.clear()
+    return {"moe/routing_mismatch": sum(s * k for s, k in zip(share, n)) / max(sum(n), 1),
+            "moe/logp_gap": sum(gap) / max(sum(tokens), 1)}  # fmt: skip
 
 
 def minibatches(seqs: dict, train, step: int, rank: int, world: int) -> list[tuple[list[int], list[tuple[list[int], bool]]]]:
@@ -609,6 +660,7 @@ def end_step(run: Run, eval_cfg, ckpt, step: int, stats: dict, state: dict | Non
     (hybrid engine) move the trainer's states off the GPU for the next rollout. Returns True when
     `--train.halt-after` stops here."""
     last = step == run.max_steps - 1
+    stats.update(replay_stats())  # --actor.routing-replay: moe/routing_mismatch, moe/logp_gap
     if stats.get("rollout/kept_frac", 1.0) == 0:  # the script's filter dropped every sample: nothing was trained
         run.idle_steps += 1
         if (run.idle_steps - 1) % warn_every == 0:  # the first such step, then every `warn_every`-th

@@ -93,6 +93,10 @@ class Sample:
     top_logprobs: list[dict[int, float]] | None = None
     """`generate(..., top_logprobs=k)`: one per token, the k most likely tokens there {token id: log-prob} under the
     same distribution as `logprobs`; None when not asked for."""
+    routed_experts: object = None
+    """`--actor.routing-replay` (transformers engine): the (prompt + response − 1, layers, top_k) int64 tensor of the
+    experts each forwarded token was routed to per MoE layer, in token order (`core.moe.generated_table`); None
+    otherwise."""
 
 
 class EngineError(RuntimeError):

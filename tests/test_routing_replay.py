@@ -1,0 +1,148 @@
+"""`--actor.routing-replay` end to end on the embedded Qwen2-MoE `cleanrlhf/tiny-moe` (2 MoE layers, top-2 of 4): the
+transformers engine's record (`HFEngine.record_routing`, core/moe.py's `record_generate`), its trip through
+Sample -> Episode -> `rl.sequences` -> `rl.rows`, the trainer's replayed forward (`rl.forward_logp`), the metrics
+(`rl.replay_stats`) and the refusals (`moe.check_replay_flags`, `rl.make_actor`)."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+
+import pytest
+import torch
+
+from core import embedded, hf_engine, models, moe, rl, rollout
+from core.config import ModelConfig
+from core.episode import Episode
+
+
+@pytest.fixture(scope="module")
+def engine():
+    e = hf_engine.HFEngine(embedded.resolve_model("cleanrlhf/tiny-moe"), rollout.VLLMConfig(engine="hf", dtype="float32"),
+                           seed=3)  # fmt: skip
+    e.record_routing = True
+    return e
+
+
+PROMPTS = [[5, 17, 30, 41, 9], [12, 60, 7], [33, 21, 8, 70, 71, 72, 15]]
+
+
+def episodes_of(engine, n=2, max_new_tokens=6, temperature=1.0):
+    groups = engine.generate(PROMPTS, n=n, max_new_tokens=max_new_tokens, temperature=temperature, seed=11)
+    return [Episode({"prompt": ""}, list(p), s.token_ids, s.logprobs, [1] * len(s.token_ids), s.truncated,
+                    s.finish_reason, routed_experts=s.routed_experts) for p, g in zip(PROMPTS, groups) for s in g]  # fmt: skip
+
+
+def test_the_engines_record_is_what_a_teacher_forced_forward_routes(engine):
+    """Each sample's table (prompt + response − 1 tokens: the last sampled token is never forwarded) equals the
+    selection of a plain fp32 forward of prompt + response over the same positions (left padding, the KV cache and
+    the one-token steps change nothing in fp32 on this model)."""
+    for ep in episodes_of(engine):
+        seq = ep.prompt_ids + ep.token_ids
+        assert ep.routed_experts.shape == (len(seq) - 1, 2, 2)
+        with torch.no_grad(), moe.record_routing(engine.model) as table:
+            engine.model(input_ids=torch.tensor([seq]))
+        assert torch.equal(ep.routed_experts, table["experts"][:-1])
+
+
+@pytest.mark.parametrize("packed", [True, False])
+def test_the_trainer_replays_the_record_exactly_and_its_router_gets_the_gradient(engine, packed, monkeypatch):
+    """A trainer copy whose routers are perturbed (so it would route otherwise): `rl.forward_logp` over the rollout
+    table (packed, or padded as `--train.no-packing`), and over `rl.rows` of it, routes every recorded token as the
+    engine did, reports the trainer's own disagreement in `moe/routing_mismatch`, and the router weights get a
+    gradient."""
+    eps = episodes_of(engine)
+    trainer = copy.deepcopy(engine.model).train()
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for router in moe.routers(trainer):
+            router.weight.add_(0.5 * torch.randn(router.weight.shape, generator=g))
+    batch = rl.sequences(eps, 0, torch.device("cpu"), packed=packed)
+    assert len(batch["routing"]) == len(eps)
+    seen, replay = {}, moe.replay_routing
+
+    @contextlib.contextmanager
+    def replay_then_record(model, experts, own=None):  # a recorder whose hooks run after the replay's
+        with replay(model, experts, own), moe.record_routing(model) as table:
+            yield
+        seen.update(table)
+
+    monkeypatch.setattr(moe, "replay_routing", replay_then_record)
+    for sub in (batch, rl.rows(batch, [4, 1, 2])):
+        inputs, index = rl.model_inputs(trainer, sub)
+        numel = inputs["input_ids"].numel()
+        want = moe.table_for_forward(sub["routing"], index, numel)
+        valid = moe.recorded_positions(sub["routing"], index, numel)
+        rl.REPLAY_STATS.clear()
+        logp, _ = rl.forward_logp(trainer, sub, 1.0)
+        assert torch.equal(seen["experts"][valid], want[valid])
+        stats = rl.replay_stats()
+        assert 0.0 < stats["moe/routing_mismatch"] <= 1.0 and stats["moe/logp_gap"] > 0
+        trainer.zero_grad()
+        logp.sum().backward()
+        for router in moe.routers(trainer):
+            assert router.weight.grad is not None and router.weight.grad.abs().sum() > 0
+
+
+def test_with_an_unperturbed_fp32_trainer_replay_agrees_with_the_engine(engine):
+    """The engine's own fp32 weights as the trainer: no decision differs and the log-prob gap is float noise."""
+    batch = rl.sequences(episodes_of(engine), 0, torch.device("cpu"))
+    rl.REPLAY_STATS.clear()
+    with torch.enable_grad():
+        rl.forward_logp(engine.model, batch, 1.0)
+    stats = rl.replay_stats()
+    assert stats["moe/routing_mismatch"] == 0.0 and stats["moe/logp_gap"] < 1e-4, stats
+
+
+def test_a_bf16_engine_beside_an_fp32_trainer_replay_narrows_the_log_prob_gap():
+    """Near-tied routers (two experts' weight rows 1e-5 apart, as tests/test_moe_routing.py builds them), a bf16
+    engine recording its own generate, the fp32 trainer: the trainer's routers disagree with the engine's on a share of
+    the decisions, and its log-probs with replay are closer to the engine's than without."""
+    e = hf_engine.HFEngine(embedded.resolve_model("cleanrlhf/tiny-moe"),
+                           rollout.VLLMConfig(engine="hf", dtype="bfloat16"), seed=3)  # fmt: skip
+    e.record_routing = True
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for router in moe.routers(e.model):
+            near = router.weight[2] + 1e-5 * torch.randn(router.weight[2].shape, generator=g).to(torch.bfloat16)
+            router.weight[1].copy_(near)
+    trainer = copy.deepcopy(e.model).float()
+    eps = episodes_of(e, n=4, max_new_tokens=12)
+    batch = rl.sequences(eps, 0, torch.device("cpu"))
+    rl.REPLAY_STATS.clear()
+    with torch.enable_grad():
+        replayed, _ = rl.forward_logp(trainer, batch, 1.0)
+    stats = rl.replay_stats()
+    with torch.no_grad():
+        free, _ = rl.forward_logp(trainer, {k: v for k, v in batch.items() if k != "routing"}, 1.0)
+    mask = batch["loss_mask"].bool()
+    gap_replay = (replayed.detach() - batch["rollout_logp"])[mask].abs().mean().item()
+    gap_free = (free - batch["rollout_logp"])[mask].abs().mean().item()
+    print(f"mismatch {stats['moe/routing_mismatch']:.3f} gap with replay {gap_replay:.5f} without {gap_free:.5f}")
+    assert stats["moe/logp_gap"] == pytest.approx(gap_replay, rel=1e-5)
+    assert stats["moe/routing_mismatch"] >= 0.03
+    assert gap_replay < 0.8 * gap_free, (gap_replay, gap_free)
+
+
+def test_the_refusals_name_the_flags():
+    from algos.grpo import Args
+
+    args = Args()
+    args.actor.routing_replay = True
+    with pytest.raises(ValueError, match=r"--actor.routing-replay needs --vllm.engine hf: .*Model Runner V2.*Triton"):
+        rl.make_actor(args, torch.device("cpu"), 1e-5)
+    args.vllm.engine, args.actor.model.name_or_path = "hf", "cleanrlhf/tiny"
+    with pytest.raises(ValueError, match=r"--actor.routing-replay: qwen2 is a dense model"):
+        rl.make_actor(args, torch.device("cpu"), 1e-5)
+    for name, field, value in (("--rollout.env-file", "rollout.env_file", "env.py"),
+                               ("--train.sp-size", "train.sp_size", 2),
+                               ("--actor.model.gradient-checkpointing", "actor.model.gradient_checkpointing", True)):  # fmt: skip
+        bad = copy.deepcopy(args)
+        section, key = field.rsplit(".", 1)
+        setattr(eval(f"bad.{section}"), key, value)
+        with pytest.raises(ValueError, match=rf"--actor.routing-replay with {name}"):
+            moe.check_replay_flags(bad)
+    unsupported = models.load_causal_lm(ModelConfig(name_or_path="cleanrlhf/tiny-moe")).config
+    unsupported.model_type = "mixtral"
+    with pytest.raises(ValueError, match=r"--actor.routing-replay: mixtral's router is not supported"):
+        moe.check_config(unsupported, "--actor.routing-replay")
