@@ -152,5 +152,9 @@ def test_replay_holds_after_packing(tiny_moe, packed):
         where = index[b, :n]
         assert torch.equal(seen["experts"][where], rows[b]), b
         torch.testing.assert_close(flat[where], alone[b], rtol=0, atol=1e-5)  # fp32 attention over other spans
-    with pytest.raises(ValueError, match=r"row 1 has 9 tokens in the batch and 8 recorded"):
-        moe.table_for_forward([rows[0], rows[1][:8], rows[2]], index, inputs["input_ids"].numel())
+    # one row short is an engine's record (its last sampled token was never forwarded): filler there; two is refused
+    short = moe.table_for_forward([rows[0], rows[1][:8], rows[2]], index, inputs["input_ids"].numel())
+    assert torch.equal(short[index[1, :8]], rows[1][:8])
+    assert torch.equal(short[index[1, 8]], torch.arange(2).expand(2, 2))
+    with pytest.raises(ValueError, match=r"row 1 has 9 tokens in the batch and 7 recorded"):
+        moe.table_for_forward([rows[0], rows[1][:7], rows[2]], index, inputs["input_ids"].numel())
