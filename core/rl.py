@@ -146,8 +146,10 @@ def make_actor(args, device: torch.device, lr: float, schedule=None):
         sequence_parallel.setup(model, args.train.sp_size)
     ds_engine.tp_data_split(args.ds, args.train.sp_size)  # --ds.tensor-parallel-size: refused with SP or a bad size
     a = args.actor
-    return ds_engine.make_engine(model, args.ds, lr, schedule, weight_decay=a.weight_decay, betas=a.adam_betas,
-                                 hybrid=args.vllm.enable_sleep, ema_beta=a.ema_beta)  # fmt: skip
+    engine = ds_engine.make_engine(model, args.ds, lr, schedule, weight_decay=a.weight_decay, betas=a.adam_betas,
+                                   hybrid=args.vllm.enable_sleep, ema_beta=a.ema_beta)  # fmt: skip
+    engine.replays_routing = a.routing_replay  # `forward_logp` replays the engine's routing on this model only
+    return engine
 
 
 def scaled_lr(actor, ro_cfg, train) -> float:
@@ -466,10 +468,11 @@ def forward_logp(model, batch: dict, temperature: float, entropy: bool = False):
     b, t = batch["loss_mask"].nonzero(as_tuple=True)  # the targets; t ≥ 1 (a prompt token is never one)
     # --train.sp-size N: this rank forwards 1/N of the tokens; the log-probs come back whole on every rank of its group
     fn = models.causal_logprobs if sequence_parallel.sp_group(model) is None else sequence_parallel.causal_logprobs
-    # --actor.routing-replay: the forward routes every token to the experts the engine chose (R3, core/moe.py); the
-    # reference too when it is an MoE of the same layers (it then scores the same expert paths as the actor)
+    # --actor.routing-replay: the actor's forward (`replays_routing`, set by `make_actor`; also its LoRA base as the
+    # reference) routes every token to the experts the engine chose (R3, core/moe.py). A separate reference or
+    # teacher model routes on its own: the engine's record is the actor's, not theirs
     routing, replay, own = batch.get("routing"), contextlib.nullcontext(), None
-    if routing is not None and len(moe.routers(model)) == routing[0].shape[1]:
+    if routing is not None and getattr(model, "replays_routing", False):
         table = moe.table_for_forward(routing, index, inputs["input_ids"].numel())
         own = [] if torch.is_grad_enabled() else None  # the update's forwards measure the mismatch, no extra forward
         replay = moe.replay_routing(model, table, own)

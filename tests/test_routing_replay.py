@@ -53,6 +53,7 @@ def test_the_trainer_replays_the_record_exactly_and_its_router_gets_the_gradient
     gradient."""
     eps = episodes_of(engine)
     trainer = copy.deepcopy(engine.model).train()
+    trainer.replays_routing = True  # as `rl.make_actor` marks the actor
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for router in moe.routers(trainer):
@@ -87,9 +88,11 @@ def test_the_trainer_replays_the_record_exactly_and_its_router_gets_the_gradient
 def test_with_an_unperturbed_fp32_trainer_replay_agrees_with_the_engine(engine):
     """The engine's own fp32 weights as the trainer: no decision differs and the log-prob gap is float noise."""
     batch = rl.sequences(episodes_of(engine), 0, torch.device("cpu"))
+    trainer = copy.deepcopy(engine.model)
+    trainer.replays_routing = True
     rl.REPLAY_STATS.clear()
     with torch.enable_grad():
-        rl.forward_logp(engine.model, batch, 1.0)
+        rl.forward_logp(trainer, batch, 1.0)
     stats = rl.replay_stats()
     assert stats["moe/routing_mismatch"] == 0.0 and stats["moe/logp_gap"] < 1e-4, stats
 
@@ -97,7 +100,8 @@ def test_with_an_unperturbed_fp32_trainer_replay_agrees_with_the_engine(engine):
 def test_a_bf16_engine_beside_an_fp32_trainer_replay_narrows_the_log_prob_gap():
     """Near-tied routers (two experts' weight rows 1e-5 apart, as tests/test_moe_routing.py builds them), a bf16
     engine recording its own generate, the fp32 trainer: the trainer's routers disagree with the engine's on a share of
-    the decisions, and its log-probs with replay are closer to the engine's than without."""
+    the decisions, and its log-probs with replay are closer to the engine's than without (an unmarked copy over the same
+    batch, as a reference model routes: on its own)."""
     e = hf_engine.HFEngine(embedded.resolve_model("cleanrlhf/tiny-moe"),
                            rollout.VLLMConfig(engine="hf", dtype="bfloat16"), seed=3)  # fmt: skip
     e.record_routing = True
@@ -107,14 +111,16 @@ def test_a_bf16_engine_beside_an_fp32_trainer_replay_narrows_the_log_prob_gap():
             near = router.weight[2] + 1e-5 * torch.randn(router.weight[2].shape, generator=g).to(torch.bfloat16)
             router.weight[1].copy_(near)
     trainer = copy.deepcopy(e.model).float()
+    trainer.replays_routing = True
     eps = episodes_of(e, n=4, max_new_tokens=12)
     batch = rl.sequences(eps, 0, torch.device("cpu"))
     rl.REPLAY_STATS.clear()
     with torch.enable_grad():
         replayed, _ = rl.forward_logp(trainer, batch, 1.0)
     stats = rl.replay_stats()
+    reference = copy.deepcopy(e.model).float()  # not marked `replays_routing`: a reference routes on its own
     with torch.no_grad():
-        free, _ = rl.forward_logp(trainer, {k: v for k, v in batch.items() if k != "routing"}, 1.0)
+        free, _ = rl.forward_logp(reference, batch, 1.0)
     mask = batch["loss_mask"].bool()
     gap_replay = (replayed.detach() - batch["rollout_logp"])[mask].abs().mean().item()
     gap_free = (free - batch["rollout_logp"])[mask].abs().mean().item()
