@@ -141,6 +141,7 @@ def test_the_refusals_name_the_flags():
     with pytest.raises(ValueError, match=r"--actor.routing-replay: qwen2 is a dense model"):
         rl.make_actor(args, torch.device("cpu"), 1e-5)
     for name, field, value in (("--rollout.env-file", "rollout.env_file", "env.py"),
+                               ("--rollout.agent-file", "rollout.agent_file", "agent.py"),
                                ("--train.sp-size", "train.sp_size", 2),
                                ("--actor.model.gradient-checkpointing", "actor.model.gradient_checkpointing", True)):  # fmt: skip
         bad = copy.deepcopy(args)
@@ -148,6 +149,12 @@ def test_the_refusals_name_the_flags():
         setattr(eval(f"bad.{section}"), key, value)
         with pytest.raises(ValueError, match=rf"--actor.routing-replay with {name}"):
             moe.check_replay_flags(bad)
+    from algos.grpo_async import Args as AsyncArgs
+
+    partial = AsyncArgs()
+    partial.actor.routing_replay, partial.vllm.engine, partial.train.partial_rollout = True, "hf", 4
+    with pytest.raises(ValueError, match=r"--actor.routing-replay with --train.partial-rollout"):
+        moe.check_replay_flags(partial)
     unsupported = models.load_causal_lm(ModelConfig(name_or_path="cleanrlhf/tiny-moe")).config
     unsupported.model_type = "mixtral"
     with pytest.raises(ValueError, match=r"--actor.routing-replay: mixtral's router is not supported"):
