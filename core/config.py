@@ -524,13 +524,21 @@ def check_args(args) -> None:
     ValueError lists
     every violation, each naming its flag as typed (`--rollout.batch-size 0: must be > 0`). Cross-field rules (group
     size vs a filter, ...) stay in the scripts, next to the algorithm they protect; the one of the plumbing, an RL
-    script's lr scale (`actor_lr`: `--actor.lr-ref-samples` against its samples per step), is checked here."""
+    script's lr scale (`actor_lr`: `--actor.lr-ref-samples` against its samples per step), is checked here, and so are
+    the flags `--actor.routing-replay` does not carry yet (`core.moe.check_replay_flags`, before any rank starts)."""
     errors = _errors(args, ())
     actor, rollout, train = (getattr(args, k, None) for k in ("actor", "rollout", "train"))
     rl_script = hasattr(actor, "lr_ref_samples") and hasattr(rollout, "n_samples") and hasattr(train, "minibatches")
     if rl_script and not errors:  # `--actor.lr-ref-samples`: the factor it scales the lr by has a floor
         try:
             actor_lr(actor, samples_per_update(rollout, train))
+        except ValueError as e:
+            errors.append(str(e))
+    if rl_script and not errors and getattr(actor, "routing_replay", False):  # before a launch starts any rank
+        from core import moe
+
+        try:
+            moe.check_replay_flags(args)
         except ValueError as e:
             errors.append(str(e))
     if len(errors) == 1:

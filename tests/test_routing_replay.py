@@ -161,6 +161,20 @@ def test_the_refusals_name_the_flags():
         moe.check_config(unsupported, "--actor.routing-replay")
 
 
+@pytest.mark.parametrize("script", ["grpo", "rloo", "ppo"])
+def test_every_rl_script_refuses_before_a_launch_starts_any_rank(script, monkeypatch):
+    """With `--train.ranks 2` a script's `main` would launch Ray ranks; the flags routing replay does not carry are
+    refused by `config.check_args` first, in the script's process, and nothing is launched."""
+    import importlib
+
+    mod = importlib.import_module(f"algos.{script}")
+    monkeypatch.setattr(rl, "launch", lambda *a, **k: pytest.fail("launched ranks before refusing the flags"))
+    args = mod.Args()
+    args.actor.routing_replay, args.train.ranks = True, 2
+    with pytest.raises(ValueError, match=r"--actor.routing-replay needs --vllm.engine hf"):
+        mod.main(args)
+
+
 @pytest.mark.slow
 def test_grpo_with_routing_replay_on_the_tiny_moe(tmp_path):
     """3 GRPO steps on `cleanrlhf/tiny-moe` with `--actor.routing-replay --vllm.engine hf --debug` (a reward with
