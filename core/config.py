@@ -169,6 +169,15 @@ class DSConfig:
     log-prob code needs every token's logit, and DeepSpeed's vocabulary-parallel head would leave each rank a slice);
     data parallelism runs across the groups (`--train.ranks 4 --ds.tensor-parallel-size 2`: 2 TP groups of 2). Must
     divide the number of ranks. ZeRO 0-3; not with LoRA, 4-bit weights or `--train.sp-size`."""
+    expert_parallel_size: PosInt = 1
+    """DeepSpeed AutoEP training (`"expert_parallel": {"autoep_size": N}`) of a mixture-of-experts model: each MoE
+    layer's routed experts are split over N consecutive ranks (rank r of a group holds experts r·E/N to (r+1)·E/N − 1
+    of E), tokens travel to their experts' rank and back (all-to-all), and everything else (attention, router, shared
+    expert, embeddings) stays whole on every rank; every rank trains on its own samples (data parallelism over all
+    ranks, the experts' gradients averaged over the ranks that hold the same experts). Must divide the number of
+    ranks and the number of experts. Qwen2-MoE, Qwen3-MoE, Mixtral and DeepSeek models (DeepSpeed's presets); not
+    with a dense model, LoRA, 4-bit weights, `--ds.tensor-parallel-size`, `--ds.optimizer muon` or
+    `--train.sp-size`."""
 
 
 @dataclass
@@ -282,9 +291,9 @@ class ActorArgs:
     Qwen3-MoE): the rollout engine records each token's experts per MoE layer, and the trainer's forwards use them
     (the routing weights recomputed from the live router, so the router still learns: core/moe.py); logs
     `moe/routing_mismatch` (the share of (token, layer) decisions where the trainer's router chose otherwise than the
-    engine) and `moe/logp_gap` (mean |trainer − engine| log-prob with replay). Needs `--vllm.engine hf` (vLLM's CPU
-    build cannot return routed experts); refused for a dense actor, multi-turn/agent episodes, partial rollout and
-    `--train.sp-size` > 1 (core.moe.check_replay_flags)."""
+    engine) and `moe/logp_gap` (mean |trainer − engine| log-prob with replay). Both engines record (`--vllm.engine
+    vllm` through hooks on its routers); refused for a dense actor, multi-turn/agent episodes, partial rollout,
+    `--train.sp-size` > 1 and `--vllm.tensor-parallel-size` > 1 (core.moe.check_replay_flags)."""
 
 
 @dataclass

@@ -31,7 +31,7 @@ from core.config import DSConfig, RefConfig
 from core.ema import ema_init, ema_update, ema_weights
 from core.models import TokenValues
 from core.optimizers import fused_adam, muon_optimizer
-from core.weights import gathered_state_dict, merged_named_parameters, tp_sharded, tp_size
+from core.weights import ep_sharded, ep_size, gathered_state_dict, merged_named_parameters, tp_sharded, tp_size
 
 
 def free_port() -> int:
@@ -190,6 +190,8 @@ def ds_config(ds: DSConfig, dtype: torch.dtype, stage: int) -> dict:
     compiled = {"compile": {"deepcompile": True}} if ds.deepcompile else {}  # its passes run at engine.compile()
     if ds.tensor_parallel_size > 1:  # AutoTP: DeepSpeed shards the linears at initialize (see tp_data_split)
         compiled["tensor_parallel"] = {"autotp_size": ds.tensor_parallel_size, "vocab_parallel_lm_head": False}
+    if ds.expert_parallel_size > 1:  # AutoEP: DeepSpeed swaps each MoE block for its own at initialize
+        compiled["expert_parallel"] = {"enabled": True, "autoep_size": ds.expert_parallel_size}
     return compiled | {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
@@ -234,18 +236,22 @@ def tp_group_size() -> int:
 
 
 def _tp_clip_and_keep_norm(engine, max_norm: float) -> torch.Tensor:
-    """Global gradient norm of a stage-0 AutoTP engine, and clipping by it: every rank of a tensor-parallel group holds
-    a shard's gradient of each sharded weight and a whole copy of the replicated ones' (norms, row-parallel
-    biases), so the shards' squares are summed over the group and the replicated ones counted once. Every rank gets
-    the same norm, hence the same clip coefficient (a rank-local norm would clip the replicas differently and drift
-    them apart)."""
+    """Global gradient norm of a stage-0 AutoTP or AutoEP engine, and clipping by it: every rank of a tensor-parallel
+    group holds a shard's gradient of each sharded weight (of an expert-parallel group: its own experts' gradients)
+    and a whole copy of the replicated ones' (norms, row-parallel biases; attention, router, shared expert), so the
+    shards' squares are summed over the group and the replicated ones counted once. Every rank gets the same norm,
+    hence the same clip coefficient (a rank-local norm would clip the replicas differently and drift them apart)."""
     from deepspeed.utils import groups
 
+    if ep_size(engine) > 1:  # AutoEP: the experts' group (its ranks hold different experts), DeepSpeed's name for it
+        owns, group = ep_sharded, groups._get_expert_parallel_group(f"ep_size_{ep_size(engine)}")
+    else:
+        owns, group = tp_sharded, groups.get_tensor_model_parallel_group()
     params = [p for p in engine.module.parameters() if p.grad is not None]
-    sharded = [torch.linalg.vector_norm(p.grad, dtype=torch.float32) for p in params if tp_sharded(p)]
-    whole = [torch.linalg.vector_norm(p.grad, dtype=torch.float32) for p in params if not tp_sharded(p)]
+    sharded = [torch.linalg.vector_norm(p.grad, dtype=torch.float32) for p in params if owns(p)]
+    whole = [torch.linalg.vector_norm(p.grad, dtype=torch.float32) for p in params if not owns(p)]
     sq = torch.stack(sharded).pow(2).sum() if sharded else torch.zeros(())
-    dist.all_reduce(sq, group=groups.get_tensor_model_parallel_group())
+    dist.all_reduce(sq, group=group)
     if whole:
         sq = sq + torch.stack(whole).pow(2).sum()
     norm = sq.sqrt()
@@ -295,18 +301,34 @@ def make_engine(model, ds: DSConfig, lr: float, schedule: Callable[[int], float]
                          "(norm ~50 for the tiny model) and shrink every step; pass --ds.grad-clip 0 (Muon's update "
                          "does not depend on the gradient's scale) or --ds.zero-stage 0")  # fmt: skip
     dtype = next(model.parameters()).dtype
-    params = [p for p in model.parameters() if p.requires_grad]
-    optimizer = (
-        fused_adam(params, lr, betas, weight_decay)
-        if torch.cuda.is_available() and not ds.offload_optimizer and ds.optimizer == "adamw"
-        else None
-    )
-    if ds.optimizer == "muon":
-        optimizer = muon_optimizer(model, ds, lr, betas, weight_decay)
-    if optimizer is None:  # CPU: torch AdamW (no 2-4 min CPUAdam compile; the models that train on CPU are small),
-        # fused: one kernel over all tensors, 0.8 ms against 5-7 ms per step for the 1 M tiny model
-        optimizer = torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay, fused=True)
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, schedule or (lambda update: 1.0))
+
+    def adamw(params: list):  # a list of tensors, or of param groups
+        optimizer = (
+            fused_adam(params, lr, betas, weight_decay)
+            if torch.cuda.is_available() and not ds.offload_optimizer
+            else None
+        )
+        # CPU: torch AdamW (no 2-4 min CPUAdam compile; the models that train on CPU are small), fused: one kernel
+        # over all tensors, 0.8 ms against 5-7 ms per step for the 1 M tiny model
+        return optimizer or torch.optim.AdamW(params, lr=lr, betas=betas, weight_decay=weight_decay, fused=True)
+
+    def lambda_lr(optimizer):
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, schedule or (lambda update: 1.0))
+
+    if ds.expert_parallel_size > 1:
+        # AutoEP replaces each MoE block inside `initialize`: DeepSpeed builds the optimizer afterwards from these
+        # callables, over the replaced model's parameters, the experts in param groups of their own (`"moe": True`,
+        # which DeepSpeed's ZeRO-1/2 optimizer requires of a model with expert-parallel layers)
+        from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer as moe_groups
+
+        def optimizer(params):
+            return adamw(moe_groups({"params": [p for p in params if p.requires_grad], "name": "params"}))
+
+        scheduler = lambda_lr
+    else:
+        optimizer = muon_optimizer(model, ds, lr, betas, weight_decay) if ds.optimizer == "muon" else None
+        optimizer = optimizer or adamw([p for p in model.parameters() if p.requires_grad])
+        scheduler = lambda_lr(optimizer)
     engine, *_ = deepspeed.initialize(
         model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config(ds, dtype, stage)
     )
@@ -314,7 +336,7 @@ def make_engine(model, ds: DSConfig, lr: float, schedule: Callable[[int], float]
         # DeepSpeed clips a stage-0 fp32 engine's (already all-reduced) gradients but drops their norm, so
         # get_global_grad_norm() would be None: clip here and keep the norm, as its ZeRO and bf16 optimizers do
         def clip_and_keep_norm():
-            if tp_size(engine) > 1:  # the shards of a TP group make one gradient: one norm for the group
+            if tp_size(engine) > 1 or ep_size(engine) > 1:  # a TP or EP group's shards make one gradient: one norm
                 engine._global_grad_norm = _tp_clip_and_keep_norm(engine, ds.grad_clip or math.inf)
                 return
             # the norm `optimizer_step` computed for its NaN/inf check, else computed here (one pass either way)
@@ -467,7 +489,7 @@ def optimizer_step(engine, step: int, name: str = "model") -> float:
     grads, _ = _local_grads(engine)
     # One read of the gradients (they are the size of the model): a stage-0 fp32 engine's clip norm, computed here and
     # handed to its clip (`make_engine`), else each tensor's largest |element|. Either is NaN/inf when an element is.
-    clips_here = hasattr(engine, "cleanrlhf_norm") and tp_size(engine) == 1
+    clips_here = hasattr(engine, "cleanrlhf_norm") and tp_size(engine) == 1 and ep_size(engine) == 1
     if clips_here:
         norm = torch.nn.utils.get_total_norm([g.detach() for g in grads])
         bad = float(not bool(torch.isfinite(norm)))
@@ -564,6 +586,8 @@ def export_hf(engine, tokenizer, out_dir: str | Path, ema: bool = False) -> None
             config.pop("quantization_config", None)
             model = type(model)._from_config(type(model.config).from_dict(config),
                                              dtype=next(iter(state.values())).dtype)  # fmt: skip
+        elif ep_size(engine) > 1:  # AutoEP's blocks in the trained model: an HF model of its config saves the state
+            model = type(model)._from_config(model.config, dtype=next(iter(state.values())).dtype)
         elif hasattr(model, "peft_config"):  # rebuild base + adapters from the gathered weights, then merge
             from peft import get_peft_model
 

@@ -1,7 +1,8 @@
 """The trainer's weights read out whole, for weight sync and export, without touching the trained model: the full
 state dict on rank 0 (`gathered_state_dict`), every parameter gathered a decoder layer at a time under ZeRO-3
 (`full_named_parameters`) or this rank's own ZeRO-3 partitions as they are (`zero3_partitions`), AutoTP shards
-gathered over their tensor-parallel group (`tp_full`), 4-bit weights dequantized (`dequantized`), and a LoRA model's
+gathered over their tensor-parallel group (`tp_full`), AutoEP's experts over their expert-parallel group (`ep_full`)
+under the HF model's names (`ep_hf_named`), 4-bit weights dequantized (`dequantized`), and a LoRA model's
 weights merged under the HF checkpoint's names (`merged_named_parameters`) or its adapter factors as a saved PEFT
 adapter names them (`adapter_named_parameters`, `adapter_config`). `core.engine.export_hf` and
 `core.placement.sync_weights` read the trainer through these.
@@ -23,6 +24,19 @@ def tp_size(engine) -> int:
     return max(1, int(size or 1))
 
 
+def ep_size(engine) -> int:
+    """The expert-parallel size of a DeepSpeed engine (`--ds.expert-parallel-size`; 1 without AutoEP)."""
+    config = getattr(getattr(engine, "_config", None), "expert_parallel_config", None)
+    return int(config.autoep_size) if config is not None and config.enabled else 1
+
+
+def ep_sharded(p: torch.Tensor) -> bool:
+    """Whether `p` holds one rank's experts of an MoE layer AutoEP split over its expert-parallel group (DeepSpeed
+    0.19.8's `GroupedExperts` weights `w1`, `w2`, `w3`, shaped (local experts, ...), tagged `allreduce = False` and
+    a `group_name` like DeepSpeed's own MoE experts); the router, the shared expert and the rest stay whole."""
+    return getattr(p, "allreduce", True) is False and hasattr(p, "group_name")
+
+
 def tp_sharded(p: torch.Tensor) -> bool:
     """Whether `p` is one rank's shard of a weight AutoTP split over its tensor-parallel group (DeepSpeed 0.19.8 tags
     them `tensor_model_parallel`; a row-parallel layer's bias, norms and the rest stay whole on every rank)."""
@@ -41,6 +55,66 @@ def tp_full(p: torch.Tensor) -> torch.Tensor:
     return copy
 
 
+def ep_full(p: torch.Tensor) -> torch.Tensor:
+    """All experts of an AutoEP-sharded expert weight (`ep_sharded`), gathered over its expert-parallel group into a
+    new tensor (E, ...) in expert order: DeepSpeed 0.19.8 gives rank r of the group (its rank in the group, `ep_rank`)
+    the consecutive experts r·E/N to (r+1)·E/N − 1 (`legacy_uniform_autoep_placement_descriptor`), so the group's
+    pieces, in group-rank order, concatenate along dim 0. Collective over the group. Under ZeRO-3 the caller gathers
+    the rank's own experts first (their partition group is the expert-data-parallel one)."""
+    from deepspeed.utils import groups
+
+    group = groups._get_expert_parallel_group(p.group_name)
+    local = p.detach().contiguous()
+    parts = [torch.empty_like(local) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(parts, local, group=group)
+    return torch.cat(parts)
+
+
+def _autoep_layers(model) -> dict[str, torch.nn.Module]:
+    """{module name: layer} of the MoE blocks AutoEP replaced in `model` (DeepSpeed 0.19.8's `AutoEPMoELayer`)."""
+    return {n: m for n, m in model.named_modules() if getattr(m, "_is_autoep_layer", False)}
+
+
+def ep_hf_named(model, named):
+    """(name, tensor) pairs of an AutoEP model, with its experts already whole (`ep_full`), under the HF model's own
+    names and layout, so that the export and the engines get the checkpoint they would get without expert
+    parallelism. Inside each replaced MoE block (DeepSpeed 0.19.8's `AutoEPMoELayer`, whose preset, named by its
+    `model_family`, records the HF block's attribute names): `router.gate.*` -> the HF router (`gate.*`),
+    `experts.w1` (gate) and `experts.w3` (up), each (E, ffn, hidden) -> the fused (E, 2·ffn, hidden) HF tensor
+    (`experts.gate_up_proj`, gate rows first, as `_repack_fused_3d` split it), `experts.w2` -> `experts.down_proj`,
+    `shared_experts.*` / `shared_experts_gate.*` -> the HF shared expert and its gate. Other names pass through."""
+    from deepspeed.module_inject.auto_ep_presets.registry import PRESET_MODELS
+
+    layers = _autoep_layers(model)
+    held: dict[str, torch.Tensor] = {}  # a block's gate experts, until its up experts come
+    for name, t in named:
+        prefix, _, rest = name.rpartition(".mlp.")
+        prefix = f"{prefix}.mlp" if prefix else ""
+        layer = layers.get(prefix)
+        if layer is None:
+            yield name, t
+            continue
+        preset = PRESET_MODELS[layer.model_family]
+        experts = f"{prefix}.{preset.experts_pattern}"
+        if rest.startswith("router.gate."):
+            yield f"{prefix}.{preset.router_pattern}.{rest.removeprefix('router.gate.')}", t
+        elif rest == "experts.w2":
+            yield f"{experts}.{preset.expert_w2}", t
+        elif rest in ("experts.w1", "experts.w3") and preset.expert_w3 is not None:
+            yield f"{experts}.{preset.expert_w1 if rest.endswith('w1') else preset.expert_w3}", t
+        elif rest in ("experts.w1", "experts.w3"):  # fused gate and up: (E, 2·ffn, hidden), gate rows first
+            held[rest] = t
+            if len(held) == 2:
+                yield f"{experts}.{preset.expert_w1}", torch.cat([held.pop("experts.w1"), held.pop("experts.w3")], 1)
+        elif rest.startswith("shared_experts_gate."):
+            yield f"{prefix}.{preset.shared_experts_gate_pattern}.{rest.removeprefix('shared_experts_gate.')}", t
+        elif rest.startswith("shared_experts."):
+            yield f"{prefix}.{preset.shared_experts_pattern}.{rest.removeprefix('shared_experts.')}", t
+        else:
+            raise AssertionError(f"AutoEP parameter {name} has no HF name here (deepspeed 0.19.8's layout expected)")
+    assert not held, f"AutoEP experts without their pair: {sorted(held)}"
+
+
 def gathered_state_dict(engine) -> dict[str, torch.Tensor] | None:
     """Full parameters as a CPU state dict on rank 0 (ZeRO-3 shards gathered); None on other ranks.
     Every rank must call it (the gather is collective)."""
@@ -48,6 +122,9 @@ def gathered_state_dict(engine) -> dict[str, torch.Tensor] | None:
 
     model = engine.module
     zero3 = engine.zero_optimization_stage() == 3
+    if ep_size(engine) > 1:  # AutoEP: whole experts gathered over their group, under the HF model's names
+        state = {n: t.to("cpu", copy=True) for n, t in full_named_parameters(engine)}
+        return state if dist.get_rank() == 0 else None
     if tp_size(engine) > 1:  # AutoTP: every rank gathers each shard with its group (a layer at a time under ZeRO-3)
         state = {n: t.to("cpu", copy=True) for n, t in full_named_parameters(engine)}
         params = dict(model.named_parameters(remove_duplicate=False))  # a tied head: the embedding's tensor
@@ -86,22 +163,34 @@ def gather_groups(named: list[tuple[str, torch.nn.Parameter]]) -> list[list[tupl
 
 def full_named_parameters(engine, keep=None):
     """Yield (name, full tensor) for every trainer parameter, for weight sync; `keep(name)` False skips a parameter
-    (never gathered). Under ZeRO-3 a decoder layer's parameters are gathered together (one coalesced all-gather per
+    (never gathered; with AutoEP, `--ds.expert-parallel-size`, every parameter is yielded whole under its HF name,
+    `ep_hf_named`). Under ZeRO-3 a decoder layer's parameters are gathered together (one coalesced all-gather per
     layer, `gather_groups`) and copied out before the next layer is gathered, so one layer is held at a time
     (collective: every rank must iterate to the end, with the same `keep`); otherwise the live tensors. Under AutoTP
     (`--ds.tensor-parallel-size`) each shard is gathered over its tensor-parallel group (`tp_full`): collective too.
     Gathering parameter by parameter cost a collective each: ~290 for a 24-layer Qwen2, about three quarters of a
     0.5B-shaped model's sync on 2 CPU ranks."""
+    if ep_size(engine) > 1:  # AutoEP: whole experts (collective), under the HF model's names
+        yield from ep_hf_named(engine.module, _full_named(engine, None))
+        return
+    yield from _full_named(engine, keep)
+
+
+def _full_named(engine, keep):
     import deepspeed
+
+    def whole(p):  # AutoTP: a shard gathered, AutoEP: the group's experts (collectives)
+        return tp_full(p) if tp_sharded(p) else ep_full(p) if ep_sharded(p) else None
 
     named = [(n, p) for n, p in engine.module.named_parameters() if keep is None or keep(n)]
     if engine.zero_optimization_stage() != 3:
         for name, p in named:
-            yield name, tp_full(p) if tp_sharded(p) else dequantized(p)  # AutoTP: a shard gathered (collective)
+            full = whole(p)
+            yield name, dequantized(p) if full is None else full
         return
     for group in gather_groups(named):
         with deepspeed.zero.GatheredParameters([p for _, p in group], modifier_rank=None):
-            full = [(name, tp_full(p) if tp_sharded(p) else p.detach().clone()) for name, p in group]
+            full = [(name, t if (t := whole(p)) is not None else p.detach().clone()) for name, p in group]
         yield from full
 
 
@@ -130,6 +219,8 @@ def zero3_partitions(engine) -> tuple[list[tuple[str, torch.Tensor, torch.Size]]
         return None, f"ZeRO stage {engine.zero_optimization_stage()} keeps no partitions"
     if tp_size(engine) > 1:
         return None, "AutoTP (--ds.tensor-parallel-size): the partitions are of tensor-parallel shards"
+    if ep_size(engine) > 1:
+        return None, "AutoEP (--ds.expert-parallel-size): the experts' partitions are of each rank's experts"
     world = dist.get_world_size()
     checked: set[int] = set()
     out = []
