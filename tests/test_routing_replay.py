@@ -1,7 +1,8 @@
 """`--actor.routing-replay` end to end on the embedded Qwen2-MoE `cleanrlhf/tiny-moe` (2 MoE layers, top-2 of 4): the
-transformers engine's record (`HFEngine.record_routing`, core/moe.py's `record_generate`), its trip through
-Sample -> Episode -> `rl.sequences` -> `rl.rows`, the trainer's replayed forward (`rl.forward_logp`), the metrics
-(`rl.replay_stats`) and the refusals (`moe.check_replay_flags`, `rl.make_actor`)."""
+transformers engine's record (`HFEngine.record_routing`, core/moe.py's `record_generate`), the vLLM engine's
+(`VLLMEngine.start_routing_record`: hooks on its routers, put together per sequence by `moe.EngineRecord`), their trip
+through Sample -> Episode -> `rl.sequences` -> `rl.rows`, the trainer's replayed forward (`rl.forward_logp`), the
+metrics (`rl.replay_stats`) and the refusals (`moe.check_replay_flags`, `rl.make_actor`)."""
 
 from __future__ import annotations
 
@@ -43,6 +44,68 @@ def test_the_engines_record_is_what_a_teacher_forced_forward_routes(engine):
         with torch.no_grad(), moe.record_routing(engine.model) as table:
             engine.model(input_ids=torch.tensor([seq]))
         assert torch.equal(ep.routed_experts, table["experts"][:-1])
+
+
+def test_the_engine_record_puts_steps_together_by_position():
+    """`moe.EngineRecord` by hand (2 layers, top-1, block 4): a prefill in two chunks, one-token decode steps, a
+    recompute after preemption (its later rows replace the earlier), a request whose first 4 prompt tokens came from
+    the prefix cache (rows taken from the request that computed them), and a cached prefix never recorded (refused)."""
+
+    def step(rows, prompts=None):  # rows: [(request id, position, token, expert)]
+        return {"req_ids": list(dict.fromkeys(r for r, *_ in rows)),
+                "counts": [sum(1 for r, *_ in rows if r == q) for q in dict.fromkeys(r for r, *_ in rows)],
+                "positions": torch.tensor([p for _, p, _, _ in rows]), "tokens": torch.tensor([t for _, _, t, _ in rows]),
+                "experts": torch.tensor([[[e], [e + 10]] for *_, e in rows], dtype=torch.int32), "prompts": prompts or {}}  # fmt: skip
+
+    prompt = [7, 8, 9, 10, 11]
+    rec = moe.EngineRecord(block=4)
+    rec.add([step([("a", 0, 7, 0), ("a", 1, 8, 1), ("a", 2, 9, 2)], {"a": prompt}),  # chunk 1 of a's prefill
+             step([("a", 3, 10, 3), ("a", 4, 11, 4)]),  # chunk 2; a samples 50
+             step([("a", 5, 50, 5), ("b", 4, 11, 40)], {"b": prompt}),  # b: positions 0-3 from the cache (a's)
+             step([("a", 5, 50, 6), ("a", 6, 51, 7), ("b", 5, 60, 41)])])  # a recomputes position 5, decodes 6  # fmt: skip
+    tables = rec.finish()
+    a, b = tables[(7, 8, 9, 10, 11, 50, 51)], tables[(7, 8, 9, 10, 11, 60)]
+    assert a[:, 0, 0].tolist() == [0, 1, 2, 3, 4, 6, 7] and a[:, 1, 0].tolist() == [10, 11, 12, 13, 14, 16, 17]
+    assert b[:, 0, 0].tolist() == [0, 1, 2, 3, 40, 41] and a.dtype == torch.long and rec.cached_rows == 4
+    rec.clear()
+    rec.add([step([("c", 4, 11, 40)], {"c": prompt})])
+    with pytest.raises(RuntimeError, match="took 4 prompt tokens from the prefix cache, computed by no request"):
+        rec.finish()
+
+
+@pytest.fixture(scope="module")
+def vllm_engines():
+    engines = rollout.create_engines(embedded.resolve_model("cleanrlhf/tiny-moe"),
+                                     rollout.VLLMConfig(dtype="float32", kv_cache_gib=0.25, max_model_len=512), seed=0)  # fmt: skip
+    assert engines.record_routing() == [2]
+    yield engines
+    engines.shutdown()
+
+
+def test_the_vllm_engines_record_is_what_a_teacher_forced_forward_routes(vllm_engines):
+    """vLLM's fp32 CPU engine, hooks on its routers, 3 samples per prompt, prefix caching on (CPU blocks of 128
+    tokens): prompts of 5 and 3 tokens and three of 150-260 tokens sharing their first 128. Each sample's table
+    equals, row for row, the selection of a teacher-forced fp32 transformers forward of prompt + response (every
+    token but the last); within the first call the later samples of a long prompt take its first block from the
+    prefix cache, in the second call every long prompt does, and after `reset_prefix_cache` the record forgets them."""
+    tiny_moe = models.load_causal_lm(ModelConfig(name_or_path="cleanrlhf/tiny-moe")).eval()
+    engine = vllm_engines.engines[0]
+    long = torch.randint(3, 100, (260,), generator=torch.Generator().manual_seed(0)).tolist()
+    prompts = [[5, 17, 30, 41, 9], [12, 60, 7], long[:150], long[:128] + [7, 8, 9] * 10, long]
+    cached = []
+    for call in range(2):
+        before = engine.routing.cached_rows
+        groups = vllm_engines.generate(prompts, n=3, max_new_tokens=16, seed=call)
+        cached.append(engine.routing.cached_rows - before)
+        for prompt, group in zip(prompts, groups):
+            for s in group:
+                seq = prompt + s.token_ids
+                with torch.no_grad(), moe.record_routing(tiny_moe) as table:
+                    tiny_moe(input_ids=torch.tensor([seq]))
+                assert s.routed_experts.shape == (len(seq) - 1, 2, 2) and s.routed_experts.dtype == torch.long
+                assert torch.equal(s.routed_experts, table["experts"][:-1])
+    assert cached[0] >= 6 * 128 and cached[1] >= 9 * 128, cached  # 2 later samples x 3 long prompts; then all 9
+    assert vllm_engines.engines[0].reset_prefix_cache() and not engine.routing.prefixes
 
 
 @pytest.mark.parametrize("packed", [True, False])
@@ -134,10 +197,10 @@ def test_the_refusals_name_the_flags():
     from algos.grpo import Args
 
     args = Args()
-    args.actor.routing_replay = True
-    with pytest.raises(ValueError, match=r"--actor.routing-replay needs --vllm.engine hf: .*Model Runner V2.*Triton"):
+    args.actor.routing_replay, args.vllm.tensor_parallel_size = True, 2
+    with pytest.raises(ValueError, match=r"--actor.routing-replay with --vllm.tensor-parallel-size 2: .*not been run"):
         rl.make_actor(args, torch.device("cpu"), 1e-5)
-    args.vllm.engine, args.actor.model.name_or_path = "hf", "cleanrlhf/tiny"
+    args.vllm.tensor_parallel_size, args.actor.model.name_or_path = 1, "cleanrlhf/tiny"
     with pytest.raises(ValueError, match=r"--actor.routing-replay: qwen2 is a dense model"):
         rl.make_actor(args, torch.device("cpu"), 1e-5)
     for name, field, value in (("--rollout.env-file", "rollout.env_file", "env.py"),
@@ -170,17 +233,19 @@ def test_every_rl_script_refuses_before_a_launch_starts_any_rank(script, monkeyp
     mod = importlib.import_module(f"algos.{script}")
     monkeypatch.setattr(rl, "launch", lambda *a, **k: pytest.fail("launched ranks before refusing the flags"))
     args = mod.Args()
-    args.actor.routing_replay, args.train.ranks = True, 2
-    with pytest.raises(ValueError, match=r"--actor.routing-replay needs --vllm.engine hf"):
+    args.actor.routing_replay, args.train.ranks, args.actor.model.gradient_checkpointing = True, 2, True
+    with pytest.raises(ValueError, match=r"--actor.routing-replay with --actor.model.gradient-checkpointing"):
         mod.main(args)
 
 
 @pytest.mark.slow
-def test_grpo_with_routing_replay_on_the_tiny_moe(tmp_path):
-    """3 GRPO steps on `cleanrlhf/tiny-moe` with `--actor.routing-replay --vllm.engine hf --debug` (a reward with
-    spread: the share of digits in the response): every step trains with the engine's routing replayed, logs
-    `moe/routing_mismatch` in [0, 1] and `moe/logp_gap`, and the debug check (engine == trainer log-probs after each
-    sync) passes. No learning is asserted: the tiny MoE is not warm-started and 3 steps move its reward by noise."""
+@pytest.mark.parametrize("engine", ["hf", "vllm"])
+def test_grpo_with_routing_replay_on_the_tiny_moe(tmp_path, engine):
+    """3 GRPO steps on `cleanrlhf/tiny-moe` with `--actor.routing-replay --vllm.engine {hf, vllm} --debug` (fp32
+    engine; a reward with spread: the share of digits in the response): every step trains with the engine's routing
+    replayed, logs `moe/routing_mismatch` in [0, 1] and `moe/logp_gap`, and the debug check (engine == trainer
+    log-probs after each sync) passes. No learning is asserted: the tiny MoE is not warm-started and 3 steps move its
+    reward by noise."""
     import json
 
     from algos.grpo import Args, main
@@ -194,7 +259,7 @@ def test_grpo_with_routing_replay_on_the_tiny_moe(tmp_path):
     )
     args = Args()
     args.actor.model.name_or_path, args.reward.func = "cleanrlhf/tiny-moe", str(reward)
-    args.actor.routing_replay, args.vllm.engine, args.debug = True, "hf", True
+    args.actor.routing_replay, args.vllm.engine, args.vllm.dtype, args.debug = True, engine, "float32", True
     args.train.max_steps, args.rollout.batch_size, args.rollout.n_samples = 3, 16, 4
     args.algo.filter_zero_variance, args.eval.every, args.ckpt.every = False, 0, 0
     args.logger.quiet, args.logger.tensorboard = True, False
@@ -203,6 +268,7 @@ def test_grpo_with_routing_replay_on_the_tiny_moe(tmp_path):
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "loss/policy" in r]
     assert len(rows) == 3
+    print(engine, [(r["moe/routing_mismatch"], r["moe/logp_gap"]) for r in rows])
     for r in rows:
         assert r["perf/debug_check_s"] > 0
         assert 0.0 <= r["moe/routing_mismatch"] <= 1.0 and 0.0 <= r["moe/logp_gap"] < 0.05, r
