@@ -239,11 +239,12 @@ def test_every_rl_script_refuses_before_a_launch_starts_any_rank(script, monkeyp
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("engine", ["hf", "vllm"])
+@pytest.mark.parametrize("engine", ["hf", "vllm", "vllm-actor"])
 def test_grpo_with_routing_replay_on_the_tiny_moe(tmp_path, engine):
     """3 GRPO steps on `cleanrlhf/tiny-moe` with `--actor.routing-replay --vllm.engine {hf, vllm} --debug` (fp32
-    engine; a reward with spread: the share of digits in the response): every step trains with the engine's routing
-    replayed, logs `moe/routing_mismatch` in [0, 1] and `moe/logp_gap`, and the debug check (engine == trainer
+    engine; vllm-actor: the vLLM engine in a Ray actor, `--vllm.no-in-process`, its samples and their tables sent
+    back by Ray; a reward with spread: the share of digits in the response): every step trains with the engine's
+    routing replayed, logs `moe/routing_mismatch` in [0, 1] and `moe/logp_gap`, and the debug check (engine == trainer
     log-probs after each sync) passes. No learning is asserted: the tiny MoE is not warm-started and 3 steps move its
     reward by noise."""
     import json
@@ -259,7 +260,8 @@ def test_grpo_with_routing_replay_on_the_tiny_moe(tmp_path, engine):
     )
     args = Args()
     args.actor.model.name_or_path, args.reward.func = "cleanrlhf/tiny-moe", str(reward)
-    args.actor.routing_replay, args.vllm.engine, args.vllm.dtype, args.debug = True, engine, "float32", True
+    args.actor.routing_replay, args.vllm.engine, args.vllm.dtype, args.debug = True, engine[:4].strip("-"), "float32", True
+    args.vllm.in_process = engine != "vllm-actor"
     args.train.max_steps, args.rollout.batch_size, args.rollout.n_samples = 3, 16, 4
     args.algo.filter_zero_variance, args.eval.every, args.ckpt.every = False, 0, 0
     args.logger.quiet, args.logger.tensorboard = True, False
