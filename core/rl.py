@@ -493,18 +493,21 @@ REPLAY_STATS: list[tuple[float, int, float, int]] = []
 since the last `replay_stats`."""
 
 
-def replay_stats() -> dict:
+def replay_stats(world: int = 1) -> dict:
     """The step's routing-replay metrics, from the update's forwards since the last call ({} without replay):
     `moe/routing_mismatch`, the share of (token, layer) decisions over real tokens where the trainer's router chose
     another expert set than the engine recorded (what replay overrides), and `moe/logp_gap`, the mean |trainer −
     engine| log-prob over the trained tokens with replay on (after the step's earlier optimizer steps, with
-    `--train.minibatches` > 1 or `--train.epochs` > 1)."""
-    if not REPLAY_STATS:
-        return {}
-    share, n, gap, tokens = zip(*REPLAY_STATS)
+    `--train.minibatches` > 1 or `--train.epochs` > 1). `world` > 1: over every rank's forwards (a collective: every
+    rank calls it)."""
+    share, n, gap, tokens = zip(*REPLAY_STATS) if REPLAY_STATS else ((), (), (), ())
     REPLAY_STATS.clear()
-    return {"moe/routing_mismatch": sum(s * k for s, k in zip(share, n)) / max(sum(n), 1),
-            "moe/logp_gap": sum(gap) / max(sum(tokens), 1)}  # fmt: skip
+    sums = [sum(s * k for s, k in zip(share, n)), sum(n), sum(gap), sum(tokens)]
+    if world > 1:
+        sums = [ds_engine.all_reduce(x) for x in sums]
+    if not sums[1] and not sums[3]:
+        return {}
+    return {"moe/routing_mismatch": sums[0] / max(sums[1], 1), "moe/logp_gap": sums[2] / max(sums[3], 1)}
 
 
 def minibatches(seqs: dict, train, step: int, rank: int, world: int) -> list[tuple[list[int], list[tuple[list[int], bool]]]]:
@@ -662,7 +665,8 @@ def end_step(run: Run, eval_cfg, ckpt, step: int, stats: dict, state: dict | Non
     (hybrid engine) move the trainer's states off the GPU for the next rollout. Returns True when
     `--train.halt-after` stops here."""
     last = step == run.max_steps - 1
-    stats.update(replay_stats())  # --actor.routing-replay: moe/routing_mismatch, moe/logp_gap
+    if getattr(run.models["actor"], "replays_routing", False):  # --actor.routing-replay: over every rank's forwards
+        stats.update(replay_stats(run.world))
     if stats.get("rollout/kept_frac", 1.0) == 0:  # the script's filter dropped every sample: nothing was trained
         run.idle_steps += 1
         if (run.idle_steps - 1) % warn_every == 0:  # the first such step, then every `warn_every`-th

@@ -260,7 +260,8 @@ def test_grpo_with_routing_replay_on_the_tiny_moe(tmp_path, engine):
     )
     args = Args()
     args.actor.model.name_or_path, args.reward.func = "cleanrlhf/tiny-moe", str(reward)
-    args.actor.routing_replay, args.vllm.engine, args.vllm.dtype, args.debug = True, engine[:4].strip("-"), "float32", True
+    args.actor.routing_replay, args.debug, args.vllm.dtype = True, True, "float32"
+    args.vllm.engine = "hf" if engine == "hf" else "vllm"
     args.vllm.in_process = engine != "vllm-actor"
     args.train.max_steps, args.rollout.batch_size, args.rollout.n_samples = 3, 16, 4
     args.algo.filter_zero_variance, args.eval.every, args.ckpt.every = False, 0, 0
@@ -274,3 +275,32 @@ def test_grpo_with_routing_replay_on_the_tiny_moe(tmp_path, engine):
     for r in rows:
         assert r["perf/debug_check_s"] > 0
         assert 0.0 <= r["moe/routing_mismatch"] <= 1.0 and 0.0 <= r["moe/logp_gap"] < 0.05, r
+
+
+@pytest.mark.slow
+def test_two_ray_ranks_replay_the_engines_routing_like_one_process(tmp_path):
+    """`--train.ranks 2 --actor.routing-replay` on `cleanrlhf/tiny-moe` (the vLLM engine a colocated Ray actor, two
+    ZeRO-3 ranks, `--debug`), then the same in one process (`conftest.ranks_2_vs_1`: the first step's samples agree):
+    each rank replays the tables of its share of the samples, and the logged metrics sum both ranks' forwards, so the
+    first step's `moe/routing_mismatch` and `moe/logp_gap` are one process's within float reordering."""
+    from conftest import ranks_2_vs_1
+
+    from algos.grpo import Args, main
+
+    def configure(args, ranks):
+        args.actor.model.name_or_path, args.vllm.dtype = "cleanrlhf/tiny-moe", "float32"
+        args.actor.routing_replay = True
+        args.algo.filter_zero_variance, args.reward.func = False, str(tmp_path / "digits_reward.py")
+
+    (tmp_path / "digits_reward.py").write_text(
+        "import torch\n\n\n"
+        "def reward_func(queries, prompts, labels):\n"
+        "    answers = [q[len(p):] for q, p in zip(queries, prompts)]\n"
+        "    return torch.tensor([sum(c.isdigit() for c in a) / max(len(a), 1) for a in answers])\n"
+    )
+    rows = ranks_2_vs_1(Args, main, tmp_path, configure)
+    print({r: [(x["moe/routing_mismatch"], x["moe/logp_gap"]) for x in rows[r]] for r in rows})
+    for r in (1, 2):
+        assert len(rows[r]) == 2 and all(0.0 <= x["moe/routing_mismatch"] <= 1.0 for x in rows[r])
+    assert rows[2][0]["moe/routing_mismatch"] == pytest.approx(rows[1][0]["moe/routing_mismatch"], abs=1e-6)
+    assert rows[2][0]["moe/logp_gap"] == pytest.approx(rows[1][0]["moe/logp_gap"], rel=1e-4)
