@@ -172,7 +172,7 @@ def micro_batches(examples: list[dict], args: Args, pad_id: int, device) -> list
 def evaluate(engine, tokenizer, examples: list[dict], args: Args, rank: int, world: int, device):
     """Token-mean eval loss and (optionally) greedy exact-match accuracy; every data-parallel rank (`rank` of `world`:
     an SP or TP group's ranks share theirs) takes an equal slice (padded with repeats that carry zero weight) so
-    ZeRO-3's and AutoTP's collective forwards stay in step."""
+    ZeRO-3's, AutoTP's and AutoEP's collective forwards stay in step."""
     model = engine.module
     model.eval()
     n = len(examples)
@@ -199,7 +199,7 @@ def evaluate(engine, tokenizer, examples: list[dict], args: Args, rank: int, wor
             outs = vision.greedy_generate(model, tokenizer, rows, "prompt_ids", args.eval.max_new_tokens)
         else:
             outs = models.greedy_generate(model, tokenizer, prompts, args.eval.max_new_tokens,
-                                          synced_gpus=engine.zero_optimization_stage() == 3 and world > 1)  # fmt: skip
+                                          synced_gpus=ds_engine.forwards_in_step(engine))  # fmt: skip
         for i, out, w in zip(idx, outs, weight):
             correct += w * float(
                 tokenizer.decode(out, skip_special_tokens=True).strip() == examples[i]["label"].strip()

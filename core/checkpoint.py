@@ -30,7 +30,7 @@ from core import engine as ds_engine
 from core import models
 from core.ema import ema_init
 from core.placement import ModelGroup
-from core.weights import tp_size
+from core.weights import ep_size, tp_size
 
 MANIFEST = "manifest.json"
 
@@ -275,6 +275,7 @@ def load(engines: dict, path: str | Path) -> dict:
             # does not take back; that base is frozen and loads again from the model as it was quantized
             strict = not models.is_4bit(engine)
             _check_tp_size(engine, path / name)
+            _check_expert_parallel(engine, path / name)
             _, state = engine.load_checkpoint(
                 str(path), tag=name, load_optimizer_states=True, load_lr_scheduler_states=True,
                 load_module_strict=strict,
@@ -302,6 +303,20 @@ def _check_tp_size(engine, folder: Path) -> None:
                          f"{tp_size(engine)}; --ckpt.allow-changes cannot change it (DeepSpeed does not "
                          f"reshard an AutoTP checkpoint): resume with --ds.tensor-parallel-size {len(saved)}, or start "
                          "over (--ckpt.no-resume or another --run-dir)")  # fmt: skip
+
+
+def _check_expert_parallel(engine, folder: Path) -> None:
+    """Refuse to load a checkpoint saved with `--ds.expert-parallel-size` > 1 into an engine without it, or the other
+    way round. DeepSpeed 0.19.8 saves an AutoEP model's experts one file per (layer, expert),
+    `layer_<l>_expert_<e>_mp_rank_<t>_model_states.pt`, whole whatever the expert-parallel size, and the rest under
+    AutoEP's own module names (`mlp.router.gate`, `mlp.shared_experts`), which the HF blocks of a model without
+    AutoEP do not have."""
+    saved = any(folder.glob("layer_*_expert_*_model_states.pt"))
+    if saved != (ep_size(engine) > 1):
+        raise ValueError(f"{folder}: saved {'with' if saved else 'without'} --ds.expert-parallel-size > 1, resumed "
+                         f"with {ep_size(engine)}; --ckpt.allow-changes cannot change it (DeepSpeed AutoEP's checkpoint "
+                         "names its layers and experts its own way): resume with the saved size, or start over "
+                         "(--ckpt.no-resume or another --run-dir)")  # fmt: skip
 
 
 def _load_ema(engine, path: Path, name: str) -> None:

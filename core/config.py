@@ -525,6 +525,33 @@ def _errors(args, path: tuple[str, ...]) -> list[str]:
     return out
 
 
+def expert_parallel_flag_errors(ds: DSConfig, train=None, model=None) -> list[str]:
+    """What `--ds.expert-parallel-size N` (DeepSpeed AutoEP) is refused with, from the flags alone (`config.check_args`
+    runs it before a launch; `make_engine` again with the model): each message names both flags. `train`: the
+    script's `--train.*` section, `model`: its `--model.*` or `--actor.model.*` section, where it has them."""
+    n = ds.expert_parallel_size
+    if n == 1:
+        return []
+    flag = f"--ds.expert-parallel-size {n}"
+    errors = []
+    if ds.tensor_parallel_size > 1:
+        errors.append(f"{flag} with --ds.tensor-parallel-size {ds.tensor_parallel_size}: expert and tensor "
+                      "parallelism together (DeepSpeed's AutoEP+AutoTP folding) are not built; use one of them")  # fmt: skip
+    if ds.optimizer == "muon":
+        errors.append(f"{flag} with --ds.optimizer muon: Muon orthogonalises whole matrices, built here before "
+                      "DeepSpeed replaces the experts with each rank's share; use --ds.optimizer adamw")  # fmt: skip
+    if getattr(train, "sp_size", 1) > 1:
+        errors.append(f"{flag} with --train.sp-size {train.sp_size}: sequence parallelism splits a sample's tokens "
+                      "over the ranks that expert parallelism sends tokens between; use one of them")  # fmt: skip
+    if getattr(train, "ranks", None) and train.ranks % n:
+        errors.append(f"{flag} with --train.ranks {train.ranks}: must divide the number of ranks")
+    if getattr(model, "lora_rank", 0) > 0 or getattr(model, "load_in_4bit", False):
+        errors.append(f"{flag} with LoRA or 4-bit weights (--model.lora-rank / --model.load-in-4bit; "
+                      "--actor.model.lora-rank / --actor.model.load-in-4bit in the RL scripts): AutoEP replaces the "
+                      "experts with plain grouped weights, not PEFT's or bitsandbytes' wrappers")  # fmt: skip
+    return errors
+
+
 def check_args(args) -> None:
     """Check a script's `Args` (nested dataclasses) against the flag rules each field's type carries before anything
     is loaded: sizes and counts (`PosInt`) > 0, "0 means off" values (`NonNegInt`, `NonNegFloat`) >= 0, fractions
@@ -534,7 +561,8 @@ def check_args(args) -> None:
     every violation, each naming its flag as typed (`--rollout.batch-size 0: must be > 0`). Cross-field rules (group
     size vs a filter, ...) stay in the scripts, next to the algorithm they protect; the one of the plumbing, an RL
     script's lr scale (`actor_lr`: `--actor.lr-ref-samples` against its samples per step), is checked here, and so are
-    the flags `--actor.routing-replay` does not carry yet (`core.moe.check_replay_flags`, before any rank starts)."""
+    the flags `--actor.routing-replay` does not carry yet (`core.moe.check_replay_flags`, before any rank starts) and
+    those `--ds.expert-parallel-size` is refused with (`expert_parallel_flag_errors`)."""
     errors = _errors(args, ())
     actor, rollout, train = (getattr(args, k, None) for k in ("actor", "rollout", "train"))
     rl_script = hasattr(actor, "lr_ref_samples") and hasattr(rollout, "n_samples") and hasattr(train, "minibatches")
@@ -543,6 +571,13 @@ def check_args(args) -> None:
             actor_lr(actor, samples_per_update(rollout, train))
         except ValueError as e:
             errors.append(str(e))
+    ds = getattr(args, "ds", None)
+    if isinstance(ds, DSConfig) and not errors:  # `--ds.expert-parallel-size`: before a launch starts any rank
+        model = getattr(args, "model", None) or getattr(actor, "model", None)
+        errors += expert_parallel_flag_errors(ds, train, model)
+        if ds.expert_parallel_size > 1 and getattr(actor, "routing_replay", False):
+            errors.append(f"--ds.expert-parallel-size {ds.expert_parallel_size} with --actor.routing-replay: the "
+                          "replay hooks the HF routers, which AutoEP replaces with its own; use one of them")  # fmt: skip
     if rl_script and not errors and getattr(actor, "routing_replay", False):  # before a launch starts any rank
         from core import moe
 

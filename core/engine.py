@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 
 from core import models
-from core.config import DSConfig, RefConfig
+from core.config import DSConfig, RefConfig, expert_parallel_flag_errors
 from core.ema import ema_init, ema_update, ema_weights
 from core.models import TokenValues
 from core.optimizers import fused_adam, muon_optimizer
@@ -174,10 +174,10 @@ def zero_stage(ds: DSConfig, hybrid: bool = False) -> int:
     return 3 if ds.offload_params else 2 if world > 1 or ds.offload_optimizer or hybrid else 0
 
 
-def ds_config(ds: DSConfig, dtype: torch.dtype, stage: int) -> dict:
-    """The DeepSpeed config dict. Micro-batching and gradient accumulation are done by the scripts (packed micro-
-    batches vary in number), so DeepSpeed sees micro-batch 1, accumulation 1, and `set_gradient_accumulation_boundary`
-    marks the last micro-batch of a step."""
+def ds_config(ds: DSConfig, dtype: torch.dtype, stage: int, model_type: str | None = None) -> dict:
+    """The DeepSpeed config dict (`model_type`: the HF model's, which picks AutoEP's preset). Micro-batching and
+    gradient accumulation are done by the scripts (packed micro-batches vary in number), so DeepSpeed sees micro-batch
+    1, accumulation 1, and `set_gradient_accumulation_boundary` marks the last micro-batch of a step."""
     zero: dict = {"stage": stage}
     if ds.offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": torch.cuda.is_available()}
@@ -192,6 +192,8 @@ def ds_config(ds: DSConfig, dtype: torch.dtype, stage: int) -> dict:
         compiled["tensor_parallel"] = {"autotp_size": ds.tensor_parallel_size, "vocab_parallel_lm_head": False}
     if ds.expert_parallel_size > 1:  # AutoEP: DeepSpeed swaps each MoE block for its own at initialize
         compiled["expert_parallel"] = {"enabled": True, "autoep_size": ds.expert_parallel_size}
+        if model_type in EXPERT_PARALLEL_MODELS:
+            compiled["expert_parallel"]["preset_model"] = EXPERT_PARALLEL_MODELS[model_type]
     return compiled | {
         "train_micro_batch_size_per_gpu": 1,
         "gradient_accumulation_steps": 1,
@@ -223,6 +225,15 @@ def tp_data_split(ds: DSConfig, sp_size: int = 1) -> tuple[int, int]:
     if world % tp:
         raise ValueError(f"--ds.tensor-parallel-size {tp}: must divide the number of ranks ({world})")
     return rank // tp, world // tp
+
+
+def forwards_in_step(engine) -> bool:
+    """Whether every forward of `engine`'s model is a collective that all ranks must run the same number of times,
+    although each rank has its own samples: ZeRO-3 over several ranks (each layer's parameters are gathered) and AutoEP
+    (`--ds.expert-parallel-size`: tokens travel to their experts' ranks). HF `generate` then needs `synced_gpus`, which
+    keeps a rank that has finished stepping until every rank has."""
+    several = dist.is_initialized() and dist.get_world_size() > 1
+    return several and (engine.zero_optimization_stage() == 3 or ep_size(engine) > 1)
 
 
 def tp_group_size() -> int:
@@ -264,6 +275,37 @@ def cpp_compiler() -> str | None:
     return shutil.which(os.environ.get("CXX", "g++"))
 
 
+# the MoE families whose DeepSpeed 0.19.8 AutoEP preset keeps the experts as fused 3-D tensors, which
+# `core.weights.ep_hf_named` maps back to the HF names (model_type: preset)
+EXPERT_PARALLEL_MODELS = {"qwen2_moe": "qwen3_moe", "qwen3_moe": "qwen3_moe", "mixtral": "mixtral"}
+
+
+def check_expert_parallel(model, ds: DSConfig) -> None:
+    """Refuse `--ds.expert-parallel-size N` for a model or world AutoEP does not split here, before DeepSpeed starts:
+    the flag combinations of `expert_parallel_flag_errors`, a dense model, a family outside `EXPERT_PARALLEL_MODELS`,
+    a scalar-head model (rm.py, ppo.py's critic), and an N that does not divide the ranks or the experts."""
+    n = ds.expert_parallel_size
+    flag = f"--ds.expert-parallel-size {n}"
+    wrapped = types.SimpleNamespace(lora_rank=int(hasattr(model, "peft_config")), load_in_4bit=models.is_4bit(model))
+    errors = expert_parallel_flag_errors(ds, model=wrapped)
+    if errors:
+        raise ValueError(errors[0])
+    if isinstance(model, TokenValues):
+        raise ValueError(f"{flag} with a scalar-head model (rm.py; ppo.py's critic, built with the same --ds.* flags): "
+                         "expert parallelism is built for causal LMs (sft.py, dpo.py, the RL actor)")  # fmt: skip
+    config = model.config
+    if not models.is_moe(model):
+        raise ValueError(f"{flag} with a dense model (--model.name-or-path / --actor.model.name-or-path: "
+                         f"model_type {config.model_type} has no experts)")  # fmt: skip
+    if config.model_type not in EXPERT_PARALLEL_MODELS:
+        raise ValueError(f"{flag} with model_type {config.model_type} (--model.name-or-path / "
+                         f"--actor.model.name-or-path): built for {', '.join(EXPERT_PARALLEL_MODELS)}")  # fmt: skip
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    experts = next(getattr(config, k) for k in ("num_experts", "num_local_experts") if hasattr(config, k))
+    if world % n or experts % n:
+        raise ValueError(f"{flag}: must divide the number of ranks ({world}) and of experts ({experts})")
+
+
 def make_engine(model, ds: DSConfig, lr: float, schedule: Callable[[int], float] | None = None, *,
                 weight_decay: float = 0.0, betas: tuple[float, float] = (0.9, 0.95), hybrid: bool = False,
                 ema_beta: float = 0.0):  # fmt: skip
@@ -295,6 +337,8 @@ def make_engine(model, ds: DSConfig, lr: float, schedule: Callable[[int], float]
             raise ValueError(f"--ds.tensor-parallel-size {ds.tensor_parallel_size} with --ds.optimizer muon: Muon "
                              "orthogonalises whole matrices, and AutoTP leaves each rank a shard")  # fmt: skip
         tp_data_split(ds)  # refuses a size that does not divide the ranks
+    if ds.expert_parallel_size > 1:
+        check_expert_parallel(model, ds)
     if ds.optimizer == "muon" and stage > 0 and ds.grad_clip > 0:
         raise ValueError(f"--ds.optimizer muon at ZeRO-{stage} with --ds.grad-clip {ds.grad_clip}: DeepSpeed 0.19.8 "
                          "orthogonalises the Muon matrices' gradients before it clips, so it would clip the updates "
@@ -329,9 +373,9 @@ def make_engine(model, ds: DSConfig, lr: float, schedule: Callable[[int], float]
         optimizer = muon_optimizer(model, ds, lr, betas, weight_decay) if ds.optimizer == "muon" else None
         optimizer = optimizer or adamw([p for p in model.parameters() if p.requires_grad])
         scheduler = lambda_lr(optimizer)
-    engine, *_ = deepspeed.initialize(
-        model=model, optimizer=optimizer, lr_scheduler=scheduler, config=ds_config(ds, dtype, stage)
-    )
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    config = ds_config(ds, dtype, stage, model_type)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=scheduler, config=config)
     if stage == 0 and dtype != torch.bfloat16:
         # DeepSpeed clips a stage-0 fp32 engine's (already all-reduced) gradients but drops their norm, so
         # get_global_grad_norm() would be None: clip here and keep the norm, as its ZeRO and bf16 optimizers do

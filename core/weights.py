@@ -86,7 +86,7 @@ def ep_hf_named(model, named):
     from deepspeed.module_inject.auto_ep_presets.registry import PRESET_MODELS
 
     layers = _autoep_layers(model)
-    held: dict[str, torch.Tensor] = {}  # a block's gate experts, until its up experts come
+    held: dict[str, torch.Tensor] = {}  # a block's expert weights, until all three have come
     for name, t in named:
         prefix, _, rest = name.rpartition(".mlp.")
         prefix = f"{prefix}.mlp" if prefix else ""
@@ -98,14 +98,17 @@ def ep_hf_named(model, named):
         experts = f"{prefix}.{preset.experts_pattern}"
         if rest.startswith("router.gate."):
             yield f"{prefix}.{preset.router_pattern}.{rest.removeprefix('router.gate.')}", t
-        elif rest == "experts.w2":
-            yield f"{experts}.{preset.expert_w2}", t
-        elif rest in ("experts.w1", "experts.w3") and preset.expert_w3 is not None:
-            yield f"{experts}.{preset.expert_w1 if rest.endswith('w1') else preset.expert_w3}", t
-        elif rest in ("experts.w1", "experts.w3"):  # fused gate and up: (E, 2·ffn, hidden), gate rows first
+        elif rest in ("experts.w1", "experts.w2", "experts.w3"):  # all three, then in the HF model's order
             held[rest] = t
-            if len(held) == 2:
-                yield f"{experts}.{preset.expert_w1}", torch.cat([held.pop("experts.w1"), held.pop("experts.w3")], 1)
+            if len(held) < 3:
+                continue
+            w1, w2, w3 = (held.pop(f"experts.w{i}") for i in (1, 2, 3))
+            if preset.expert_w3 is None:  # fused gate and up: (E, 2·ffn, hidden), gate rows first
+                yield f"{experts}.{preset.expert_w1}", torch.cat([w1, w3], 1)
+            else:
+                yield f"{experts}.{preset.expert_w1}", w1
+                yield f"{experts}.{preset.expert_w3}", w3
+            yield f"{experts}.{preset.expert_w2}", w2
         elif rest.startswith("shared_experts_gate."):
             yield f"{prefix}.{preset.shared_experts_gate_pattern}.{rest.removeprefix('shared_experts_gate.')}", t
         elif rest.startswith("shared_experts."):
