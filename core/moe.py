@@ -18,9 +18,11 @@ it does not see a replayed selection (the scripts log it, they do not train on i
 `table_for_forward` lays per-sequence tables out for one forward of a packed (or padded) batch.
 
 The engines' side: the transformers engine (`--vllm.engine hf`) records each sample's table from its own `generate`
-(`record_generate`, `generated_table`); vLLM 0.32 returns routed experts only through its Model Runner V2, which
-needs Triton, absent from its CPU build (`enable_return_routed_experts` is refused at engine start on CPU), so
-`check_replay_flags` refuses `--vllm.engine vllm` with `--actor.routing-replay`.
+(`record_generate`, `generated_table`). vLLM 0.32 returns routed experts (`enable_return_routed_experts`) only through
+its Model Runner V2, which needs Triton, absent from its CPU build (refused at engine start on CPU); the vLLM engine
+(`--vllm.engine vllm`) records instead through a hook on its model's routers, step by step
+(`core.vllm_engine.WorkerExtension.cleanrlhf_record_routing`), and `EngineRecord` puts the steps back together per
+sequence, prefix-cache hits included, in the same layout. `check_replay_flags` refuses what is not carried yet.
 """
 
 from __future__ import annotations

@@ -104,6 +104,7 @@ def test_the_vllm_engines_record_is_what_a_teacher_forced_forward_routes(vllm_en
                     tiny_moe(input_ids=torch.tensor([seq]))
                 assert s.routed_experts.shape == (len(seq) - 1, 2, 2) and s.routed_experts.dtype == torch.long
                 assert torch.equal(s.routed_experts, table["experts"][:-1])
+    print("prompt rows from the prefix cache per call:", cached)
     assert cached[0] >= 6 * 128 and cached[1] >= 9 * 128, cached  # 2 later samples x 3 long prompts; then all 9
     assert vllm_engines.engines[0].reset_prefix_cache() and not engine.routing.prefixes
 
