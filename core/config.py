@@ -292,8 +292,8 @@ class ActorArgs:
     (the routing weights recomputed from the live router, so the router still learns: core/moe.py); logs
     `moe/routing_mismatch` (the share of (token, layer) decisions where the trainer's router chose otherwise than the
     engine) and `moe/logp_gap` (mean |trainer − engine| log-prob with replay). Both engines record (`--vllm.engine
-    vllm` through hooks on its routers); refused for a dense actor, multi-turn/agent episodes, partial rollout,
-    `--train.sp-size` > 1 and `--vllm.tensor-parallel-size` > 1 (core.moe.check_replay_flags)."""
+    vllm` through hooks on its routers), partial rollout joins a response's segments; refused for a dense actor,
+    multi-turn/agent episodes, `--train.sp-size` > 1 and `--vllm.tensor-parallel-size` > 1 (core.moe.check_replay_flags)."""
 
 
 @dataclass

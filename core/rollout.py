@@ -488,8 +488,21 @@ def generate_segment(engines: RolloutEngines, prompt_token_ids: list[list[int]],
     for (i, j), (new,) in zip(todo, outs, strict=True):
         old = groups[i][j]
         out[i][j] = Sample(old.token_ids + new.token_ids, old.logprobs + new.logprobs, new.finish_reason,
-                           new.truncated, old.versions + [version] * len(new.token_ids))  # fmt: skip
+                           new.truncated, old.versions + [version] * len(new.token_ids),
+                           routed_experts=joined_routing(old, new))  # fmt: skip
     return out
+
+
+def joined_routing(old: Sample, new: Sample):
+    """`--actor.routing-replay` across a partial rollout's segments: the routing table of a response whose first
+    segment is `old` and whose continuation is `new` (a request of its own over prompt + `old`'s tokens, forwarded
+    again under the new weights). Each position keeps the routing of the forward that sampled the token after it:
+    `old`'s rows up to its last token (which its own generation sampled and never forwarded), `new`'s from there on.
+    None unless both carry a table."""
+    if old.routed_experts is None or new.routed_experts is None:
+        return None
+    head = old.routed_experts  # (prompt + len(old) − 1, layers, top_k)
+    return torch.cat([head, new.routed_experts[len(head) :]])
 
 
 def create_engines(model_path: str, cfg: VLLMConfig, seed: int = 0, actor_options: list[dict] | None = None,

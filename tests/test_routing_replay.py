@@ -109,6 +109,48 @@ def test_the_vllm_engines_record_is_what_a_teacher_forced_forward_routes(vllm_en
     assert vllm_engines.engines[0].reset_prefix_cache() and not engine.routing.prefixes
 
 
+def test_a_partial_rollout_keeps_each_segments_routing(vllm_engines):
+    """`rollout.generate_segment` with the vLLM engine recording: a first segment of 3 tokens, then the routers'
+    weights changed in the engine (a sync: `update_weights` resets the prefix cache), then the continuation. Each
+    continued response's table (`rollout.joined_routing`) is, up to its first segment's last token, what a
+    teacher-forced fp32 forward under the first weights routes, and from there what one under the new weights routes;
+    the two forwards differ on both sides of the cut, so a table from either generation alone fails."""
+    tiny_moe = models.load_causal_lm(ModelConfig(name_or_path="cleanrlhf/tiny-moe")).eval()
+    synced = copy.deepcopy(tiny_moe)
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for router in moe.routers(synced):
+            router.weight.add_(0.5 * torch.randn(router.weight.shape, generator=g))
+    gates = [(n, p) for n, p in synced.named_parameters() if n.endswith("mlp.gate.weight")]
+    prompts, cut = [[5, 17, 30, 41, 9], [12, 60, 7, 33, 21, 8]], 3
+    first = rollout.generate_segment(vllm_engines, prompts, 3, 12, until=cut, segment=0, version=0, seed=4)
+    vllm_engines.update_weights(gates)
+    try:
+        groups = rollout.generate_segment(vllm_engines, prompts, 3, 12, until=12, segment=1, version=1, groups=first,
+                                          seed=4)  # fmt: skip
+    finally:
+        vllm_engines.update_weights([(n, p) for n, p in tiny_moe.named_parameters() if n.endswith("mlp.gate.weight")])
+    joined = differ_before = differ_after = 0
+    for prompt, group in zip(prompts, groups):
+        for s in group:
+            if len(s.token_ids) <= cut:  # stopped inside the first segment: one generation
+                continue
+            seq, head = prompt + s.token_ids, len(prompt) + cut - 1
+            tables = []
+            for model in (tiny_moe, synced):
+                with torch.no_grad(), moe.record_routing(model) as table:
+                    model(input_ids=torch.tensor([seq]))
+                tables.append(table["experts"][:-1])
+            assert s.routed_experts.shape == tables[0].shape
+            assert s.versions == [0] * cut + [1] * (len(s.token_ids) - cut)
+            assert torch.equal(s.routed_experts[:head], tables[0][:head])
+            assert torch.equal(s.routed_experts[head:], tables[1][head:])
+            joined += 1
+            differ_before += int(not torch.equal(tables[0][:head], tables[1][:head]))
+            differ_after += int(not torch.equal(tables[0][head:], tables[1][head:]))
+    assert joined >= 4 and differ_before > 0 and differ_after > 0, (joined, differ_before, differ_after)
+
+
 @pytest.mark.parametrize("packed", [True, False])
 def test_the_trainer_replays_the_record_exactly_and_its_router_gets_the_gradient(engine, packed, monkeypatch):
     """A trainer copy whose routers are perturbed (so it would route otherwise): `rl.forward_logp` over the rollout
@@ -216,9 +258,8 @@ def test_the_refusals_name_the_flags():
     from algos.grpo_async import Args as AsyncArgs
 
     partial = AsyncArgs()
-    partial.actor.routing_replay, partial.vllm.engine, partial.train.partial_rollout = True, "hf", 4
-    with pytest.raises(ValueError, match=r"--actor.routing-replay with --train.partial-rollout"):
-        moe.check_replay_flags(partial)
+    partial.actor.routing_replay, partial.train.partial_rollout = True, 4
+    moe.check_replay_flags(partial)  # carried: `rollout.joined_routing`
     unsupported = models.load_causal_lm(ModelConfig(name_or_path="cleanrlhf/tiny-moe")).config
     unsupported.model_type = "mixtral"
     with pytest.raises(ValueError, match=r"--actor.routing-replay: mixtral's router is not supported"):
@@ -305,3 +346,40 @@ def test_two_ray_ranks_replay_the_engines_routing_like_one_process(tmp_path):
         assert len(rows[r]) == 2 and all(0.0 <= x["moe/routing_mismatch"] <= 1.0 for x in rows[r])
     assert rows[2][0]["moe/routing_mismatch"] == pytest.approx(rows[1][0]["moe/routing_mismatch"], abs=1e-6)
     assert rows[2][0]["moe/logp_gap"] == pytest.approx(rows[1][0]["moe/logp_gap"], rel=1e-4)
+
+
+@pytest.mark.slow
+def test_grpo_async_partial_rollout_replays_the_joined_routing(tmp_path):
+    """algos/grpo_async.py on `cleanrlhf/tiny-moe` with `--actor.routing-replay --train.partial-rollout 2
+    --train.max-lag 1 --debug` (the vLLM engine a Ray actor, fp32): steps 1 and 2 are sampled in two segments across a
+    sync, their episodes carry the joined tables, and every step logs `moe/routing_mismatch` and `moe/logp_gap`."""
+    import json
+
+    from algos.grpo_async import Args, main
+
+    reward = tmp_path / "digits_reward.py"
+    reward.write_text(
+        "import torch\n\n\n"
+        "def reward_func(queries, prompts, labels):\n"
+        "    answers = [q[len(p):] for q, p in zip(queries, prompts)]\n"
+        "    return torch.tensor([sum(c.isdigit() for c in a) / max(len(a), 1) for a in answers])\n"
+    )
+    args = Args()
+    args.actor.model.name_or_path, args.reward.func, args.vllm.dtype = "cleanrlhf/tiny-moe", str(reward), "float32"
+    args.actor.routing_replay, args.debug = True, True
+    args.train.max_steps, args.rollout.batch_size, args.rollout.n_samples = 3, 16, 4
+    args.train.max_lag, args.train.partial_rollout = 1, 2
+    args.algo.filter_zero_variance, args.eval.every, args.ckpt.every = False, 0, 0
+    args.logger.quiet, args.logger.tensorboard = True, False
+    args.run_dir = str(tmp_path / "run")
+    main(args)
+    rows: dict[int, dict] = {}
+    for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines():
+        row = json.loads(line)
+        rows.setdefault(row["step"], {}).update(row)
+    rows = {k: r for k, r in rows.items() if "loss/policy" in r}
+    print({k: (r["moe/routing_mismatch"], r["rollout/versions_per_sample"]) for k, r in rows.items()})
+    assert len(rows) == 3
+    assert max(r["rollout/versions_per_sample"] for r in rows.values()) > 1  # responses that span the sync
+    for r in rows.values():
+        assert 0.0 <= r["moe/routing_mismatch"] <= 1.0 and 0.0 <= r["moe/logp_gap"] < 0.05, r
