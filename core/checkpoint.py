@@ -306,17 +306,21 @@ def _check_tp_size(engine, folder: Path) -> None:
 
 
 def _check_expert_parallel(engine, folder: Path) -> None:
-    """Refuse to load a checkpoint saved with `--ds.expert-parallel-size` > 1 into an engine without it, or the other
-    way round. DeepSpeed 0.19.8 saves an AutoEP model's experts one file per (layer, expert),
-    `layer_<l>_expert_<e>_mp_rank_<t>_model_states.pt`, whole whatever the expert-parallel size, and the rest under
-    AutoEP's own module names (`mlp.router.gate`, `mlp.shared_experts`), which the HF blocks of a model without
-    AutoEP do not have."""
-    saved = any(folder.glob("layer_*_expert_*_model_states.pt"))
-    if saved != (ep_size(engine) > 1):
-        raise ValueError(f"{folder}: saved {'with' if saved else 'without'} --ds.expert-parallel-size > 1, resumed "
-                         f"with {ep_size(engine)}; --ckpt.allow-changes cannot change it (DeepSpeed AutoEP's checkpoint "
-                         "names its layers and experts its own way): resume with the saved size, or start over "
-                         "(--ckpt.no-resume or another --run-dir)")  # fmt: skip
+    """Refuse to load a checkpoint saved at another `--ds.expert-parallel-size` than `engine`'s. DeepSpeed 0.19.8
+    records each AutoEP layer's `ep_size` in the model states (`ds_autoep_layers`), saves the rest of the model under
+    AutoEP's own module names (`mlp.router.gate`, `mlp.shared_experts`), which the HF blocks of a model without AutoEP
+    do not have, and the experts either one file per (layer, expert) at ZeRO 0-2 or inside ZeRO-3's partitions of
+    the saved expert-parallel layout."""
+    states = sorted(folder.glob("*mp_rank_00_model_states.pt"))
+    if not states:
+        return
+    saved = torch.load(states[0], map_location="cpu", mmap=True, weights_only=False).get("ds_autoep_layers") or []
+    size = max((layer["ep_size"] for layer in saved), default=1)
+    if size != ep_size(engine):
+        raise ValueError(f"{folder}: saved with --ds.expert-parallel-size {size}, resumed with {ep_size(engine)}; "
+                         "--ckpt.allow-changes cannot change it (DeepSpeed AutoEP's checkpoint names its layers and "
+                         f"places its experts its own way): resume with --ds.expert-parallel-size {size}, or start "
+                         "over (--ckpt.no-resume or another --run-dir)")  # fmt: skip
 
 
 def _load_ema(engine, path: Path, name: str) -> None:

@@ -142,7 +142,7 @@ def test_sft_expert_parallel_2_halted_and_resumed_equals_expert_parallel_1(sft_r
     assert sorted(rows(halted)) == [0, 1, 2] and not (halted / "hf").exists()
     experts = sorted(p.name for p in halted.glob("checkpoints/step_*/model/layer_*_expert_*_model_states.pt"))
     assert experts == [f"layer_{i}_expert_{e}_mp_rank_00_model_states.pt" for i in (0, 1) for e in range(4)]
-    with pytest.raises(AssertionError, match=r"saved with --ds.expert-parallel-size > 1, resumed with 1; "
+    with pytest.raises(AssertionError, match=r"saved with --ds.expert-parallel-size 2, resumed with 1; "
                                              r"--ckpt.allow-changes cannot change it"):  # fmt: skip
         run_script("sft", tmp, "ep2", 0, "--ckpt.allow-changes")
     resumed = run_script("sft", tmp, "ep2", 2, "--ds.expert-parallel-size", "2")
@@ -201,3 +201,51 @@ def test_make_engine_refuses_a_model_or_world_before_deepspeed_starts(name, mess
         ds_engine.make_engine(model, DSConfig(expert_parallel_size=2), 1e-3)
     with pytest.raises(ValueError, match="with a scalar-head model"):
         ds_engine.make_engine(models.TokenValues(model), DSConfig(expert_parallel_size=2), 1e-3)
+
+
+# ------------------------------------------------------------------------------------------------- GRPO actor
+
+DIGITS = (  # a reward with spread whatever a random model writes: the share of digits in the response
+    "import torch\n\n\n"
+    "def reward_func(queries, prompts, labels):\n"
+    "    answers = [q[len(p):] for q, p in zip(queries, prompts)]\n"
+    "    return torch.tensor([sum(c.isdigit() for c in a) / max(len(a), 1) for a in answers])\n"
+)
+
+
+@pytest.mark.slow
+def test_grpo_actor_with_expert_parallel_2_halted_and_resumed_trains_like_one_process(tmp_path):
+    """`--train.ranks 2 --ds.expert-parallel-size 2` on the tiny MoE (ZeRO-3; the vLLM engine a colocated Ray actor,
+    the only engine layout of a multi-rank RL run: `--vllm.engine hf` and an in-process vLLM run in a one-rank
+    trainer's process), halted after the first step (a checkpoint of the actor's partitioned experts) and resumed for
+    the second, against one process holding every expert (`conftest.ranks_2_vs_1`: the first step's samples agree):
+    the steps' policy loss, gradient norm, rewards and router loss are one process's, and `--debug` checks after every
+    sync (the resumed run's first included) that the engine, which got whole experts under the HF names, computes the
+    trainer's log-probs."""
+    from conftest import ranks_2_vs_1
+
+    from algos.grpo import Args, main
+
+    (tmp_path / "digits_reward.py").write_text(DIGITS)
+
+    def configure(args, ranks: int) -> None:
+        args.actor.model.name_or_path, args.vllm.dtype = MOE, "float32"
+        args.algo.filter_zero_variance, args.reward.func = False, str(tmp_path / "digits_reward.py")
+        if ranks == 2:  # the first step here, halted; ranks_2_vs_1's own run of the same args resumes it
+            args.ds.expert_parallel_size, args.train.halt_after = 2, 1
+            assert main(args)["halted"]
+            saved = next(Path(args.run_dir).glob("checkpoints/step_*/actor/zero_pp_rank_0_mp_rank_00_model_states.pt"))
+            layers = torch.load(saved, weights_only=False)["ds_autoep_layers"]  # ZeRO-3: the experts in partitions
+            assert [(x["num_experts"], x["ep_size"]) for x in layers] == [(4, 2), (4, 2)]
+            args.train.halt_after = None
+
+    rows = ranks_2_vs_1(Args, main, tmp_path, configure)
+    assert [r["step"] for r in rows[2]] == [r["step"] for r in rows[1]] == [1, 2]  # step 2 from the checkpoint
+    for step in range(2):  # 16 prompts x 4 samples of <= 16 tokens
+        # the router's loss counts discrete top-k choices: once an update has moved the weights by rounding, a token
+        # whose two experts were near-tied may choose the other (0.03 % apart at step 2), so it is compared at step 1
+        keys = ("loss/policy", "train/grad_norm", "rollout/reward_mean") + (("loss/router_aux",) if step == 0 else ())
+        for key in keys:
+            rtol = max(1e-4, f32_rtol(16 * 4 * 16, updates=step))
+            assert rows[2][step][key] == pytest.approx(rows[1][step][key], rel=rtol, abs=1e-6), (key, step)
+        assert rows[2][step]["perf/debug_check_s"] > 0  # the engine == trainer check ran after the sync
