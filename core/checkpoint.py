@@ -311,7 +311,7 @@ def _check_expert_parallel(engine, folder: Path) -> None:
     AutoEP's own module names (`mlp.router.gate`, `mlp.shared_experts`), which the HF blocks of a model without AutoEP
     do not have, and the experts either one file per (layer, expert) at ZeRO 0-2 or inside ZeRO-3's partitions of
     the saved expert-parallel layout."""
-    states = sorted(folder.glob("*mp_rank_00_model_states.pt"))
+    states = sorted(f for f in folder.glob("*mp_rank_00_model_states.pt") if not f.name.startswith("layer_"))
     if not states:
         return
     saved = torch.load(states[0], map_location="cpu", mmap=True, weights_only=False).get("ds_autoep_layers") or []

@@ -218,7 +218,10 @@ def _ask_router_aux_loss(module, args, kwargs):
     # Training and scoring forwards (use_cache=False, all of them here) return the aux loss. Generation does not ask
     # for it: transformers 5.19's aux loss fails on a decoding step (the attention mask spans the whole sequence, the
     # router logits only the new token), which `output_router_logits=True` in the config would make every step do.
-    if kwargs.get("use_cache") is False:
+    # Nor does a forward with a 4-D attention mask (dpo.py's shared-prompt rows), whose mask transformers 5.19's
+    # aux loss flattens as if it were (B, T): "The size of tensor a (240) must match the size of tensor b (3600)".
+    mask = kwargs.get("attention_mask")
+    if kwargs.get("use_cache") is False and (mask is None or mask.dim() == 2):
         kwargs.setdefault("output_router_logits", True)
     return args, kwargs
 

@@ -151,6 +151,18 @@ def test_sft_expert_parallel_2_halted_and_resumed_equals_expert_parallel_1(sft_r
     print(f"sft EP=2 vs EP=1: largest relative metric gap {gaps['rel']:.2e}, weights {gaps['weights']:.2e}")
 
 
+@pytest.mark.slow
+def test_dpo_expert_parallel_2_equals_expert_parallel_1(tmp_path):
+    """dpo.py (shared-prompt rows, a 4-D attention mask; the reference log-probs from the policy before its first
+    step) with EP=2 over 2 ranks logs the losses, margins, gradient norms and held-out metrics and exports the whole
+    experts that the same 2 ranks do without expert parallelism."""
+    embedded.ensure_tiny_moe()
+    one = run_script("dpo", tmp_path, "ep1", 2)
+    ep = run_script("dpo", tmp_path, "ep2", 2, "--ds.expert-parallel-size", "2")
+    gaps = assert_same_run(one, ep, ("loss/dpo", "loss/nll", "train/margin", "train/chosen_logp"))
+    print(f"dpo EP=2 vs EP=1: largest relative metric gap {gaps['rel']:.2e}, weights {gaps['weights']:.2e}")
+
+
 # ------------------------------------------------------------------------------------------------- refusals
 
 
