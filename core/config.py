@@ -293,7 +293,7 @@ class ActorArgs:
     `moe/routing_mismatch` (the share of (token, layer) decisions where the trainer's router chose otherwise than the
     engine) and `moe/logp_gap` (mean |trainer − engine| log-prob with replay). Both engines record (`--vllm.engine
     vllm` through hooks on its routers), partial rollout joins a response's segments; refused for a dense actor,
-    multi-turn/agent episodes, `--train.sp-size` > 1 and `--vllm.tensor-parallel-size` > 1 (core.moe.check_replay_flags)."""
+    multi-turn/agent episodes and `--train.sp-size` > 1 (core.moe.check_replay_flags)."""
 
 
 @dataclass
@@ -564,17 +564,15 @@ def check_args(args) -> None:
     the flags `--actor.routing-replay` does not carry yet (`core.moe.check_replay_flags`, before any rank starts) and
     those `--ds.expert-parallel-size` is refused with (`expert_parallel_flag_errors`)."""
     errors = _errors(args, ())
-    actor, rollout, train = (getattr(args, k, None) for k in ("actor", "rollout", "train"))
+    actor, rollout, train, ds, model = (getattr(args, k, None) for k in ("actor", "rollout", "train", "ds", "model"))
     rl_script = hasattr(actor, "lr_ref_samples") and hasattr(rollout, "n_samples") and hasattr(train, "minibatches")
     if rl_script and not errors:  # `--actor.lr-ref-samples`: the factor it scales the lr by has a floor
         try:
             actor_lr(actor, samples_per_update(rollout, train))
         except ValueError as e:
             errors.append(str(e))
-    ds = getattr(args, "ds", None)
     if isinstance(ds, DSConfig) and not errors:  # `--ds.expert-parallel-size`: before a launch starts any rank
-        model = getattr(args, "model", None) or getattr(actor, "model", None)
-        errors += expert_parallel_flag_errors(ds, train, model)
+        errors += expert_parallel_flag_errors(ds, train, model or getattr(actor, "model", None))
         if ds.expert_parallel_size > 1 and getattr(actor, "routing_replay", False):
             errors.append(f"--ds.expert-parallel-size {ds.expert_parallel_size} with --actor.routing-replay: the "
                           "replay hooks the HF routers, which AutoEP replaces with its own; use one of them")  # fmt: skip

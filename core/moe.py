@@ -71,16 +71,11 @@ def check_config(config, flag: str) -> None:
 
 
 def check_replay_flags(args) -> None:
-    """Refuse, before anything loads, what `--actor.routing-replay` does not carry yet, naming both flags: a vLLM
-    engine over several tensor-parallel workers (`--vllm.tensor-parallel-size`: not run), multi-turn and agent
-    episodes (their segments are assembled from several generations), gradient checkpointing, sequence parallelism
+    """Refuse, before anything loads, what `--actor.routing-replay` does not carry yet, naming both flags: multi-turn
+    and agent episodes (their segments are assembled from several generations), gradient checkpointing, sequence parallelism
     (the table does not follow the split), and a dense or unsupported actor (`check_config`). Partial rollout is
     carried: `core.rollout.joined_routing` joins a response's segments."""
     flag = "--actor.routing-replay"
-    if args.vllm.engine == "vllm" and args.vllm.tensor_parallel_size > 1:
-        raise ValueError(f"{flag} with --vllm.tensor-parallel-size {args.vllm.tensor_parallel_size}: the routing is "
-                         "recorded in the engine's workers, and reading it from worker processes of vLLM's multiprocessing "
-                         "executor has not been run")  # fmt: skip
     ro, train = args.rollout, args.train
     for name, value in (("--rollout.env-file", ro.env_file), ("--rollout.agent-file", getattr(ro, "agent_file", None))):
         if value is not None:
