@@ -231,7 +231,7 @@ def test_grpo_actor_with_expert_parallel_2_halted_and_resumed_trains_like_one_pr
     the only engine layout of a multi-rank RL run: `--vllm.engine hf` and an in-process vLLM run in a one-rank
     trainer's process), halted after the first step (a checkpoint of the actor's partitioned experts) and resumed for
     the second, against one process holding every expert (`conftest.ranks_2_vs_1`: the first step's samples agree):
-    the steps' policy loss, gradient norm, rewards and router loss are one process's, and `--debug` checks after every
+    the steps' policy loss, gradient norm, clip fraction and rewards are one process's, and `--debug` checks after every
     sync (the resumed run's first included) that the engine, which got whole experts under the HF names, computes the
     trainer's log-probs."""
     from conftest import ranks_2_vs_1
@@ -253,11 +253,13 @@ def test_grpo_actor_with_expert_parallel_2_halted_and_resumed_trains_like_one_pr
 
     rows = ranks_2_vs_1(Args, main, tmp_path, configure)
     assert [r["step"] for r in rows[2]] == [r["step"] for r in rows[1]] == [1, 2]  # step 2 from the checkpoint
+    gaps = {(k, s): abs(rows[2][s][k] - rows[1][s][k]) / abs(rows[1][s][k]) for s in range(2) for k in rows[1][s]
+            if k.split("/")[0] in ("loss", "train") and rows[1][s][k]}  # fmt: skip
+    print("grpo EP=2 vs one process: largest relative gaps", sorted(gaps.items(), key=lambda kv: -kv[1])[:4])
     for step in range(2):  # 16 prompts x 4 samples of <= 16 tokens
-        # the router's loss counts discrete top-k choices: once an update has moved the weights by rounding, a token
-        # whose two experts were near-tied may choose the other (0.03 % apart at step 2), so it is compared at step 1
-        keys = ("loss/policy", "train/grad_norm", "rollout/reward_mean") + (("loss/router_aux",) if step == 0 else ())
-        for key in keys:
+        # not the router's loss: the logged one is of a forward's own rows (f_i · P_i over them, not linear in the
+        # rows), and one process's forwards hold other rows than a rank's (7.5e-5 apart at step 1, 3e-4 at step 2)
+        for key in ("loss/policy", "train/grad_norm", "loss/clipfrac", "rollout/reward_mean"):
             rtol = max(1e-4, f32_rtol(16 * 4 * 16, updates=step))
             assert rows[2][step][key] == pytest.approx(rows[1][step][key], rel=rtol, abs=1e-6), (key, step)
         assert rows[2][step]["perf/debug_check_s"] > 0  # the engine == trainer check ran after the sync
