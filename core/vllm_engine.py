@@ -134,16 +134,20 @@ class WorkerExtension:
             out, batch = pending[0], runner.input_batch
             req_ids = list(batch.req_ids[: batch.num_reqs])
             counts = [int(out.num_scheduled_tokens[r]) for r in req_ids]
-            n = sum(counts)
-            current.update(req_ids=req_ids, counts=counts, positions=kwargs["positions"][:n].cpu().clone(),
-                           tokens=kwargs["input_ids"][:n].cpu().clone(), experts=[None] * len(layers),
+            n = sum(counts)  # rows past n: padding (a GPU runner's CUDA-graph sizes)
+            current.update(req_ids=req_ids, counts=counts, positions=kwargs["positions"][:n].clone(),
+                           tokens=kwargs["input_ids"][:n].clone(), experts=[None] * len(layers),
                            prompts={r.req_id: list(r.prompt_token_ids or []) for r in out.scheduled_new_reqs})  # fmt: skip
-            steps.append(current.copy())
             pending.clear()  # one forward per step
 
         def capture(i: int, topk_ids: torch.Tensor) -> None:
-            if current:
-                steps[-1]["experts"][i] = topk_ids[: len(steps[-1]["positions"])].cpu().clone()
+            if not current:
+                return
+            current["experts"][i] = topk_ids[: len(current["positions"])].clone()
+            if i == len(layers) - 1:  # the step's last MoE layer: one copy to the host per step, not one per layer
+                step = dict(current, experts=torch.stack(current["experts"], dim=1))
+                steps.append({k: v.cpu() if torch.is_tensor(v) else v for k, v in step.items()})
+                current.clear()
 
         original = runner.execute_model
         runner.execute_model = execute_model
@@ -154,10 +158,8 @@ class WorkerExtension:
         return len(layers)
 
     def cleanrlhf_routing_steps(self) -> list[dict]:
-        """The steps recorded since the last call (each with `experts` stacked to (N, layers, top_k))."""
+        """The steps recorded since the last call (`experts` (N, layers, top_k) each, on the host)."""
         steps, self._cleanrlhf_steps[:] = list(self._cleanrlhf_steps), []  # type: ignore[attr-defined]
-        for step in steps:
-            step["experts"] = torch.stack(step["experts"], dim=1)
         return steps
 
     def cleanrlhf_init_weight_group(self, backend: str, addr: str, port: int, rank: int, world: int,
