@@ -4,7 +4,8 @@ the engine that sampled a response records each token's experts per MoE layer, a
 response uses them, so the importance ratio measures the policy's change and not routing noise.
 
 A routing table is a (tokens, layers, top_k) int64 tensor in the forward's own flattened token order (row b·T + t of
-a (B, T) input; a packed forward's rows likewise), one column per MoE layer in model order. `record_routing` fills
+a (B, T) input; a packed forward's rows likewise), one column per MoE layer in model order (an engine's per-sample
+tables are int16, `SAMPLE_DTYPE`, to travel light; `table_for_forward` widens them). `record_routing` fills
 one from a forward; `replay_routing` makes a forward use one: the router still computes its logits, the selection is
 the recorded one, and the routing weights are the live router's probabilities of the recorded experts
 (softmax over all experts, gathered; renormalised where the model's `norm_topk_prob` says), so the gradient still
@@ -30,6 +31,11 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 import torch
+
+SAMPLE_DTYPE = torch.int16
+"""the dtype of the tables engines hand out per sample (`Sample.routed_experts`): expert ids below 2**15, a quarter of
+int64's bytes (48 MoE layers × top-8 are 768 bytes a token, carried from the engine to every trainer rank);
+`table_for_forward` widens them for the forward."""
 
 ROUTERS = ("Qwen2MoeTopKRouter", "Qwen3MoeTopKRouter")
 """the router classes whose `forward(hidden) -> (logits, weights, indices)` this module records and replays."""
@@ -149,12 +155,12 @@ def record_generate(model):
 
 
 def generated_table(calls: list[torch.Tensor], rows: int, row: int, width: int, prompt_len: int, response_len: int):
-    """Row `row`'s routing table (prompt_len + response_len − 1, layers, top_k) in token order, from `record_generate`'s
+    """Row `row`'s routing table (prompt_len + response_len − 1, layers, top_k; `SAMPLE_DTYPE`) in token order, from `record_generate`'s
     `calls` of a `generate` over `rows` left-padded rows of `width` tokens: the prompt (its padding dropped), then every
     response token but the last, which the engine sampled and never forwarded (`table_for_forward` routes that
     position to filler experts: its output predicts past the response and is never read)."""
     per_row = torch.cat([c.view(rows, -1, *c.shape[1:]) for c in calls], dim=1)  # (rows, width + steps, layers, k)
-    return per_row[row, width - prompt_len : width + response_len - 1].clone()
+    return per_row[row, width - prompt_len : width + response_len - 1].to(SAMPLE_DTYPE)
 
 
 @contextmanager
@@ -270,7 +276,7 @@ class EngineRecord:
 
     def finish(self) -> dict[tuple[int, ...], torch.Tensor]:
         """Every request recorded since the last `finish`, as {its forwarded tokens: its (tokens, layers, top_k)
-        int64 table}; the forwarded tokens are the prompt and every sampled token but the last (never forwarded).
+        `SAMPLE_DTYPE` table}; the forwarded tokens are the prompt and every sampled token but the last (never forwarded).
         Two requests with the same tokens share a key (their tables are the same routing up to batch-order rounding).
         Raises if a request's cached prefix was not recorded here."""
         out: dict[tuple[int, ...], torch.Tensor] = {}
@@ -282,8 +288,8 @@ class EngineRecord:
             length = int(positions.max()) + 1
             tokens = torch.full((length,), -1, dtype=torch.long)
             tokens[: min(len(prompt), length)] = torch.tensor(prompt[:length], dtype=torch.long)
-            experts = torch.cat([e for _, _, e in parts]).long()
-            table = torch.empty((length, *experts.shape[1:]), dtype=torch.long)
+            experts = torch.cat([e for _, _, e in parts]).to(SAMPLE_DTYPE)
+            table = torch.empty((length, *experts.shape[1:]), dtype=SAMPLE_DTYPE)
             table[positions] = experts  # in step order: a recomputed position keeps its last routing
             tokens[positions] = torch.cat([t for _, t, _ in parts]).long()
             seq = tuple(tokens.tolist())

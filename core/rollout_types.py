@@ -94,9 +94,9 @@ class Sample:
     """`generate(..., top_logprobs=k)`: one per token, the k most likely tokens there {token id: log-prob} under the
     same distribution as `logprobs`; None when not asked for."""
     routed_experts: object = None
-    """`--actor.routing-replay` (transformers engine): the (prompt + response − 1, layers, top_k) int64 tensor of the
-    experts each forwarded token was routed to per MoE layer, in token order (`core.moe.generated_table`); None
-    otherwise."""
+    """`--actor.routing-replay` (either engine): the (prompt + response − 1, layers, top_k) int16 tensor of the
+    experts each forwarded token was routed to per MoE layer, in token order (`core.moe.generated_table`,
+    `core.moe.EngineRecord`; `core.moe.SAMPLE_DTYPE`); None otherwise."""
 
 
 class EngineError(RuntimeError):

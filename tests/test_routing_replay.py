@@ -40,7 +40,7 @@ def test_the_engines_record_is_what_a_teacher_forced_forward_routes(engine):
     the one-token steps change nothing in fp32 on this model)."""
     for ep in episodes_of(engine):
         seq = ep.prompt_ids + ep.token_ids
-        assert ep.routed_experts.shape == (len(seq) - 1, 2, 2)
+        assert ep.routed_experts.shape == (len(seq) - 1, 2, 2) and ep.routed_experts.dtype == torch.int16
         with torch.no_grad(), moe.record_routing(engine.model) as table:
             engine.model(input_ids=torch.tensor([seq]))
         assert torch.equal(ep.routed_experts, table["experts"][:-1])
@@ -66,7 +66,7 @@ def test_the_engine_record_puts_steps_together_by_position():
     tables = rec.finish()
     a, b = tables[(7, 8, 9, 10, 11, 50, 51)], tables[(7, 8, 9, 10, 11, 60)]
     assert a[:, 0, 0].tolist() == [0, 1, 2, 3, 4, 6, 7] and a[:, 1, 0].tolist() == [10, 11, 12, 13, 14, 16, 17]
-    assert b[:, 0, 0].tolist() == [0, 1, 2, 3, 40, 41] and a.dtype == torch.long and rec.cached_rows == 4
+    assert b[:, 0, 0].tolist() == [0, 1, 2, 3, 40, 41] and a.dtype == moe.SAMPLE_DTYPE and rec.cached_rows == 4
     rec.clear()
     rec.add([step([("c", 4, 11, 40)], {"c": prompt})])
     with pytest.raises(RuntimeError, match="took 4 prompt tokens from the prefix cache, computed by no request"):
@@ -102,7 +102,7 @@ def test_the_vllm_engines_record_is_what_a_teacher_forced_forward_routes(vllm_en
                 seq = prompt + s.token_ids
                 with torch.no_grad(), moe.record_routing(tiny_moe) as table:
                     tiny_moe(input_ids=torch.tensor([seq]))
-                assert s.routed_experts.shape == (len(seq) - 1, 2, 2) and s.routed_experts.dtype == torch.long
+                assert s.routed_experts.shape == (len(seq) - 1, 2, 2) and s.routed_experts.dtype == torch.int16
                 assert torch.equal(s.routed_experts, table["experts"][:-1])
     print("prompt rows from the prefix cache per call:", cached)
     assert cached[0] >= 6 * 128 and cached[1] >= 9 * 128, cached  # 2 later samples x 3 long prompts; then all 9
