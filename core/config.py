@@ -176,7 +176,7 @@ class DSConfig:
     expert, embeddings) stays whole on every rank; every rank trains on its own samples (data parallelism over all
     ranks, the experts' gradients averaged over the ranks that hold the same experts). Must divide the number of
     ranks and the number of experts. Qwen2-MoE, Qwen3-MoE, Mixtral and DeepSeek models (DeepSpeed's presets); not
-    with a dense model, LoRA, 4-bit weights, `--ds.tensor-parallel-size`, `--ds.optimizer muon` or
+    with a dense model, LoRA, 4-bit weights, `--ds.tensor-parallel-size`, `--ds.optimizer muon`, `--ds.compile` or
     `--train.sp-size`."""
 
 
@@ -537,6 +537,10 @@ def expert_parallel_flag_errors(ds: DSConfig, train=None, model=None) -> list[st
     if ds.tensor_parallel_size > 1:
         errors.append(f"{flag} with --ds.tensor-parallel-size {ds.tensor_parallel_size}: expert and tensor "
                       "parallelism together (DeepSpeed's AutoEP+AutoTP folding) are not built; use one of them")  # fmt: skip
+    if ds.compile:
+        errors.append(f"{flag} with --ds.compile: compiled AutoEP layers did not train on the CPU (torch 2.13): "
+                      "torch._grouped_mm's traced form takes bf16 only, and with the experts' loop instead sft.py's "
+                      "first step gave a NaN loss (packed rows) or crashed (padded); train uncompiled")  # fmt: skip
     if ds.optimizer == "muon":
         errors.append(f"{flag} with --ds.optimizer muon: Muon orthogonalises whole matrices, built here before "
                       "DeepSpeed replaces the experts with each rank's share; use --ds.optimizer adamw")  # fmt: skip

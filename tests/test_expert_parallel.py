@@ -177,10 +177,11 @@ def _sft_args(**ds):
 @pytest.mark.parametrize("change, message", [
     (lambda a: setattr(a.ds, "tensor_parallel_size", 2), "--ds.expert-parallel-size 2 with --ds.tensor-parallel-size 2"),
     (lambda a: setattr(a.ds, "optimizer", "muon"), "--ds.expert-parallel-size 2 with --ds.optimizer muon"),
+    (lambda a: setattr(a.ds, "compile", True), "--ds.expert-parallel-size 2 with --ds.compile"),
     (lambda a: setattr(a.train, "sp_size", 2), "--ds.expert-parallel-size 2 with --train.sp-size 2"),
     (lambda a: setattr(a.model, "lora_rank", 4), r"--ds.expert-parallel-size 2 with LoRA or 4-bit weights \(--model"),
     (lambda a: setattr(a.model, "load_in_4bit", True), "--ds.expert-parallel-size 2 with LoRA or 4-bit weights"),
-], ids=["tp", "muon", "sp", "lora", "4bit"])  # fmt: skip
+], ids=["tp", "muon", "compile", "sp", "lora", "4bit"])  # fmt: skip
 def test_sft_flags_expert_parallelism_is_not_built_for_are_refused_before_anything_loads(change, message,
                                                                                          nothing_loads):  # fmt: skip
     args = _sft_args()
