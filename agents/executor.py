@@ -31,7 +31,7 @@ from typing import Protocol
 
 import torch
 
-from core import chat
+from core import chat, moe
 from core.episode import Episode, Rollout  # what an executor returns: defined in core, which reads them
 
 RewardFn = Callable[..., tuple[torch.Tensor, dict, torch.Tensor, list[dict]]]
@@ -165,6 +165,7 @@ class MultiTurnExecutor:
             first = self._tokens(env.reset(e))
             episodes.append(Episode(e, list(e["prompt_ids"]), first, [0.0] * len(first), [0] * len(first), False))
         rewards = [0.0] * len(rows)
+        tables: list[list] = [[] for _ in rows]  # --actor.routing-replay: per turn, its table and the rows kept
         active = list(range(len(rows)))
         for turn in range(self.max_turns):
             if not active:
@@ -183,6 +184,7 @@ class MultiTurnExecutor:
                 ep.logprobs += s.logprobs
                 ep.action_mask += [1] * len(s.token_ids)
                 ep.truncated, ep.finish_reason = s.truncated, s.finish_reason
+                tables[i].append((s.routed_experts, len(ep.prompt_ids) + len(ep.token_ids) - 1))
                 feedback, r, done = envs[i].step(self.tokenizer.decode(s.token_ids, skip_special_tokens=True))
                 rewards[i] += float(r)
                 done = done or turn == self.max_turns - 1  # no feedback after the last turn: nothing would read it
@@ -202,6 +204,8 @@ class MultiTurnExecutor:
                     ep.action_mask += [0] * len(fb)
                     still.append(i)
             active = still
+        for ep, turned in zip(episodes, tables):  # one table per episode, joined across its turns
+            ep.routed_experts = moe.joined_tables([t for t, _ in turned], [n for _, n in turned]) if turned else None
         r = torch.tensor(rewards, dtype=torch.float32)
         turns = [sum(1 for a, b in zip([0] + ep.action_mask, ep.action_mask) if b and not a) for ep in episodes]
         return Rollout(episodes, r, r.clamp(0, 1), {"rollout/turns_mean": sum(turns) / max(len(turns), 1)})

@@ -77,16 +77,15 @@ def check_config(config, flag: str) -> None:
 
 
 def check_replay_flags(args) -> None:
-    """Refuse, before anything loads, what `--actor.routing-replay` does not carry yet, naming both flags: multi-turn
-    and agent episodes (their segments are assembled from several generations), gradient checkpointing, sequence parallelism
-    (the table does not follow the split), and a dense or unsupported actor (`check_config`). Partial rollout is
-    carried: `core.rollout.joined_routing` joins a response's segments."""
+    """Refuse, before anything loads, what `--actor.routing-replay` does not carry yet, naming both flags: agent
+    episodes (`--rollout.agent-file`: the server's calls do not keep their tables), gradient checkpointing, sequence
+    parallelism (the table does not follow the split), and a dense or unsupported actor (`check_config`). Multi-turn
+    episodes (`--rollout.env-file`) and partial rollout are carried: `joined_tables` joins their generations' tables."""
     flag = "--actor.routing-replay"
     ro, train = args.rollout, args.train
-    for name, value in (("--rollout.env-file", ro.env_file), ("--rollout.agent-file", getattr(ro, "agent_file", None))):
-        if value is not None:
-            raise ValueError(f"{flag} with {name}: the recorded routing is carried for single-turn samples only (not "
-                             "yet through multi-turn segments)")  # fmt: skip
+    if getattr(ro, "agent_file", None) is not None:
+        raise ValueError(f"{flag} with --rollout.agent-file: the agent server's recorded calls do not carry their "
+                         "routing tables (multi-turn episodes of --rollout.env-file do)")  # fmt: skip
     if args.actor.model.gradient_checkpointing:  # the backward's recomputed forward runs outside the replay
         raise ValueError(f"{flag} with --actor.model.gradient-checkpointing: the backward recomputes the forward "
                          "after the replay hooks are gone, and would route it afresh")  # fmt: skip
@@ -217,6 +216,26 @@ def table_for_forward(rows: list[torch.Tensor], index: torch.Tensor, numel: int)
         if len(where) != len(table):
             raise ValueError(f"routing replay: row {b} has {len(where)} tokens in the batch and {len(table)} recorded")
         out[where] = table.to(out.dtype)
+    return out
+
+
+def joined_tables(tables: list[torch.Tensor | None], lengths: list[int]) -> torch.Tensor | None:
+    """The routing table of one sequence sampled by several generations, each over a context that extends the one
+    before (a multi-turn episode's turns, the calls of an agent's chain, a partial rollout's segments): `tables[j]`
+    generation j's own record (its prompt and sampled tokens but the last), `lengths[j]` its rows up to its last kept
+    token (its prompt + kept tokens − 1; ≤ its table). Each position takes the row of the first generation that
+    reaches it: generation j's rows from where generation j − 1's stop to `lengths[j]`. So the position before a
+    sampled token, whose output the loss reads for that token, keeps the routing of the forward that sampled it, and
+    the positions whose outputs predict the tokens between two generations (environment or template tokens, not
+    trained) keep that of their first forward, the next generation's: the context its sampled tokens were drawn
+    over. One row per position cannot hold every generation's routing of a shared prefix (a later generation routes
+    it again, alike only up to float rounding with the same weights). None if any generation carries no table."""
+    if any(t is None for t in tables):
+        return None
+    out = tables[0][: lengths[0]]
+    for table, n in zip(tables[1:], lengths[1:]):
+        assert len(out) <= n <= len(table), f"a generation of {len(table)} rows to keep up to {n}, after {len(out)}"
+        out = torch.cat([out, table[len(out) : n]])
     return out
 
 

@@ -54,7 +54,7 @@ from typing import Any
 
 import torch
 
-from core import embedded
+from core import embedded, moe
 from core.engine_process import OPEN_CORES, one_collection_for_the_shutdown
 from core.engine_process import release_dropped_engines as release_dropped_engines  # scripts call it as rollout.*
 from core.hf_engine import HFEngine
@@ -499,10 +499,8 @@ def joined_routing(old: Sample, new: Sample):
     again under the new weights). Each position keeps the routing of the forward that sampled the token after it:
     `old`'s rows up to its last token (which its own generation sampled and never forwarded), `new`'s from there on.
     None unless both carry a table."""
-    if old.routed_experts is None or new.routed_experts is None:
-        return None
-    head = old.routed_experts  # (prompt + len(old) − 1, layers, top_k)
-    return torch.cat([head, new.routed_experts[len(head) :]])
+    tables = [old.routed_experts, new.routed_experts]  # (prompt + len(old) − 1, ...), (prompt + len(both) − 1, ...)
+    return moe.joined_tables(tables, [0 if t is None else len(t) for t in tables])
 
 
 def create_engines(model_path: str, cfg: VLLMConfig, seed: int = 0, actor_options: list[dict] | None = None,

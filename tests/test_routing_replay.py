@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+from pathlib import Path
 
 import pytest
 import torch
@@ -151,6 +152,83 @@ def test_a_partial_rollout_keeps_each_segments_routing(vllm_engines):
     assert joined >= 4 and differ_before > 0 and differ_after > 0, (joined, differ_before, differ_after)
 
 
+class _Hints:
+    """A multi-turn environment for the test: a reset text before the first turn, then " no" and a newline after each
+    turn, never done (the executor ends the episode at `max_turns`)."""
+
+    def reset(self, example):
+        return " Q:"
+
+    def step(self, response):
+        return " no\n", 0.0, False
+
+
+class _EngineSwitchingRouters:
+    """The engine's `generate`, with its routers' weights set to `weights[k]` for its k-th call (a turn), so that each
+    turn's forwards route otherwise and the joined table shows which generation each row came from."""
+
+    def __init__(self, engine, weights):
+        self.engine, self.weights, self.calls = engine, weights, 0
+
+    def generate(self, *args, **kwargs):
+        with torch.no_grad():
+            for router, w in zip(moe.routers(self.engine.model), self.weights[self.calls]):
+                router.weight.copy_(w)
+        self.calls += 1
+        return self.engine.generate(*args, **kwargs)
+
+
+def test_a_multi_turn_episode_keeps_each_turns_routing(engine):
+    """`MultiTurnExecutor` over the recording transformers engine (3 turns, environment text before the first turn and
+    between turns), the routers' weights different for every turn. Each episode's table (`moe.joined_tables`) equals,
+    at every position whose output predicts a sampled token, what a teacher-forced fp32 forward of that turn's own
+    context, under that turn's weights, routes; at the positions predicting environment tokens (the last token of a
+    turn and the feedback), what the next turn's forward routes (the first to forward them). The turns' forwards differ
+    at trained positions, so a table from one generation alone, or a join cut one row off, fails."""
+    from agents.executor import MultiTurnExecutor
+
+    tokenizer = models.load_tokenizer(embedded.resolve_model("cleanrlhf/tiny-moe"))
+    own = [r.weight.detach().clone() for r in moe.routers(engine.model)]
+    g = torch.Generator().manual_seed(5)
+    weights = [own] + [[w + 0.5 * torch.randn(w.shape, generator=g) for w in own] for _ in range(2)]
+    switching = _EngineSwitchingRouters(engine, weights)
+    executor = MultiTurnExecutor(switching, tokenizer, lambda e: _Hints(), max_new_tokens=5, max_turns=3,
+                                 max_total_tokens=200)  # fmt: skip
+    batch = [{"prompt": "", "prompt_ids": p, "label": ""} for p in PROMPTS[:2]]
+    try:
+        episodes = executor.run(batch, n=2, seed=7, step=0).episodes
+    finally:
+        with torch.no_grad():
+            for router, w in zip(moe.routers(engine.model), own):
+                router.weight.copy_(w)
+    assert switching.calls == 3
+    teacher = copy.deepcopy(engine.model).eval()
+    checked = differ = 0
+    for ep in episodes:
+        seq, mask = ep.prompt_ids + ep.token_ids, [0] * len(ep.prompt_ids) + ep.action_mask
+        starts = [j for j in range(len(seq)) if mask[j] and not mask[j - 1]]  # each turn's first sampled token
+        ends = starts[1:] + [len(seq)]  # turn t's context and response: seq[: ends[t] minus its feedback]
+        assert len(starts) == 3 and ep.routed_experts.shape == (len(seq) - 1, 2, 2)
+        forwards = []
+        for t in range(3):
+            last = max(j for j in range(starts[t], ends[t]) if mask[j]) + 1  # past turn t's last sampled token
+            with torch.no_grad():
+                for router, w in zip(moe.routers(teacher), weights[t]):
+                    router.weight.copy_(w)
+                with moe.record_routing(teacher) as table:
+                    teacher(input_ids=torch.tensor([seq[:last]]))
+            forwards.append((table["experts"], last))
+        owner = [next(t for t, (_, last) in enumerate(forwards) if j < last - 1) for j in range(len(seq) - 1)]
+        for j in range(len(seq) - 1):
+            assert torch.equal(ep.routed_experts[j].long(), forwards[owner[j]][0][j]), (j, owner[j])
+            if mask[j + 1]:  # the output at j is trained: it predicts a token sampled by turn owner[j]
+                assert starts[owner[j]] <= j + 1 < ends[owner[j]]
+                checked += 1
+                differ += any(not torch.equal(forwards[owner[j]][0][j], f[j]) for f, last in forwards if j < last)
+    print("trained positions", checked, "with another turn's forward routing otherwise", differ)
+    assert checked >= 4 * 3 and differ > 0
+
+
 @pytest.mark.parametrize("packed", [True, False])
 def test_the_trainer_replays_the_record_exactly_and_its_router_gets_the_gradient(engine, packed, monkeypatch):
     """A trainer copy whose routers are perturbed (so it would route otherwise): `rl.forward_logp` over the rollout
@@ -243,8 +321,7 @@ def test_the_refusals_name_the_flags():
     args.actor.routing_replay, args.actor.model.name_or_path = True, "cleanrlhf/tiny"
     with pytest.raises(ValueError, match=r"--actor.routing-replay: qwen2 is a dense model"):
         rl.make_actor(args, torch.device("cpu"), 1e-5)
-    for name, field, value in (("--rollout.env-file", "rollout.env_file", "env.py"),
-                               ("--rollout.agent-file", "rollout.agent_file", "agent.py"),
+    for name, field, value in (("--rollout.agent-file", "rollout.agent_file", "agent.py"),
                                ("--train.sp-size", "train.sp_size", 2),
                                ("--actor.model.gradient-checkpointing", "actor.model.gradient_checkpointing", True)):  # fmt: skip
         bad = copy.deepcopy(args)
@@ -257,6 +334,9 @@ def test_the_refusals_name_the_flags():
     partial = AsyncArgs()
     partial.actor.routing_replay, partial.train.partial_rollout = True, 4
     moe.check_replay_flags(partial)  # carried: `rollout.joined_routing`
+    multi_turn = copy.deepcopy(args)
+    multi_turn.rollout.env_file = "env.py"
+    moe.check_replay_flags(multi_turn)  # carried: `moe.joined_tables` over the turns
     unsupported = models.load_causal_lm(ModelConfig(name_or_path="cleanrlhf/tiny-moe")).config
     unsupported.model_type = "mixtral"
     with pytest.raises(ValueError, match=r"--actor.routing-replay: mixtral's router is not supported"):
@@ -379,6 +459,35 @@ def test_grpo_async_partial_rollout_replays_the_joined_routing(tmp_path):
     assert len(rows) == 3
     assert max(r["rollout/versions_per_sample"] for r in rows.values()) > 1  # responses that span the sync
     for r in rows.values():
+        assert 0.0 <= r["moe/routing_mismatch"] <= 1.0 and 0.0 <= r["moe/logp_gap"] < 0.05, r
+
+
+@pytest.mark.slow
+def test_grpo_in_a_multi_turn_environment_replays_the_joined_routing(tmp_path):
+    """algos/grpo.py on `cleanrlhf/tiny-moe` with `--rollout.env-file agents/examples/guess_env.py --actor.routing-replay
+    --debug` (the vLLM engine in process, fp32; the arithmetic task, a second try after a wrong answer): each
+    episode's table joins its turns' (`moe.joined_tables`), the update replays it, and every step logs
+    `moe/routing_mismatch` and `moe/logp_gap` with episodes of two turns."""
+    import json
+
+    pytest.importorskip("gymnasium", reason="gymnasium is not installed: pip install -e '.[envs]'")
+    from algos.grpo import Args, main
+
+    args = Args()
+    args.actor.model.name_or_path, args.vllm.dtype, args.vllm.engine = "cleanrlhf/tiny-moe", "float32", "vllm"
+    args.rollout.env_file = str(Path(__file__).resolve().parents[1] / "agents" / "examples" / "guess_env.py")
+    args.actor.routing_replay, args.debug = True, True
+    args.train.max_steps, args.rollout.batch_size, args.rollout.n_samples = 3, 16, 4
+    args.algo.filter_zero_variance, args.eval.every, args.ckpt.every = False, 0, 0
+    args.logger.quiet, args.logger.tensorboard = True, False
+    args.run_dir = str(tmp_path / "run")
+    main(args)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    rows = [r for r in rows if "loss/policy" in r]
+    print([(r["moe/routing_mismatch"], r["moe/logp_gap"], r["rollout/turns_mean"]) for r in rows])
+    assert len(rows) == 3 and any(r["rollout/turns_mean"] > 1 for r in rows)
+    for r in rows:
+        assert r["perf/debug_check_s"] > 0
         assert 0.0 <= r["moe/routing_mismatch"] <= 1.0 and 0.0 <= r["moe/logp_gap"] < 0.05, r
 
 
