@@ -69,7 +69,7 @@ import torch
 
 from agents.executor import Episode, Rollout
 from agents.openai_server import OpenAIServer
-from agents.records import build_trajectory
+from agents.records import build_trajectory, trajectory_routing
 from agents.request_checks import MAX_REQUEST_BYTES
 
 log = logging.getLogger(__name__)
@@ -572,7 +572,7 @@ class OpenAIAgentExecutor:
                 prompt_ids, token_ids, logprobs, mask, n_dropped = build_trajectory(record.calls)
                 last = record.calls[-1]
                 episodes.append(Episode(example, prompt_ids, token_ids, logprobs, mask, last.finish_reason == "length",
-                                        last.finish_reason))  # fmt: skip
+                                        last.finish_reason, routed_experts=trajectory_routing(record.calls)))  # fmt: skip
                 rewards.append(reward)
                 dropped += n_dropped
                 continue

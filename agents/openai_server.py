@@ -428,7 +428,8 @@ class OpenAIServer:
                           for name, args in parsed]  # fmt: skip
         top = getattr(sample, "top_logprobs", None)
         return Call(ids, gen, logprobs, reason, parent, prompt_text, text, stop_text, text_tokens, request, choice,
-                    content, tool_calls, error, None if top is None else top[: len(gen)])  # fmt: skip
+                    content, tool_calls, error, None if top is None else top[: len(gen)],
+                    getattr(sample, "routed_experts", None))  # fmt: skip
 
     async def generate(self, eid: str, request, chat_request: bool,
                        request_sampling: bool = False) -> tuple[list[Call], Params]:  # fmt: skip

@@ -5,7 +5,10 @@ an episode's calls (`build_trajectory`: calls -> prompt, tokens, log-probs, acti
 import asyncio
 from dataclasses import dataclass, field
 
+import torch
+
 from agents.request_checks import Params
+from core import moe
 
 
 @dataclass
@@ -42,6 +45,9 @@ class Call:
     """why the tool-call markup of `text` did not parse (it was answered as plain content); None: it did, or none."""
     top_logprobs: list[dict[int, float]] | None = None
     """per token of `token_ids`, the engine's k most likely tokens {id: log-prob}; None unless the request asked."""
+    routed_experts: torch.Tensor | None = None
+    """`--actor.routing-replay`: the sample's routing table (`Sample.routed_experts`: `prompt_ids` and every token
+    the engine sampled but the last, before any cut at a stop string); None otherwise."""
 
 
 @dataclass
@@ -104,13 +110,7 @@ def build_trajectory(calls: list[Call]) -> tuple[list[int], list[int], list[floa
     `token_ids` everything after it, len R, with `logprobs` (R,) the engine's on generated tokens and 0.0 elsewhere,
     `action_mask` (R,) 1 on generated tokens and 0 on the tokens the prompts added between calls; `n_dropped` the
     calls outside the chain. Pure; `calls` must be non-empty."""
-    end = len(calls) - 1
-    while calls[end].choice > 0:  # a request's choices are recorded together, in order
-        end -= 1
-    chain = [end]
-    while calls[chain[-1]].parent is not None:
-        chain.append(calls[chain[-1]].parent)
-    chain.reverse()
+    chain = _chain(calls)
     prompt = calls[chain[0]].prompt_ids
     tokens: list[int] = []
     logprobs: list[float] = []
@@ -120,9 +120,42 @@ def build_trajectory(calls: list[Call]) -> tuple[list[int], list[int], list[floa
         done = len(prompt) + len(tokens)
         assert c.prompt_ids[:done] == prompt + tokens, f"call {k} does not continue the chain it was recorded under"
         extra = c.prompt_ids[done:]  # template / tool / environment tokens between the calls: not trained on
-        keep = len(c.token_ids) if j == len(chain) - 1 else extends(calls[chain[j + 1]].prompt_ids, c)
-        assert keep >= 0, f"call {chain[j + 1]} does not continue its parent {k}"
+        keep = _kept(calls, chain, j)
         tokens += extra + c.token_ids[:keep]
         logprobs += [0.0] * len(extra) + c.logprobs[:keep]
         mask += [0] * len(extra) + [1] * keep
     return list(prompt), tokens, logprobs, mask, len(calls) - len(chain)
+
+
+def trajectory_routing(calls: list[Call]) -> torch.Tensor | None:
+    """`--actor.routing-replay`: the routing table of `build_trajectory`'s prompt + tokens, joined from its chain's
+    calls (`core.moe.joined_tables`): each call's rows up to its last kept token, from where its parent's stop. A
+    position before a kept sampled token keeps the routing of the call that sampled it; the positions predicting the
+    tokens between two calls (template, tool and environment tokens, and a parent's dropped stop token), that of the
+    next call, the first to forward them. None when a call of the chain carries no table."""
+    chain = _chain(calls)
+    lengths = [len(calls[k].prompt_ids) + _kept(calls, chain, j) - 1 for j, k in enumerate(chain)]
+    return moe.joined_tables([calls[k].routed_experts for k in chain], lengths)
+
+
+def _chain(calls: list[Call]) -> list[int]:
+    """The trained chain: the indices of the calls from the last call (choice 0 of the last request) back through its
+    parents, in order."""
+    end = len(calls) - 1
+    while calls[end].choice > 0:  # a request's choices are recorded together, in order
+        end -= 1
+    chain = [end]
+    while calls[chain[-1]].parent is not None:
+        chain.append(calls[chain[-1]].parent)
+    return chain[::-1]
+
+
+def _kept(calls: list[Call], chain: list[int], j: int) -> int:
+    """How many of chain call j's generated tokens the trajectory keeps: all for the last, else those its child
+    carries."""
+    c = calls[chain[j]]
+    if j == len(chain) - 1:
+        return len(c.token_ids)
+    keep = extends(calls[chain[j + 1]].prompt_ids, c)
+    assert keep >= 0, f"call {chain[j + 1]} does not continue its parent {chain[j]}"
+    return keep

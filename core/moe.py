@@ -77,15 +77,13 @@ def check_config(config, flag: str) -> None:
 
 
 def check_replay_flags(args) -> None:
-    """Refuse, before anything loads, what `--actor.routing-replay` does not carry yet, naming both flags: agent
-    episodes (`--rollout.agent-file`: the server's calls do not keep their tables), gradient checkpointing, sequence
-    parallelism (the table does not follow the split), and a dense or unsupported actor (`check_config`). Multi-turn
-    episodes (`--rollout.env-file`) and partial rollout are carried: `joined_tables` joins their generations' tables."""
+    """Refuse, before anything loads, what `--actor.routing-replay` does not carry yet, naming both flags: gradient
+    checkpointing, sequence parallelism (the table does not follow the split), and a dense or unsupported actor
+    (`check_config`). Episodes sampled by several generations are carried, `joined_tables` joining their tables:
+    multi-turn (`--rollout.env-file`, agents/executor.py), agent episodes (`--rollout.agent-file`,
+    agents/records.py's `trajectory_routing`) and partial rollout (`core.rollout.joined_routing`)."""
     flag = "--actor.routing-replay"
-    ro, train = args.rollout, args.train
-    if getattr(ro, "agent_file", None) is not None:
-        raise ValueError(f"{flag} with --rollout.agent-file: the agent server's recorded calls do not carry their "
-                         "routing tables (multi-turn episodes of --rollout.env-file do)")  # fmt: skip
+    train = args.train
     if args.actor.model.gradient_checkpointing:  # the backward's recomputed forward runs outside the replay
         raise ValueError(f"{flag} with --actor.model.gradient-checkpointing: the backward recomputes the forward "
                          "after the replay hooks are gone, and would route it afresh")  # fmt: skip
@@ -205,11 +203,14 @@ def table_for_forward(rows: list[torch.Tensor], index: torch.Tensor, numel: int)
     (`core.rl.model_inputs`' index: packed rows, or the padded table itself), −1 where (b, t) is padding. Positions
     no token fills (a packed row's pad tail, a padded table's padding) route to experts 0..top_k−1: their outputs are
     never read; so does a sequence's last token when its table is one row short (an engine's record: the last sampled
-    token was never forwarded, and its output, predicting past the response, is never read). -> (numel, layers,
-    top_k) for a forward of `numel` = R·W tokens."""
-    layers, k = rows[0].shape[1:]
+    token was never forwarded, and its output, predicting past the response, is never read), and a row with no table
+    (None: an episode with no trained token, e.g. a failed agent episode). -> (numel, layers, top_k) for a forward of
+    `numel` = R·W tokens."""
+    layers, k = next(t for t in rows if t is not None).shape[1:]
     out = torch.arange(k).expand(numel, layers, k).clone()
     for b, table in enumerate(rows):
+        if table is None:
+            continue
         where = index[b][index[b] >= 0].cpu()
         if len(table) == len(where) - 1:  # an engine's record: the last token was not forwarded
             where = where[:-1]
@@ -244,6 +245,8 @@ def recorded_positions(rows: list[torch.Tensor], index: torch.Tensor, numel: int
     unrecorded last token of an engine's record): where `routing_mismatch` compares."""
     valid = torch.zeros(numel, dtype=torch.bool)
     for b, table in enumerate(rows):
+        if table is None:
+            continue
         valid[index[b][index[b] >= 0].cpu()[: len(table)]] = True
     return valid
 

@@ -405,7 +405,9 @@ def sequences(episodes: list[Episode], pad_id: int, device, packed: bool = True)
         batch["rollout_logp"][row, response] = torch.tensor(e.logprobs)
         if tagged:
             batch["versions"][row, response] = torch.tensor(e.versions, dtype=torch.long)
-    if all(e.routed_experts is not None for e in episodes):
+    if any(e.routed_experts is not None for e in episodes):  # None: an episode with nothing to train (a failed agent)
+        untabled = [i for i, e in enumerate(episodes) if e.routed_experts is None and any(e.action_mask)]
+        assert not untabled, f"episodes {untabled} are trained on and carry no routing table"
         batch["routing"] = [e.routed_experts for e in episodes]
     batch["packed"] = packed
     if any(e.example.get("pixel_values") is not None for e in episodes):  # pictures: the padded forward (vision.py)
@@ -471,7 +473,7 @@ def forward_logp(model, batch: dict, temperature: float, entropy: bool = False):
     # reference) routes every token to the experts the engine chose (R3, core/moe.py). A separate reference or
     # teacher model routes on its own: the engine's record is the actor's, not theirs
     routing, replay, own = batch.get("routing"), contextlib.nullcontext(), None
-    if routing is not None and getattr(model, "replays_routing", False):
+    if routing is not None and any(r is not None for r in routing) and getattr(model, "replays_routing", False):
         table = moe.table_for_forward(routing, index, inputs["input_ids"].numel())
         own = [] if torch.is_grad_enabled() else None  # the update's forwards measure the mismatch, no extra forward
         replay = moe.replay_routing(model, table, own)

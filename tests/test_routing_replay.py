@@ -164,18 +164,50 @@ class _Hints:
 
 
 class _EngineSwitchingRouters:
-    """The engine's `generate`, with its routers' weights set to `weights[k]` for its k-th call (a turn), so that each
-    turn's forwards route otherwise and the joined table shows which generation each row came from."""
+    """The engine's `generate`, with its routers' weights set to `weights[k % len(weights)]` for its k-th call (a
+    turn), so that each call's forwards route otherwise and the joined table shows which generation each row came
+    from; `used` maps each prompt to the weights that generated from it."""
 
     def __init__(self, engine, weights):
-        self.engine, self.weights, self.calls = engine, weights, 0
+        self.engine, self.weights, self.calls, self.used = engine, weights, 0, {}
 
-    def generate(self, *args, **kwargs):
+    def generate(self, prompts, *args, **kwargs):
+        w = self.weights[self.calls % len(self.weights)]
         with torch.no_grad():
-            for router, w in zip(moe.routers(self.engine.model), self.weights[self.calls]):
-                router.weight.copy_(w)
+            for router, x in zip(moe.routers(self.engine.model), w):
+                router.weight.copy_(x)
         self.calls += 1
-        return self.engine.generate(*args, **kwargs)
+        self.used.update((tuple(p), w) for p in prompts)
+        return self.engine.generate(prompts, *args, **kwargs)
+
+
+def _check_turns(teacher, ep, weights_of) -> tuple[int, int]:
+    """Checks an episode's joined table against teacher-forced forwards: each run of sampled tokens (action mask 1)
+    is one generation over everything before it, under `weights_of(context)`. Every row must equal that of the first
+    generation reaching its position (its rows end one before its last kept token); at the positions whose outputs
+    predict a sampled token, that is the generation that sampled it. -> (trained positions checked, those where
+    another generation's forward routes otherwise)."""
+    seq, mask = ep.prompt_ids + ep.token_ids, [0] * len(ep.prompt_ids) + ep.action_mask
+    starts = [j for j in range(1, len(seq)) if mask[j] and not mask[j - 1]]
+    forwards = []
+    for start in starts:
+        last = next((j for j in range(start, len(seq)) if not mask[j]), len(seq))  # past the run
+        with torch.no_grad():
+            for router, w in zip(moe.routers(teacher), weights_of(seq[:start])):
+                router.weight.copy_(w)
+            with moe.record_routing(teacher) as table:
+                teacher(input_ids=torch.tensor([seq[:last]]))
+        forwards.append((table["experts"], start, last))
+    assert ep.routed_experts.shape == (len(seq) - 1, 2, 2) and ep.routed_experts.dtype == moe.SAMPLE_DTYPE
+    checked = differ = 0
+    for j in range(len(seq) - 1):
+        table, start, last = next(f for f in forwards if j < f[2] - 1)
+        assert torch.equal(ep.routed_experts[j].long(), table[j]), (j, start)
+        if mask[j + 1]:  # trained: the output at j predicts a token this generation sampled
+            assert start <= j + 1 < last
+            checked += 1
+            differ += any(not torch.equal(table[j], f[0][j]) for f in forwards if j < f[2])
+    return checked, differ
 
 
 def test_a_multi_turn_episode_keeps_each_turns_routing(engine):
@@ -205,28 +237,57 @@ def test_a_multi_turn_episode_keeps_each_turns_routing(engine):
     teacher = copy.deepcopy(engine.model).eval()
     checked = differ = 0
     for ep in episodes:
-        seq, mask = ep.prompt_ids + ep.token_ids, [0] * len(ep.prompt_ids) + ep.action_mask
-        starts = [j for j in range(len(seq)) if mask[j] and not mask[j - 1]]  # each turn's first sampled token
-        ends = starts[1:] + [len(seq)]  # turn t's context and response: seq[: ends[t] minus its feedback]
-        assert len(starts) == 3 and ep.routed_experts.shape == (len(seq) - 1, 2, 2)
-        forwards = []
-        for t in range(3):
-            last = max(j for j in range(starts[t], ends[t]) if mask[j]) + 1  # past turn t's last sampled token
-            with torch.no_grad():
-                for router, w in zip(moe.routers(teacher), weights[t]):
-                    router.weight.copy_(w)
-                with moe.record_routing(teacher) as table:
-                    teacher(input_ids=torch.tensor([seq[:last]]))
-            forwards.append((table["experts"], last))
-        owner = [next(t for t, (_, last) in enumerate(forwards) if j < last - 1) for j in range(len(seq) - 1)]
-        for j in range(len(seq) - 1):
-            assert torch.equal(ep.routed_experts[j].long(), forwards[owner[j]][0][j]), (j, owner[j])
-            if mask[j + 1]:  # the output at j is trained: it predicts a token sampled by turn owner[j]
-                assert starts[owner[j]] <= j + 1 < ends[owner[j]]
-                checked += 1
-                differ += any(not torch.equal(forwards[owner[j]][0][j], f[j]) for f, last in forwards if j < last)
-    print("trained positions", checked, "with another turn's forward routing otherwise", differ)
+        assert sum(1 for a, b in zip([0] + ep.action_mask, ep.action_mask) if b and not a) == 3  # three turns
+        c, d = _check_turns(teacher, ep, lambda context: switching.used[tuple(context)])
+        checked, differ = checked + c, differ + d
+    print("trained positions", checked, "of which another turn's forward routes otherwise", differ)
     assert checked >= 4 * 3 and differ > 0
+
+
+def test_an_agent_episode_keeps_each_calls_routing(engine, tmp_path):
+    """`OpenAIAgentExecutor` (`--rollout.agent-file`) running agents/examples/retry_agent.py (a second completions
+    call over the first exchange and the question again) over the recording transformers engine, the routers' weights
+    different for every engine call: the server keeps each call's table (`Call.routed_experts`) and the episode's
+    (`records.trajectory_routing`) equals, row for row, the teacher-forced forwards of each call's own prompt under
+    its weights, as in the multi-turn test."""
+    from agents.openai_agent import OpenAIAgentExecutor
+
+    tokenizer = models.load_tokenizer(embedded.resolve_model("cleanrlhf/tiny-moe"))
+    own = [r.weight.detach().clone() for r in moe.routers(engine.model)]
+    g = torch.Generator().manual_seed(6)
+    switching = _EngineSwitchingRouters(engine, [own] + [[w + 0.5 * torch.randn(w.shape, generator=g) for w in own]])
+    root = Path(__file__).resolve().parents[1]
+    executor = OpenAIAgentExecutor(switching, tokenizer, str(root / "agents" / "examples" / "retry_agent.py"),
+                                   "tiny-moe", max_new_tokens=5, max_context=128, concurrency=1)  # fmt: skip
+    batch = [{"prompt": p, "prompt_ids": tokenizer.encode(p), "label": "042"} for p in ("37+05=", "12+30=")]
+    try:
+        ro = executor.run(batch, n=2, seed=9, step=0)
+    finally:
+        executor.close()
+        with torch.no_grad():
+            for router, w in zip(moe.routers(engine.model), own):
+                router.weight.copy_(w)
+    assert ro.logs["rollout/agent_errors"] == 0
+    teacher = copy.deepcopy(engine.model).eval()
+    checked = differ = two = 0
+    for ep in ro.episodes:
+        c, d = _check_turns(teacher, ep, lambda context: switching.used[tuple(context)])
+        checked, differ = checked + c, differ + d
+        two += sum(1 for a, b in zip([0] + ep.action_mask, ep.action_mask) if b and not a) == 2
+    print("episodes of two calls", two, "trained positions", checked, "of which another call routes otherwise", differ)
+    assert two >= 2 and differ > 0
+    # a failed episode (one masked token, no table) beside them: replayed around, not counted as recorded
+    failed = Episode(batch[0], batch[0]["prompt_ids"], [tokenizer.eos_token_id], [0.0], [0], False, "agent_raised")
+    seqs = rl.sequences([*ro.episodes, failed], 0, torch.device("cpu"))
+    assert seqs["routing"][-1] is None
+    teacher.replays_routing = True
+    rl.REPLAY_STATS.clear()
+    with torch.enable_grad():
+        rl.forward_logp(teacher, seqs, 1.0)
+    assert 0.0 < rl.replay_stats()["moe/routing_mismatch"] < 1.0
+    inputs, index = rl.model_inputs(teacher, seqs)
+    valid = moe.recorded_positions(seqs["routing"], index, inputs["input_ids"].numel())
+    assert int(valid.sum()) == sum(len(e.routed_experts) for e in ro.episodes)
 
 
 @pytest.mark.parametrize("packed", [True, False])
@@ -321,8 +382,7 @@ def test_the_refusals_name_the_flags():
     args.actor.routing_replay, args.actor.model.name_or_path = True, "cleanrlhf/tiny"
     with pytest.raises(ValueError, match=r"--actor.routing-replay: qwen2 is a dense model"):
         rl.make_actor(args, torch.device("cpu"), 1e-5)
-    for name, field, value in (("--rollout.agent-file", "rollout.agent_file", "agent.py"),
-                               ("--train.sp-size", "train.sp_size", 2),
+    for name, field, value in (("--train.sp-size", "train.sp_size", 2),
                                ("--actor.model.gradient-checkpointing", "actor.model.gradient_checkpointing", True)):  # fmt: skip
         bad = copy.deepcopy(args)
         section, key = field.rsplit(".", 1)
@@ -334,9 +394,10 @@ def test_the_refusals_name_the_flags():
     partial = AsyncArgs()
     partial.actor.routing_replay, partial.train.partial_rollout = True, 4
     moe.check_replay_flags(partial)  # carried: `rollout.joined_routing`
-    multi_turn = copy.deepcopy(args)
-    multi_turn.rollout.env_file = "env.py"
-    moe.check_replay_flags(multi_turn)  # carried: `moe.joined_tables` over the turns
+    for field in ("env_file", "agent_file"):  # carried: `moe.joined_tables` over the turns or the agent's calls
+        several = copy.deepcopy(args)
+        setattr(several.rollout, field, "file.py")
+        moe.check_replay_flags(several)
     unsupported = models.load_causal_lm(ModelConfig(name_or_path="cleanrlhf/tiny-moe")).config
     unsupported.model_type = "mixtral"
     with pytest.raises(ValueError, match=r"--actor.routing-replay: mixtral's router is not supported"):
