@@ -524,19 +524,40 @@ def test_grpo_async_partial_rollout_replays_the_joined_routing(tmp_path):
 
 
 @pytest.mark.slow
-def test_grpo_in_a_multi_turn_environment_replays_the_joined_routing(tmp_path):
-    """algos/grpo.py on `cleanrlhf/tiny-moe` with `--rollout.env-file agents/examples/guess_env.py --actor.routing-replay
-    --debug` (the vLLM engine in process, fp32; the arithmetic task, a second try after a wrong answer): each
-    episode's table joins its turns' (`moe.joined_tables`), the update replays it, and every step logs
-    `moe/routing_mismatch` and `moe/logp_gap` with episodes of two turns."""
+@pytest.mark.parametrize("kind", ["env-file", "agent-file", "digits-env"])
+def test_grpo_in_a_multi_turn_environment_replays_the_joined_routing(tmp_path, kind):
+    """algos/grpo.py on `cleanrlhf/tiny-moe` with `--actor.routing-replay --debug` and `--rollout.env-file
+    agents/examples/guess_env.py` or `--rollout.agent-file agents/examples/retry_agent.py` (the vLLM engine in process,
+    fp32; the arithmetic task, a second try after a wrong answer): each episode's table joins its turns' or calls'
+    (`moe.joined_tables`), the update replays it, and every step logs `moe/routing_mismatch` and `moe/logp_gap` with
+    episodes of two turns. The untrained tiny MoE never answers a sum right, so those rewards are all 0 and nothing
+    moves; digits-env (two turns, each rewarded with the share of digits in it) has a spread, so the second minibatch
+    of a step follows an optimizer step and the trainer's routers may disagree with the engine's."""
     import json
 
     pytest.importorskip("gymnasium", reason="gymnasium is not installed: pip install -e '.[envs]'")
     from algos.grpo import Args, main
 
+    examples = Path(__file__).resolve().parents[1] / "agents" / "examples"
     args = Args()
     args.actor.model.name_or_path, args.vllm.dtype, args.vllm.engine = "cleanrlhf/tiny-moe", "float32", "vllm"
-    args.rollout.env_file = str(Path(__file__).resolve().parents[1] / "agents" / "examples" / "guess_env.py")
+    if kind == "env-file":
+        args.rollout.env_file = str(examples / "guess_env.py")
+    elif kind == "agent-file":
+        args.rollout.agent_file = str(examples / "retry_agent.py")
+    else:
+        args.rollout.env_file = str(tmp_path / "digits_env.py")
+        (tmp_path / "digits_env.py").write_text(
+            "class Digits:\n"
+            "    turns = 0\n\n"
+            "    def reset(self, example):\n"
+            "        return ''\n\n"
+            "    def step(self, response):\n"
+            "        self.turns += 1\n"
+            "        return ' more\\n', sum(c.isdigit() for c in response) / max(len(response), 1), self.turns == 2\n\n\n"
+            "def make_env(example):\n"
+            "    return Digits()\n"
+        )
     args.actor.routing_replay, args.debug = True, True
     args.train.max_steps, args.rollout.batch_size, args.rollout.n_samples = 3, 16, 4
     args.algo.filter_zero_variance, args.eval.every, args.ckpt.every = False, 0, 0
@@ -545,8 +566,9 @@ def test_grpo_in_a_multi_turn_environment_replays_the_joined_routing(tmp_path):
     main(args)
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if "loss/policy" in r]
-    print([(r["moe/routing_mismatch"], r["moe/logp_gap"], r["rollout/turns_mean"]) for r in rows])
-    assert len(rows) == 3 and any(r["rollout/turns_mean"] > 1 for r in rows)
+    turns = "rollout/agent_calls_mean" if kind == "agent-file" else "rollout/turns_mean"
+    print(kind, [(r["moe/routing_mismatch"], r["moe/logp_gap"], r[turns], r["rollout/reward_mean"]) for r in rows])
+    assert len(rows) == 3 and any(r[turns] > 1 for r in rows)
     for r in rows:
         assert r["perf/debug_check_s"] > 0
         assert 0.0 <= r["moe/routing_mismatch"] <= 1.0 and 0.0 <= r["moe/logp_gap"] < 0.05, r
