@@ -23,7 +23,10 @@ The engines' side: the transformers engine (`--vllm.engine hf`) records each sam
 its Model Runner V2, which needs Triton, absent from its CPU build (refused at engine start on CPU); the vLLM engine
 (`--vllm.engine vllm`) records instead through a hook on its model's routers, step by step
 (`core.vllm_engine.WorkerExtension.cleanrlhf_record_routing`), and `EngineRecord` puts the steps back together per
-sequence, prefix-cache hits included, in the same layout. `check_replay_flags` refuses what is not carried yet.
+sequence, prefix-cache hits included, in the same layout. A sequence sampled by several generations (a multi-turn
+episode's turns, an agent's chain of calls, a partial rollout's segments) gets one table from theirs
+(`joined_tables`: each position keeps the routing of the first generation that forwarded it, which for a position
+before a sampled token is the generation that sampled it). `check_replay_flags` refuses what is not carried yet.
 """
 
 from __future__ import annotations

@@ -390,7 +390,8 @@ def sequences(episodes: list[Episode], pad_id: int, device, packed: bool = True)
     packing`: the padded forward, the reference the packed one is tested against). Episodes that carry `versions`
     (grpo_async's partial rollout: the weights version that sampled each response token) give a `versions` table
     too, −1 off the responses. Episodes that carry `routed_experts` (`--actor.routing-replay`) give `routing`, the
-    per-row list of the engine's tables, which `forward_logp` replays (`rows` slices it with the rows)."""
+    per-row list of the engine's tables, which `forward_logp` replays (`rows` slices it with the rows); None for an
+    episode with no trained token that carries none (a failed agent episode: routed to filler experts)."""
     if not episodes:  # a step whose filter kept nothing: no table (the script trains nothing)
         return {}
     examples = [{"input_ids": e.prompt_ids + e.token_ids, "loss_mask": [0] * len(e.prompt_ids) + e.action_mask}
