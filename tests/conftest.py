@@ -29,6 +29,15 @@ from core.embedded import reproducible_cpu_env  # noqa: E402  (no torch inside: 
 for _key, _value in reproducible_cpu_env().items():
     os.environ.setdefault(_key, _value)
 
+# torch.compile's on-disk cache (vLLM compiles a tensor-parallel engine's vocabulary mask, among others) is shared by
+# every process of the user on this machine whatever its ATEN_CPU_CAPABILITY. With a cache written by processes
+# without the pin (scripts run on this AVX-512 machine, a test engine run with AVX-512), every tensor-parallel vLLM
+# engine of the suite failed its first step ("index out of range in self" in worker 1's embedding; 2026-12-06); the
+# same tests passed with an empty cache and again with the suite's own cache warm. The suite keeps its own cache, one
+# per pinned kernel set.
+os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", os.path.join(
+    "/tmp", f"torchinductor_{os.getuid()}_aten_{os.environ.get('ATEN_CPU_CAPABILITY', 'default')}"))
+
 # One OpenMP/MKL thread in every process a test starts (scripts run as users run them, SLURM jobs, graders, servers,
 # builds), as in the test processes themselves: a child left at torch's default (a thread per core) competes with the
 # other worker's test and both spin. On a 2-core Xeon with the other core busy, a 6-step `algos/grpo.py` took 89 s

